@@ -1,0 +1,38 @@
+# The two commands of the README, each doing its own set-up on a fresh machine:
+#   make test   every notebook (nbdev_test), pytest, and a check that the library matches the notebooks
+#   make demo   the demo
+# torch is installed before the project so pip takes the CPU build from this machine's disk
+# instead of fetching a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo install check-export
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python setup.py settings.ini
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+check-export: $(STAMP)
+	@echo "== nbdev_export must leave instruct_goose/ unchanged"
+	@before=$$(mktemp -d) && cp -r instruct_goose "$$before/" && \
+	$(BIN)/nbdev_export && \
+	if diff -r -x __pycache__ "$$before/instruct_goose" instruct_goose; then rm -rf "$$before"; \
+	else rm -rf "$$before"; echo "nbdev_export changed instruct_goose/: export the notebooks and commit the library with them"; exit 1; fi
+
+test: check-export
+	@echo "== nbdev_test: every notebook"
+	$(BIN)/nbdev_test --n_workers 2
+	@echo "== pytest"
+	$(BIN)/python -m pytest tests -q
+
+demo: $(STAMP)
+	$(BIN)/python examples/bandit_ppo.py
