@@ -1,6 +1,7 @@
 # The two commands of the README, each doing its own set-up on a fresh machine:
 #   make test   every notebook (nbdev_test), pytest, and a check that the library matches the notebooks
 #   make demo   the demo
+# README.md is written from nbs/index.ipynb by `make readme` (nbdev_readme needs Quarto).
 # torch is installed before the project so pip takes the CPU build from this machine's disk
 # instead of fetching a multi-GB CUDA build.
 
@@ -9,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo install check-export
+.PHONY: test demo install check-export readme
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,10 @@ check-export: $(STAMP)
 	$(BIN)/nbdev_export && \
 	if diff -r -x __pycache__ "$$before/instruct_goose" instruct_goose; then rm -rf "$$before"; \
 	else rm -rf "$$before"; echo "nbdev_export changed instruct_goose/: export the notebooks and commit the library with them"; exit 1; fi
+	$(BIN)/python tools/readme.py --check
+
+readme: $(STAMP)
+	$(BIN)/python tools/readme.py
 
 test: check-export
 	@echo "== nbdev_test: every notebook"
