@@ -6,9 +6,11 @@
 __all__ = ['assert_tensor', 'ShapeError', 'typecheck', 'check_number', 'masked_sum', 'masked_mean', 'masked_var', 'masked_whiten',
            'last_true_index', 'logprobs_from_logits', 'entropy_from_logits', 'truncate_after_stop']
 
-# %% ../nbs/00_core.ipynb #df26a4c6
+# %% ../nbs/00_core.ipynb #3922c4e0
 import functools, inspect, math
 from collections.abc import Sequence
+from types import UnionType
+from typing import Union, get_args, get_origin
 
 import torch
 from torch import Tensor
@@ -16,7 +18,7 @@ from beartype import BeartypeConf, beartype
 from beartype.door import is_bearable
 from jaxtyping import Bool, Float, Int, Shaped, TypeCheckError, jaxtyped
 
-# %% ../nbs/00_core.ipynb #3c31f731
+# %% ../nbs/00_core.ipynb #91d6d9de
 def assert_tensor(
     actual: Tensor,         # the tensor a test produced
     expected,               # a tensor, number or nested list of the expected values
@@ -35,18 +37,18 @@ def assert_tensor(
     if eps == 0: assert torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}"
     else: torch.testing.assert_close(actual, expected, atol=eps, rtol=0)
 
-# %% ../nbs/00_core.ipynb #584bf902
+# %% ../nbs/00_core.ipynb #613ec707
 class ShapeError(TypeError):
     "A tensor argument whose dtype, rank or dimension sizes break the function's annotations."
 
-# %% ../nbs/00_core.ipynb #ca5ea261
+# %% ../nbs/00_core.ipynb #e1922774
 _conf = BeartypeConf(is_pep484_tower=True)
 
-def _array_spec(anno):
-    "The jaxtyping array type in `anno` (also inside `X | None`), or None."
-    for a in (anno, *getattr(anno, "__args__", ())):
-        if hasattr(a, "dim_str") and hasattr(a, "dtypes"): return a
-    return None
+def _array_spec(anno, value):
+    "The jaxtyping array type in `anno` (also in a union) whose dtype fits `value`, else the first one, or None."
+    specs = [a for a in (anno, *getattr(anno, "__args__", ())) if hasattr(a, "dim_str") and hasattr(a, "dtypes")]
+    dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
+    return next((s for s in specs if dtype in s.dtypes), specs[0] if specs else None)
 
 def _dim_sizes(spec, shape) -> dict | None:
     "Sizes of `spec`'s named dimensions in `shape`, or None when rank or a fixed size disagrees."
@@ -66,7 +68,11 @@ def _dim_sizes(spec, shape) -> dict | None:
     return sizes
 
 def _fmt(anno) -> str:
-    return anno.__name__ if isinstance(anno, type) else str(anno).replace("typing.", "").replace("collections.abc.", "")
+    "An annotation as a reader would write it: `Float[Tensor, 'batch'] | None`, `int | Sequence[int]`."
+    if anno is type(None): return "None"
+    if isinstance(anno, type): return anno.__name__
+    if get_origin(anno) in (Union, UnionType): return " | ".join(_fmt(a) for a in get_args(anno))
+    return str(anno).replace("typing.", "").replace("collections.abc.", "")
 
 def _describe(value) -> str:
     if isinstance(value, Tensor): return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
@@ -80,13 +86,13 @@ def _explain(f, args, kwargs) -> str:
     for name, value in bound.arguments.items():
         anno = f.__annotations__.get(name)
         if anno is None: continue
-        spec = _array_spec(anno)
+        spec = _array_spec(anno, value)
         if spec is None or not isinstance(value, Tensor):
             if not is_bearable(value, anno, conf=_conf):
                 problems.append(f"`{name}` should be {_fmt(anno)} but is {_describe(value)}")
             continue
         if str(value.dtype).removeprefix("torch.") not in spec.dtypes:
-            problems.append(f"`{name}` should be {spec.__name__} but is {_describe(value)}")
+            problems.append(f"`{name}` should be {_fmt(anno)} but is {_describe(value)}")
         sizes = _dim_sizes(spec, value.shape)
         if sizes is None:
             problems.append(f"`{name}` should have shape ({spec.dim_str}) but is {_describe(value)}")
@@ -97,7 +103,7 @@ def _explain(f, args, kwargs) -> str:
             seen.setdefault(dim, (size, name))
     return f"{f.__qualname__}(): " + "; ".join(problems) if problems else ""
 
-# %% ../nbs/00_core.ipynb #79cd97cb
+# %% ../nbs/00_core.ipynb #6cf84e79
 def typecheck(f):
     "Check `f`'s jaxtyping/beartype annotations at every call; a failure raises `ShapeError` naming the argument."
     checked = jaxtyped(typechecker=beartype(conf=_conf))(f)
@@ -108,7 +114,7 @@ def typecheck(f):
             raise ShapeError(_explain(f, args, kwargs) or str(e)) from e
     return _checked
 
-# %% ../nbs/00_core.ipynb #b57d9551
+# %% ../nbs/00_core.ipynb #56849dff
 def check_number(
     name: str,                  # the argument's name, for the message
     value: float,               # the number to check
@@ -123,7 +129,7 @@ def check_number(
         raise ValueError(f"`{name}` must be a finite number in {bracket}{low}, {high}], got {value!r}")
     return value
 
-# %% ../nbs/00_core.ipynb #b4aeb7bb
+# %% ../nbs/00_core.ipynb #397e518c
 @typecheck
 def masked_sum(
     x: Float[Tensor, "*shape"],      # values
@@ -134,7 +140,7 @@ def masked_sum(
     kept = torch.where(mask, x, 0.0)
     return kept.sum() if dim is None else kept.sum(dim)
 
-# %% ../nbs/00_core.ipynb #f5eee7dc
+# %% ../nbs/00_core.ipynb #661a6654
 @typecheck
 def masked_mean(
     x: Float[Tensor, "*shape"],      # values
@@ -145,7 +151,7 @@ def masked_mean(
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
-# %% ../nbs/00_core.ipynb #1d2e609c
+# %% ../nbs/00_core.ipynb #819d4380
 @typecheck
 def masked_var(
     x: Float[Tensor, "*shape"],      # values
@@ -159,7 +165,7 @@ def masked_var(
     n = mask.sum()
     return var * n / (n - 1).clamp(min=1)
 
-# %% ../nbs/00_core.ipynb #a8e7146b
+# %% ../nbs/00_core.ipynb #1dc61885
 @typecheck
 def masked_whiten(
     x: Float[Tensor, "*shape"],      # values
@@ -173,7 +179,7 @@ def masked_whiten(
     if not shift_mean: whitened = whitened + mean
     return torch.where(mask, whitened, 0.0)
 
-# %% ../nbs/00_core.ipynb #c1369b95
+# %% ../nbs/00_core.ipynb #1b1664fe
 @typecheck
 def last_true_index(
     mask: Bool[Tensor, "batch seq"],  # True on real tokens, padding on either side
@@ -182,7 +188,7 @@ def last_true_index(
     positions = torch.arange(mask.shape[-1], device=mask.device)
     return torch.where(mask, positions, -1).amax(-1)
 
-# %% ../nbs/00_core.ipynb #fa6868c8
+# %% ../nbs/00_core.ipynb #592359fa
 def _float_rows(logits: Tensor, temperature: float):
     "Each batch row of `logits` as float32 divided by `temperature` (no copy for float32 at T=1)."
     check_number("temperature", temperature, low_open=True)
@@ -190,7 +196,7 @@ def _float_rows(logits: Tensor, temperature: float):
         row = row.float()
         yield row if temperature == 1.0 else row / temperature
 
-# %% ../nbs/00_core.ipynb #ab062f36
+# %% ../nbs/00_core.ipynb #7873bad1
 @typecheck
 def logprobs_from_logits(
     logits: Float[Tensor, "batch resp vocab"],  # model outputs at the positions that predict `labels`
@@ -201,7 +207,7 @@ def logprobs_from_logits(
     return torch.stack([row.gather(-1, lab[:, None]).squeeze(-1) - torch.logsumexp(row, -1)
                         for row, lab in zip(_float_rows(logits, temperature), labels)])
 
-# %% ../nbs/00_core.ipynb #6647d0be
+# %% ../nbs/00_core.ipynb #e9df080b
 @typecheck
 def entropy_from_logits(
     logits: Float[Tensor, "batch resp vocab"],  # model outputs
@@ -210,7 +216,7 @@ def entropy_from_logits(
     "Entropy of each position's next-token distribution in nats; -inf logits (banned tokens) are fine."
     return torch.stack([torch.special.entr(row.softmax(-1)).sum(-1) for row in _float_rows(logits, temperature)])
 
-# %% ../nbs/00_core.ipynb #62efa7e0
+# %% ../nbs/00_core.ipynb #8d83884b
 @typecheck
 def truncate_after_stop(
     ids: Int[Tensor, "batch resp"],         # sampled response token ids
