@@ -6,9 +6,13 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/99_package.ipynb #6ae34ca6
-from . import core, losses
+# %% ../nbs/99_package.ipynb #74a008c2
+from . import agent, core, data, losses, reward, trainer
 from .core import *
 from .losses import *
+from .data import *
+from .agent import *
+from .reward import *
+from .trainer import *
 
-__all__ = [*core.__all__, *losses.__all__]
+__all__ = [*core.__all__, *losses.__all__, *data.__all__, *agent.__all__, *reward.__all__, *trainer.__all__]

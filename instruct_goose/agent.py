@@ -6,7 +6,7 @@
 __all__ = ['position_ids_from_mask', 'response_logits', 'token_logprobs', 'AgentOutput', 'ResponseStats', 'disable_dropout',
            'Agent', 'create_reference_model', 'ObjectiveTerms', 'AgentObjective']
 
-# %% ../nbs/03_agent.ipynb #04846ddd
+# %% ../nbs/03_agent.ipynb #5aacdd5b
 import copy, inspect
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +21,7 @@ from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreT
 from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
                                  truncate_after_stop, typecheck)
 
-# %% ../nbs/03_agent.ipynb #11a95516
+# %% ../nbs/03_agent.ipynb #4896caa8
 @typecheck
 def position_ids_from_mask(
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1/True on real tokens
@@ -29,7 +29,7 @@ def position_ids_from_mask(
     "Position ids that count real tokens only, so left padding does not shift a sequence."
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
-# %% ../nbs/03_agent.ipynb #0e8c24a6
+# %% ../nbs/03_agent.ipynb #14f6eacc
 def _check_left_padded(query_attention_mask):
     if not bool(query_attention_mask[:, -1].all()):
         raise ValueError("`query_attention_mask` must be left-padded (the last position of every row real): "
@@ -55,7 +55,7 @@ def response_logits(
     hidden = out.hidden_states[-1][:, -n_resp - 1:-1] if output_hidden_states else None
     return out.logits[:, -n_resp - 1:-1], hidden
 
-# %% ../nbs/03_agent.ipynb #15a1c260
+# %% ../nbs/03_agent.ipynb #f762db2f
 @typecheck
 def token_logprobs(
     model: nn.Module,                          # a 🤗 causal LM
@@ -68,7 +68,7 @@ def token_logprobs(
                 use_cache=False)
     return F.pad(logprobs_from_logits(out.logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
 
-# %% ../nbs/03_agent.ipynb #f3f5342d
+# %% ../nbs/03_agent.ipynb #6e235f7a
 class AgentOutput(NamedTuple):
     "Per-token outputs of `Agent.forward`."
     logits: Tensor  # (batch, seq, vocab) next-token logits
@@ -80,7 +80,7 @@ class ResponseStats(NamedTuple):
     entropy: Tensor   # (batch, resp) entropy of the distribution each token was drawn from
     values: Tensor    # (batch, resp) V before each response token, float32
 
-# %% ../nbs/03_agent.ipynb #694c4b65
+# %% ../nbs/03_agent.ipynb #194d493f
 def _hidden_size(config) -> int:
     "Width of the last hidden state, read through the config for any model family."
     return config.get_text_config().hidden_size
@@ -95,7 +95,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def _load(model, auto_class, **kwargs):
     return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
 
-# %% ../nbs/03_agent.ipynb #ea0c390a
+# %% ../nbs/03_agent.ipynb #f09843ff
 class Agent(nn.Module):
     "A causal LM policy with a value head: the actor and critic PPO trains."
     def __init__(
@@ -203,7 +203,7 @@ class Agent(nn.Module):
         if head.is_file(): agent.value_head.load_state_dict(load_file(head))
         return agent
 
-# %% ../nbs/03_agent.ipynb #64189cfc
+# %% ../nbs/03_agent.ipynb #3c7842f1
 def create_reference_model(
     agent_or_model: "Agent | PreTrainedModel",  # the agent (its policy is copied) or a causal LM
 ) -> PreTrainedModel:                           # a frozen copy: requires_grad=False, eval()
@@ -212,7 +212,7 @@ def create_reference_model(
     reference = copy.deepcopy(model).eval()
     return reference.requires_grad_(False)
 
-# %% ../nbs/03_agent.ipynb #40b28372
+# %% ../nbs/03_agent.ipynb #4a31f84a
 class ObjectiveTerms(NamedTuple):
     "InstructGPT's eq. 2 and its three parts (batch means)."
     objective: Tensor  # reward − β·KL + γ·pretrain: to be maximised
@@ -220,7 +220,7 @@ class ObjectiveTerms(NamedTuple):
     kl: Tensor         # mean log π_RL(y|x) − log π_SFT(y|x)
     pretrain: Tensor   # mean log-likelihood per token of the pretraining batch (0 without one)
 
-# %% ../nbs/03_agent.ipynb #29f2809f
+# %% ../nbs/03_agent.ipynb #f56866e6
 class AgentObjective(nn.Module):
     "InstructGPT's eq. 2 on a batch: reward − β·KL(π_RL‖π_SFT) + γ·pretraining log-likelihood (maximise it)."
     def __init__(
