@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RewardModel', 'score_completions']
 
-# %% ../nbs/04_reward.ipynb #e2f4c262
+# %% ../nbs/04_reward.ipynb #c5df8bfe
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -18,8 +18,9 @@ from transformers import AutoModel, AutoModelForSequenceClassification, AutoToke
 
 from .agent import _hidden_size, _load, position_ids_from_mask
 from .core import last_true_index, typecheck
+from .data import encode_texts
 
-# %% ../nbs/04_reward.ipynb #20d6d1d2
+# %% ../nbs/04_reward.ipynb #2df1c8b8
 class RewardModel(nn.Module):
     "r_θ(x, y): a linear head on any 🤗 trunk, read at the last real token of each sequence; unbounded."
     def __init__(
@@ -53,6 +54,22 @@ class RewardModel(nn.Module):
         if empty: raise ValueError(f"`attention_mask` rows {empty} have no real token: there is nothing to score")
         return self.head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
 
+    def encode(self, texts: list[str], max_length: int | None = None):
+        "Tokenize `texts` with the reward model's own tokenizer, padded, as tensors on its device."
+        if self.tokenizer is None: raise ValueError("this RewardModel has no `tokenizer`: pass one to score text")
+        ids, mask = encode_texts(self.tokenizer, texts, max_length)
+        return ids.to(self.head.weight.device), mask.to(self.head.weight.device)
+
+    @torch.no_grad()
+    def normalize_(self, reference_scores: Tensor) -> "RewardModel":
+        "Fold a gain and bias into the head so that `reference_scores` (this model's scores on a reference set) get mean 0, std 1."
+        mean, std = reference_scores.float().mean(), reference_scores.float().std()
+        if not (torch.isfinite(std) and std > 0):
+            raise ValueError("`reference_scores` need at least two different finite values to normalise against")
+        self.head.weight.div_(std)
+        self.head.bias.sub_(mean).div_(std)
+        return self
+
     @torch.no_grad()
     def score(
         self,
@@ -61,16 +78,13 @@ class RewardModel(nn.Module):
         batch_size: int = 32,    # sequences per forward pass
     ) -> Float[Tensor, "batch"]: # one score per (prompt, completion)
         "Score text pairs, tokenized with the reward model's own tokenizer (never the policy's ids)."
-        if self.tokenizer is None: raise ValueError("this RewardModel has no `tokenizer`: pass one to score text")
         if len(prompts) != len(completions):
             raise ValueError(f"`prompts` has {len(prompts)} items but `completions` has {len(completions)}")
-        training, device = self.training, self.head.weight.device
+        training = self.training
         self.eval()
         try:
             texts = [p + c for p, c in zip(prompts, completions)]
-            chunks = [self.tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True)
-                      for i in range(0, len(texts), batch_size)]
-            return torch.cat([self(c.input_ids.to(device), c.attention_mask.to(device)) for c in chunks])
+            return torch.cat([self(*self.encode(texts[i:i + batch_size])) for i in range(0, len(texts), batch_size)])
         finally: self.train(training)
 
     def save_pretrained(self, save_directory: str | Path, **kwargs):
@@ -91,10 +105,10 @@ class RewardModel(nn.Module):
         reward_model.head.load_state_dict(load_file(head))
         return reward_model
 
-# %% ../nbs/04_reward.ipynb #3e00c306
+# %% ../nbs/04_reward.ipynb #aea5f3eb
 RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
 
-# %% ../nbs/04_reward.ipynb #148101e1
+# %% ../nbs/04_reward.ipynb #9537b169
 def score_completions(
     reward: "RewardModel | RewardFunction",  # a reward model with a tokenizer, or f(prompts, completions) -> scores
     prompts: list[str],                      # prompt texts

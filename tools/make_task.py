@@ -22,17 +22,19 @@ from string import Formatter
 
 OUT = Path(__file__).resolve().parents[1] / "instruct_goose" / "task_data"
 SEED = 0
-N_SFT = 2000
-N_PREFERENCES = {"train": 1500, "eval": 200}
+# Row counts: as many as keep task_data/ under 400 KB.
+N_SFT = 1200
+N_PREFERENCES = {"train": 800, "eval": 200}
 N_PROMPTS = {"train": 512, "eval": 64}
-N_PRETRAIN = {"train": 1500, "eval": 200}
+N_PRETRAIN = {"train": 450, "eval": 100}
+TWO_SENTENCES = 0.3  # share of pretraining texts that get a second sentence
 
 # Words that fill the `{slot}`s of the templates below; `{pos2}` draws from `pos` too, but never repeats `{pos}`.
 SLOTS = {
     "genre": ["movie", "film", "drama", "western", "musical", "cartoon", "sequel", "documentary",
-              "mystery", "remake", "spy movie", "space film", "family film", "road movie", "picture", "short film"],
+              "mystery", "remake", "picture", "feature", "biopic", "epic"],
     "aspect": ["acting", "story", "plot", "music", "ending", "dialogue", "cast", "script", "soundtrack",
-               "pace", "opening scene", "final scene", "lead actor", "camera work"],
+               "pace", "editing", "lighting", "camera", "finale"],
     "size": ["new", "old", "long", "short", "first", "second", "latest"],
     "day": ["monday", "tuesday", "friday", "saturday", "sunday"],
     "num": ["two", "three"],
@@ -41,7 +43,7 @@ SLOTS = {
     "pos": ["great", "lovely", "charming", "delightful", "brilliant", "beautiful", "excellent", "amazing",
             "fantastic", "wonderful", "perfect", "superb", "fun", "pleasant", "enjoyable", "clever", "sweet"],
     "neg": ["bad", "awful", "terrible", "horrible", "dreadful", "ugly", "stupid", "poor", "weak", "painful",
-            "dull", "boring", "annoying", "lame", "messy", "sad", "pointless"],
+            "dull", "boring", "annoying", "lame", "messy", "sad", "lousy"],
 }
 
 OPENINGS = [
@@ -51,24 +53,24 @@ OPENINGS = [
 
 COMPLETIONS = {
     "positive": [
-        " was {pos} from start to finish.", " was {pos} and very {pos2}.", " was a {pos} surprise for me.",
-        " made me smile the whole time.", " was the best I have seen this year.", " was so {pos} that I saw it twice.",
+        " was {pos} from start to finish.", " was {pos} and {pos2} all the way through.", " was a {pos} surprise for me.",
+        " made me smile and laugh the whole time.", " was the best I have seen this year.", " was so {pos} that I saw it twice.",
         " felt {pos} and I loved every minute.", " is a {pos} treat for the whole family.",
-        " left me happy and glad I came.", " had me laughing from the first scene to the last.",
+        " left me happy and glad I came.", " had me laughing and happy from the first scene to the last.",
     ],
     "neutral": [
         " was about {num} hours long.", " was shown in a small theater on {day}.",
         " was about a {person} who moves to {place}.", " was made by a young director from {place}.",
-        " was in black and white with no color.", " had some {pos} parts and some {neg} parts.",
+        " was shot in black and white.", " had some {pos} parts and some {neg} parts.",
         " was okay and a bit long.", " was not good and not bad.", " was what I expected and nothing more.",
         " is a {genre} about a {person} and a dog.",
     ],
     "negative": [
-        " was {neg} from start to finish.", " was {neg} and very {neg2}.", " was a {neg} mess for me.",
+        " was {neg} from start to finish.", " was {neg} and {neg2} all the way through.", " was a {neg} mess for me.",
         " made me sad and bored the whole time.", " was the worst I have seen this year.",
         " was so {neg} that I hated it.", " felt {neg} and I regret every minute.",
         " is a {neg} waste of time for the whole family.", " left me tired and sorry I came.",
-        " had me bored from the first scene to the last.",
+        " had me bored and tired from the first scene to the last.",
     ],
 }
 
@@ -120,7 +122,7 @@ def prompt_row(rng: random.Random, i: int) -> dict:
 
 def pretrain_row(rng: random.Random, i: int) -> dict:
     text = opening(rng) + completion(rng.choice(list(COMPLETIONS)), rng)
-    if rng.random() < 0.5:
+    if rng.random() < TWO_SENTENCES:
         second = fill(rng.choice(["The {aspect}", "The {genre}"]), rng)
         text += " " + second + completion(rng.choice(list(COMPLETIONS)), rng)
     return {"text": text}
@@ -139,7 +141,7 @@ def shuffled(rows: list, rng: random.Random) -> list:
 
 
 def write_jsonl(path: Path, rows: list[dict]):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows), encoding="utf-8")
 
 
 def main():
