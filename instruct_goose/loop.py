@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TrainingConfig', 'batch_indices', 'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop']
 
-# %% ../nbs/05_loop.ipynb #2f30e2f4
+# %% ../nbs/05_loop.ipynb #87591e75
 import json, math, os, re, shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ from transformers import get_scheduler
 
 from .core import check_number
 
-# %% ../nbs/05_loop.ipynb #d37eafc3
+# %% ../nbs/05_loop.ipynb #8323b2eb
 @dataclass
 class TrainingConfig:
     "Fields shared by every trainer: where to write, how to optimise, when to log and save."
@@ -55,7 +55,7 @@ class TrainingConfig:
         if self.report_to not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"`report_to` must be 'none', 'tensorboard' or 'wandb', got {self.report_to!r}")
 
-# %% ../nbs/05_loop.ipynb #b1381dcc
+# %% ../nbs/05_loop.ipynb #adfd859c
 def batch_indices(
     n_examples: int,        # size of the dataset
     batch_size: int,        # examples per step (all processes together)
@@ -71,7 +71,7 @@ def batch_indices(
     order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return order[k * batch_size:(k + 1) * batch_size][process_index::num_processes].tolist()
 
-# %% ../nbs/05_loop.ipynb #f5b24438
+# %% ../nbs/05_loop.ipynb #408184c6
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 def latest_checkpoint(
@@ -82,14 +82,14 @@ def latest_checkpoint(
     steps = [(int(m[1]), p) for p in output_dir.glob("checkpoint-*") if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
     return max(steps)[1] if steps else None
 
-# %% ../nbs/05_loop.ipynb #06e4ba8f
+# %% ../nbs/05_loop.ipynb #f6c76f73
 class TrainState:
     "The step and the history of logged metrics; saved with every checkpoint."
     def __init__(self): self.step, self.history = 0, []
     def state_dict(self) -> dict: return {"step": self.step, "history": self.history}
     def load_state_dict(self, state: dict): self.step, self.history = state["step"], list(state["history"])
 
-# %% ../nbs/05_loop.ipynb #175a0680
+# %% ../nbs/05_loop.ipynb #5c7c5e5f
 def _check_writable(output_dir: str | Path):
     output_dir = Path(output_dir)
     try:
@@ -105,7 +105,7 @@ def fresh_accelerator(**kwargs) -> Accelerator:
     AcceleratorState._reset_state(reset_partial_state=False)
     return Accelerator(**kwargs)
 
-# %% ../nbs/05_loop.ipynb #3d41eb4a
+# %% ../nbs/05_loop.ipynb #aafb0567
 class TrainLoop:
     "Accelerate, optimizer, schedule, logging and atomic checkpoints, shared by the trainers."
     def __init__(self, config: TrainingConfig):
@@ -223,3 +223,39 @@ class TrainLoop:
     def end(self):
         "Close the trackers."
         self.accelerator.end_training()
+
+    def fit(
+        self,
+        model: nn.Module,            # the model to train
+        n_examples: int,             # size of the training set
+        num_training_steps: int,     # optimizer steps in all
+        loss_fn,                     # (prepared model, indices) -> (loss, {name: detached 0-d tensor}) for a micro-batch
+        evaluate=None,               # () -> {name: value}, run every `eval_steps` and at the end
+        eval_steps: int = 0,         # evaluate every this many steps (0: only at the end)
+        desc: str = "train",         # progress bar label
+    ) -> nn.Module:                  # the trained model, unwrapped
+        "The supervised loop: seeded batches, gradient accumulation, clipping, schedule, logs, evals and checkpoints."
+        c, acc = self.config, self.accelerator
+        model = self.setup_optimizer(model, num_training_steps)
+        self.maybe_resume()
+        model.train()
+        progress = self.progress_bar(num_training_steps, desc)
+        while self.state.step < num_training_steps:
+            rows = batch_indices(n_examples, c.per_device_train_batch_size * c.gradient_accumulation_steps * acc.num_processes,
+                                 self.state.step, c.seed, acc.process_index, acc.num_processes)
+            totals = {}
+            for micro in [rows[i::c.gradient_accumulation_steps] for i in range(c.gradient_accumulation_steps)]:
+                with acc.autocast(): loss, metrics = loss_fn(model, micro)
+                self.backward(loss)
+                for k, v in metrics.items(): totals[k] = totals.get(k, 0) + v / c.gradient_accumulation_steps
+            grad_norm = self.optimizer_step(model)
+            self.state.step += 1
+            progress.update(1)
+            done = self.state.step == num_training_steps
+            if self.state.step % c.logging_steps == 0 or done:
+                evals = evaluate() if evaluate and ((eval_steps and self.state.step % eval_steps == 0) or done) else {}
+                self.log({**totals, **evals, "grad_norm": grad_norm, "lr": self.lr}, progress)
+            if c.save_steps and self.state.step % c.save_steps == 0 and not done: self.save_checkpoint()
+        progress.close()
+        self.save_checkpoint()
+        return acc.unwrap_model(model)
