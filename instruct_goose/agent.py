@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['position_ids_from_mask', 'response_logits', 'token_logprobs', 'lm_nll', 'AgentOutput', 'ResponseStats',
-           'disable_dropout', 'Agent', 'create_reference_model', 'ObjectiveTerms', 'AgentObjective']
+           'disable_dropout', 'generate_responses', 'Agent', 'create_reference_model', 'ObjectiveTerms',
+           'AgentObjective']
 
-# %% ../nbs/03_agent.ipynb #75230e24
+# %% ../nbs/03_agent.ipynb #104fc1bc
 import copy, inspect
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +22,7 @@ from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreT
 from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
                                  truncate_after_stop, typecheck)
 
-# %% ../nbs/03_agent.ipynb #44a1c840
+# %% ../nbs/03_agent.ipynb #978166d9
 @typecheck
 def position_ids_from_mask(
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1/True on real tokens
@@ -29,7 +30,7 @@ def position_ids_from_mask(
     "Position ids that count real tokens only, so left padding does not shift a sequence."
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
-# %% ../nbs/03_agent.ipynb #015c42b4
+# %% ../nbs/03_agent.ipynb #6f8a60a4
 def _check_left_padded(query_attention_mask):
     if not bool(query_attention_mask[:, -1].all()):
         raise ValueError("`query_attention_mask` must be left-padded (the last position of every row real): "
@@ -55,7 +56,7 @@ def response_logits(
     hidden = out.hidden_states[-1][:, -n_resp - 1:-1] if output_hidden_states else None
     return out.logits[:, -n_resp - 1:-1], hidden
 
-# %% ../nbs/03_agent.ipynb #b85cf616
+# %% ../nbs/03_agent.ipynb #627032d4
 @typecheck
 def token_logprobs(
     model: nn.Module,                          # a 🤗 causal LM
@@ -68,7 +69,7 @@ def token_logprobs(
                 use_cache=False)
     return F.pad(logprobs_from_logits(out.logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
 
-# %% ../nbs/03_agent.ipynb #577c7717
+# %% ../nbs/03_agent.ipynb #a689daa4
 @typecheck
 def lm_nll(
     model: nn.Module,                          # a 🤗 causal LM
@@ -82,7 +83,7 @@ def lm_nll(
         loss_mask = real & F.pad(real[:, :-1], (1, 0))   # real, with a real token before it
     return -masked_mean(token_logprobs(model, input_ids, attention_mask), loss_mask)
 
-# %% ../nbs/03_agent.ipynb #be32d5e1
+# %% ../nbs/03_agent.ipynb #5f7f8e5f
 class AgentOutput(NamedTuple):
     "Per-token outputs of `Agent.forward`."
     logits: Tensor  # (batch, seq, vocab) next-token logits
@@ -94,7 +95,7 @@ class ResponseStats(NamedTuple):
     entropy: Tensor   # (batch, resp) entropy of the distribution each token was drawn from
     values: Tensor    # (batch, resp) V before each response token, float32
 
-# %% ../nbs/03_agent.ipynb #1f88a3b2
+# %% ../nbs/03_agent.ipynb #7c2d5500
 def _hidden_size(config) -> int:
     "Width of the last hidden state, read through the config for any model family."
     return config.get_text_config().hidden_size
@@ -109,7 +110,36 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def _load(model, auto_class, **kwargs):
     return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
 
-# %% ../nbs/03_agent.ipynb #f01a5303
+# %% ../nbs/03_agent.ipynb #7017bc0b
+@torch.no_grad()
+@typecheck
+def generate_responses(
+    model: nn.Module,                                     # a 🤗 causal LM
+    query_ids: Int[Tensor, "batch query"],                # prompts, left-padded
+    query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
+    max_new_tokens: int,                                  # response length (tokens)
+    stop_token_ids: int | list[int],                      # id(s) that end a response, e.g. the EOS id
+    pad_token_id: int,                                    # id written after each response's first stop token
+    temperature: float = 1.0,                             # T: sample from softmax(z / T)
+    **generate_kwargs,                                    # passed on to the model's `generate`
+) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
+    "Sample one response per prompt (no top-k/top-p filter), cut after its first stop token, pad to `max_new_tokens`."
+    _check_left_padded(query_attention_mask)
+    check_number("max_new_tokens", max_new_tokens, low=1)
+    config = GenerationConfig(do_sample=True, temperature=check_number("temperature", temperature, low_open=True),
+                              top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                              eos_token_id=stop_token_ids)
+    training = model.training
+    model.eval()
+    try:
+        out = model.generate(input_ids=query_ids, attention_mask=query_attention_mask, generation_config=config,
+                             **generate_kwargs)
+    finally: model.train(training)
+    response = out[:, query_ids.shape[1]:]
+    response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_token_id)  # all rows stopped early
+    return truncate_after_stop(response, stop_token_ids, pad_token_id)
+
+# %% ../nbs/03_agent.ipynb #4f3b215a
 class Agent(nn.Module):
     "A causal LM policy with a value head: the actor and critic PPO trains."
     def __init__(
@@ -171,33 +201,11 @@ class Agent(nn.Module):
         return ResponseStats(logprobs_from_logits(logits, response_ids, temperature),
                              entropy_from_logits(logits, temperature), self._values(hidden))
 
-    @torch.no_grad()
-    @typecheck
-    def generate(
-        self,
-        query_ids: Int[Tensor, "batch query"],                # prompts, left-padded
-        query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
-        max_new_tokens: int,                                  # response length (tokens)
-        stop_token_ids: int | list[int],                      # id(s) that end a response, e.g. the EOS id
-        pad_token_id: int,                                    # id written after each response's first stop token
-        temperature: float = 1.0,                             # T: sample from softmax(z / T)
-        **generate_kwargs,                                    # passed on to the model's `generate`
-    ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
-        "Sample one response per prompt (no top-k/top-p filter), cut after its first stop token, pad to `max_new_tokens`."
-        _check_left_padded(query_attention_mask)
-        check_number("max_new_tokens", max_new_tokens, low=1)
-        config = GenerationConfig(do_sample=True, temperature=check_number("temperature", temperature, low_open=True),
-                                  top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
-                                  eos_token_id=stop_token_ids)
-        training = self.model.training
-        self.model.eval()
-        try:
-            out = self.model.generate(input_ids=query_ids, attention_mask=query_attention_mask,
-                                      generation_config=config, **generate_kwargs)
-        finally: self.model.train(training)
-        response = out[:, query_ids.shape[1]:]
-        response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_token_id)  # all rows stopped early
-        return truncate_after_stop(response, stop_token_ids, pad_token_id)
+    def generate(self, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id,
+                 temperature=1.0, **generate_kwargs):
+        "Sample one response per prompt from the policy: `generate_responses` on `self.model`."
+        return generate_responses(self.model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids,
+                                  pad_token_id, temperature, **generate_kwargs)
 
     def save_pretrained(self, save_directory: str | Path, **kwargs):
         "Save the policy (🤗 format), the value head and any separate critic to `save_directory`."
@@ -217,7 +225,7 @@ class Agent(nn.Module):
         if head.is_file(): agent.value_head.load_state_dict(load_file(head))
         return agent
 
-# %% ../nbs/03_agent.ipynb #98373a55
+# %% ../nbs/03_agent.ipynb #35bb116e
 def create_reference_model(
     agent_or_model: "Agent | PreTrainedModel",  # the agent (its policy is copied) or a causal LM
 ) -> PreTrainedModel:                           # a frozen copy: requires_grad=False, eval()
@@ -226,7 +234,7 @@ def create_reference_model(
     reference = copy.deepcopy(model).eval()
     return reference.requires_grad_(False)
 
-# %% ../nbs/03_agent.ipynb #c830d86b
+# %% ../nbs/03_agent.ipynb #4c0b7b5d
 class ObjectiveTerms(NamedTuple):
     "InstructGPT's eq. 2 and its three parts (batch means)."
     objective: Tensor  # reward − β·KL + γ·pretrain: to be maximised
@@ -234,7 +242,7 @@ class ObjectiveTerms(NamedTuple):
     kl: Tensor         # mean log π_RL(y|x) − log π_SFT(y|x)
     pretrain: Tensor   # mean log-likelihood per token of the pretraining batch (0 without one)
 
-# %% ../nbs/03_agent.ipynb #f779940d
+# %% ../nbs/03_agent.ipynb #8061942d
 class AgentObjective(nn.Module):
     "InstructGPT's eq. 2 on a batch: reward − β·KL(π_RL‖π_SFT) + γ·pretraining log-likelihood (maximise it)."
     def __init__(

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['StageConfig', 'SFTConfig', 'RewardConfig', 'SFTTrainer', 'RewardTrainer']
 
-# %% ../nbs/06_sft.ipynb #6a831b1a
+# %% ../nbs/06_sft.ipynb #59fb3a77
 import math
 from dataclasses import dataclass
 
@@ -16,12 +16,12 @@ from transformers import PreTrainedModel
 
 from .agent import lm_nll
 from .core import check_number
-from .data import encode_sft
+from .data import as_dataset, encode_sft
 from .loop import TrainLoop, TrainingConfig
 from .losses import PairwiseLoss, pairwise_accuracy
 from .reward import RewardModel
 
-# %% ../nbs/06_sft.ipynb #0f93f0ef
+# %% ../nbs/06_sft.ipynb #b6f25020
 @dataclass
 class StageConfig(TrainingConfig):
     "A supervised stage: how long to train, how long a sequence may be, when to evaluate."
@@ -53,16 +53,7 @@ class RewardConfig(StageConfig):
     learning_rate: float = 1e-5     # peak learning rate of AdamW
     normalize: bool = True          # afterwards, scale the head so the training pairs score mean 0, std 1
 
-# %% ../nbs/06_sft.ipynb #122aa9e9
-def _as_dataset(data, name: str, columns: list[tuple[str, ...]]) -> Dataset:
-    "`data` (a 🤗 Dataset or a list of dicts) as a Dataset with one of the column sets; clear errors otherwise."
-    if isinstance(data, list): data = Dataset.from_list(data) if data else None
-    if data is None or len(data) == 0: raise ValueError(f"`{name}` is empty")
-    if not any(set(cols) <= set(data.column_names) for cols in columns):
-        raise ValueError(f"`{name}` needs the columns {' or '.join(map(str, columns))}; it has {data.column_names}")
-    return data
-
-# %% ../nbs/06_sft.ipynb #8f9e0f0c
+# %% ../nbs/06_sft.ipynb #c0dc4f9d
 class SFTTrainer:
     "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS) or plain text."
     def __init__(
@@ -75,8 +66,8 @@ class SFTTrainer:
     ):
         columns = [("prompt", "completion"), ("text",)]
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.train_dataset = _as_dataset(train_dataset, "train_dataset", columns)
-        self.eval_dataset = None if eval_dataset is None else _as_dataset(eval_dataset, "eval_dataset", columns)
+        self.train_dataset = as_dataset(train_dataset, "train_dataset", columns)
+        self.eval_dataset = None if eval_dataset is None else as_dataset(eval_dataset, "eval_dataset", columns)
 
     def batch_loss(self, model: nn.Module, rows: dict) -> Tensor:
         "Mean NLL of the completion tokens of a batch of rows (dict of column lists)."
@@ -112,7 +103,7 @@ class SFTTrainer:
         loop.end()
         return self.model
 
-# %% ../nbs/06_sft.ipynb #ce1f3a7b
+# %% ../nbs/06_sft.ipynb #3af4c944
 class RewardTrainer:
     "Fits a `RewardModel` to (prompt, chosen, rejected) pairs with the Bradley–Terry loss; normalises it afterwards."
     def __init__(
@@ -125,8 +116,8 @@ class RewardTrainer:
         if reward_model.tokenizer is None: raise ValueError("`reward_model` needs a tokenizer to read the pairs' text")
         columns = [("prompt", "chosen", "rejected")]
         self.reward_model, self.config, self.loss_fn = reward_model, config, PairwiseLoss()
-        self.train_dataset = _as_dataset(train_dataset, "train_dataset", columns)
-        self.eval_dataset = None if eval_dataset is None else _as_dataset(eval_dataset, "eval_dataset", columns)
+        self.train_dataset = as_dataset(train_dataset, "train_dataset", columns)
+        self.eval_dataset = None if eval_dataset is None else as_dataset(eval_dataset, "eval_dataset", columns)
 
     def pair_scores(self, model: nn.Module, rows: dict) -> tuple[Tensor, Tensor]:
         "Scores of the chosen and the rejected completions of a batch of rows, in one forward pass."

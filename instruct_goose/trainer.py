@@ -5,24 +5,29 @@
 # %% auto #0
 __all__ = ['RLHFConfig', 'Rollout', 'RLHFTrainer']
 
-# %% ../nbs/08_trainer.ipynb #f2ae8e5f
+# %% ../nbs/08_trainer.ipynb #32ffdb41
+import time
 from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
-from torch import Tensor
+from fastcore.basics import patch
+from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers import PreTrainedModel
 
-from .agent import Agent, ResponseStats, response_logits
+from .agent import Agent, ResponseStats, lm_nll, response_logits
+from .data import as_dataset, encode_prompts, encode_sft
+from .reward import score_completions
 from .core import check_number, logprobs_from_logits, masked_mean, masked_sum, masked_var, masked_whiten, typecheck
+from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import (AdaptiveKLController, FixedKLController, KLController, PPOLoss, compute_gae,
                                    compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #52eeacd5
+# %% ../nbs/08_trainer.ipynb #12710107
 @dataclass
-class RLHFConfig:
-    "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx)."
+class RLHFConfig(TrainingConfig):
+    "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared training fields."
     kl_coef: float = 0.05                  # β: weight of the per-token KL penalty (its start value when adaptive)
     kl_estimator: Literal["k1", "k2", "mse", "k3", "abs"] = "k1"  # per-token KL estimator, see `kl_penalty`
     adaptive_kl: bool = False              # steer β towards `kl_target` (Ziegler et al., 2019)
@@ -41,9 +46,17 @@ class RLHFConfig:
     missing_eos_penalty: float | None = None  # subtracted from the score of a response without a stop token
     ptx_coef: float = 0.0                  # γ: weight of the pretraining log-likelihood (PPO-ptx)
     num_ppo_epochs: int = 4                # passes over each rollout
-    num_mini_batches: int = 1              # minibatches per pass
+    num_mini_batches: int = 1              # minibatches per pass; a rollout has per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches prompts per process
+    total_episodes: int = 1024             # responses to sample in all (all processes)
+    max_prompt_length: int = 64            # prompts are cut to their last this many tokens
+    local_rollout_forward_batch_size: int = 64  # rows per forward pass when sampling and scoring a rollout
+    num_sample_generations: int = 10       # how many times to print a table of samples during training (0: never)
 
     def __post_init__(self):
+        super().__post_init__()
+        for name in ("total_episodes", "max_prompt_length", "local_rollout_forward_batch_size"):
+            check_number(name, getattr(self, name), low=1)
+        check_number("num_sample_generations", self.num_sample_generations)
         for name in ("kl_coef", "kl_target", "cliprange", "cliprange_value", "vf_coef", "ent_coef", "ptx_coef"):
             check_number(name, getattr(self, name))
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
@@ -54,7 +67,7 @@ class RLHFConfig:
         if self.kl_estimator not in ("k1", "k2", "mse", "k3", "abs"):
             raise ValueError(f"`kl_estimator` must be one of k1, k2, mse, k3, abs; got {self.kl_estimator!r}")
 
-# %% ../nbs/08_trainer.ipynb #6ac3f083
+# %% ../nbs/08_trainer.ipynb #d4cbaa76
 @dataclass
 class Rollout:
     "One batch of prompts and sampled responses with everything PPO computes once for it (all detached)."
@@ -78,7 +91,12 @@ class Rollout:
         "The minibatch of `rows`."
         return Rollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-# %% ../nbs/08_trainer.ipynb #81b4e78b
+# %% ../nbs/08_trainer.ipynb #c3046607
+def _chunks(n: int, size: int) -> list[slice]:
+    "Slices that cut `n` rows into pieces of at most `size`."
+    return [slice(i, i + size) for i in range(0, n, size)]
+
+# %% ../nbs/08_trainer.ipynb #2496fc04
 class RLHFTrainer:
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -86,10 +104,17 @@ class RLHFTrainer:
         model: Agent,                 # the policy with its value head (trained)
         ref_model: PreTrainedModel,   # π_ref, the SFT model (frozen here)
         config: RLHFConfig | None = None,  # hyper-parameters; None: the defaults
+        tokenizer=None,               # the policy's tokenizer (needed by `train`)
+        reward_model=None,            # a `RewardModel` with its tokenizer, or f(prompts, completions) -> scores (for `train`)
+        train_dataset=None,           # prompts: a Dataset or list of dicts with a "prompt" column (for `train`)
+        pretrain_dataset=None,        # texts for the PPO-ptx term: a "text" column (for `train` with `ptx_coef` > 0)
     ):
         if not isinstance(model, Agent): raise TypeError(f"`model` must be an Agent (policy + value head), got {type(model).__name__}")
         self.model, self.config = model, config or RLHFConfig()
         self.ref_model = ref_model.eval().requires_grad_(False)
+        self.tokenizer, self.reward_model = tokenizer, reward_model
+        self.train_dataset = None if train_dataset is None else as_dataset(train_dataset, "train_dataset", [("prompt",)])
+        self.pretrain_dataset = None if pretrain_dataset is None else as_dataset(pretrain_dataset, "pretrain_dataset", [("text",)])
         c = self.config
         self.loss_fn = PPOLoss(epsilon=c.cliprange, value_clip_range=c.cliprange_value, value_coeff=c.vf_coef,
                                entropy_coeff=c.ent_coef)
@@ -111,8 +136,10 @@ class RLHFTrainer:
     ) -> Rollout:
         "Reference log-probabilities, shaped rewards, GAE and whitened advantages for a batch of responses."
         c, mask = self.config, response_attention_mask.bool()
-        ref_logits, _ = response_logits(self.ref_model, query_ids, query_attention_mask, response_ids, mask)
-        ref_logprobs = logprobs_from_logits(ref_logits, response_ids, c.temperature)
+        ref_logprobs = torch.cat([
+            logprobs_from_logits(response_logits(self.ref_model, query_ids[s], query_attention_mask[s], response_ids[s], mask[s])[0],
+                                 response_ids[s], c.temperature)
+            for s in _chunks(len(query_ids), c.local_rollout_forward_batch_size)])
         rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, mask, self.kl_ctl.value, c.kl_estimator)
         if c.whiten_rewards: rewards = masked_whiten(rewards, mask, shift_mean=False)
         advantages, returns = compute_gae(rewards, values, mask, c.gamma, c.lam)
@@ -162,3 +189,125 @@ class RLHFTrainer:
         rollout = self.make_rollout(query_ids, query_attention_mask, response_ids, response_attention_mask, rewards,
                                     current.logprobs.detach(), current.values.detach())
         return self.ppo_loss(rollout, current)
+
+# %% ../nbs/08_trainer.ipynb #52977af3
+@patch
+@torch.no_grad()
+def sample_rollout(
+    self: RLHFTrainer,
+    agent: Agent,            # the policy that samples (unwrapped)
+    prompts: list[str],      # the step's prompts
+) -> tuple[Rollout, list[str]]:  # (the rollout, the decoded completions)
+    "Sample a response per prompt, score the text, penalise missing stops, and compute the rollout statistics."
+    c, tok = self.config, self.tokenizer
+    device = next(agent.parameters()).device
+    q_ids, q_mask = (t.to(device) for t in encode_prompts(tok, prompts, c.max_prompt_length))
+    pieces = _chunks(len(prompts), c.local_rollout_forward_batch_size)
+    sampled = [agent.generate(q_ids[s], q_mask[s], c.response_length, self.stop_token_id, tok.pad_token_id, c.temperature)
+               for s in pieces]
+    r_ids, r_mask = torch.cat([ids for ids, _ in sampled]), torch.cat([m for _, m in sampled])
+    completions = [tok.decode(ids[m], skip_special_tokens=True) for ids, m in zip(r_ids, r_mask)]
+    scores = score_completions(self.reward_model, prompts, completions).to(device)
+    if c.missing_eos_penalty is not None:
+        stopped = ((r_ids == self.stop_token_id) & r_mask).any(1)
+        scores = scores - c.missing_eos_penalty * (~stopped).float()
+    stats = [agent.response_stats(q_ids[s], q_mask[s], r_ids[s], r_mask[s], c.temperature) for s in pieces]
+    logprobs, values = torch.cat([st.logprobs for st in stats]), torch.cat([st.values for st in stats])
+    return self.make_rollout(q_ids, q_mask, r_ids, r_mask, scores, logprobs, values), completions
+
+@patch
+def ppo_update(
+    self: RLHFTrainer,
+    agent: Agent,            # the policy being trained (unwrapped)
+    rollout: Rollout,        # the step's rollout
+    loop: TrainLoop,         # the loop that owns the optimizer
+) -> dict:                   # the statistics, averaged over micro-batches, and the last gradient norm
+    "`num_ppo_epochs` × `num_mini_batches` optimizer steps on one rollout, with PPO-ptx and gradient accumulation."
+    c = self.config
+    micro, sums, count = c.per_device_train_batch_size, {}, 0
+    for epoch in range(c.num_ppo_epochs):
+        for minibatch in torch.randperm(len(rollout), device=rollout.query_ids.device).split(micro * c.gradient_accumulation_steps):
+            for rows in minibatch.split(micro):
+                part = rollout[rows]
+                with loop.accelerator.autocast():
+                    current = agent.response_stats(part.query_ids, part.query_attention_mask, part.response_ids,
+                                                   part.response_mask, c.temperature)
+                    loss = self.ppo_loss(part, current)
+                    if c.ptx_coef > 0:
+                        ptx = self.ptx_nll(agent, loop.state.step * c.num_ppo_epochs * len(rollout) // micro + count)
+                        loss = loss + c.ptx_coef * ptx
+                        self.stats["loss/ptx_avg"] = ptx.detach()
+                loop.backward(loss)
+                for k, v in self.stats.items(): sums[k] = sums.get(k, 0) + v
+                count += 1
+            grad_norm = loop.optimizer_step(agent)
+    return {**{k: v / count for k, v in sums.items()}, "grad_norm": grad_norm}
+
+@patch
+def ptx_nll(
+    self: RLHFTrainer,
+    agent: Agent,            # the policy
+    draw: int,               # which pretraining batch (a counter, so resumes draw the same ones)
+) -> Tensor:                 # mean NLL per token of a pretraining batch
+    "The language-modelling loss of the `draw`-th pretraining micro-batch (InstructGPT's γ term, as a loss)."
+    c, data = self.config, self.pretrain_dataset
+    rows = batch_indices(len(data), min(c.per_device_train_batch_size, len(data)), draw, c.seed + 1)
+    ids, mask, loss_mask = encode_sft(self.tokenizer, None, data[rows]["text"], c.max_prompt_length + c.response_length)
+    device = next(agent.parameters()).device
+    return lm_nll(agent.model, ids.to(device), mask.to(device), loss_mask.to(device))
+
+@patch
+def train(self: RLHFTrainer) -> Agent:
+    "The PPO-ptx loop: rollout, K epochs of minibatch updates, KL control, logs, sample tables and checkpoints."
+    c = self.config
+    for name in ("tokenizer", "reward_model", "train_dataset"):
+        if getattr(self, name) is None: raise ValueError(f"`{name}` is needed to train: pass it to RLHFTrainer(...)")
+    if c.ptx_coef > 0 and self.pretrain_dataset is None: raise ValueError("`ptx_coef` > 0 needs a `pretrain_dataset`")
+    self.loop = loop = TrainLoop(c)
+    loop.register(self.kl_ctl)
+    loop.progress_keys = ("objective/scores", "objective/kl", "objective/kl_coef")
+    procs, rank = loop.accelerator.num_processes, loop.accelerator.process_index
+    rollout_size = c.per_device_train_batch_size * c.gradient_accumulation_steps * c.num_mini_batches
+    steps = c.total_episodes // (rollout_size * procs)
+    if steps == 0:
+        raise ValueError(f"`total_episodes`={c.total_episodes} is less than one rollout ({rollout_size * procs} prompts)")
+    prepared = loop.setup_optimizer(self.model, steps * c.num_ppo_epochs * c.num_mini_batches)
+    agent = loop.accelerator.unwrap_model(prepared)
+    self.ref_model.to(loop.device)
+    if isinstance(self.reward_model, nn.Module): self.reward_model.to(loop.device)
+    loop.maybe_resume()
+    progress = loop.progress_bar(steps, "ppo")
+    sample_every = max(1, steps // c.num_sample_generations) if c.num_sample_generations else 0
+    while loop.state.step < steps:
+        start = time.perf_counter()
+        rows = batch_indices(len(self.train_dataset), rollout_size * procs, loop.state.step, c.seed, rank, procs)
+        prompts = self.train_dataset[rows]["prompt"]
+        rollout, completions = self.sample_rollout(agent, prompts)
+        update = self.ppo_update(agent, rollout, loop)
+        self.kl_ctl.update(rollout.kl.sum(1).mean(), n_steps=len(rollout) * procs)
+        loop.state.step += 1
+        progress.update(1)
+        last = loop.state.step == steps
+        if loop.state.step % c.logging_steps == 0 or last:
+            eos = ((rollout.response_ids == self.stop_token_id) & rollout.response_mask).sum()
+            loop.log({**update, "val/num_eos_tokens": eos, "eps": len(rollout) * procs / (time.perf_counter() - start),
+                      "lr": loop.lr, "episode": loop.state.step * rollout_size * procs}, progress)
+        if sample_every and (loop.state.step % sample_every == 0 or last):
+            loop.sample_table(f"samples at step {loop.state.step}", prompts, completions, rollout.scores)
+        if c.save_steps and loop.state.step % c.save_steps == 0 and not last: loop.save_checkpoint()
+    progress.close()
+    loop.save_checkpoint()
+    self.model = agent
+    if loop.accelerator.is_main_process:
+        agent.save_pretrained(c.output_dir)
+        self.tokenizer.save_pretrained(c.output_dir)
+    loop.end()
+    return agent
+
+@patch(as_prop=True)
+def stop_token_id(self: RLHFTrainer) -> int:
+    "The token that ends a response: `config.stop_token_id`, else the tokenizer's EOS."
+    if self.config.stop_token_id is not None: return self.config.stop_token_id
+    if self.tokenizer is None or self.tokenizer.eos_token_id is None:
+        raise ValueError("set `stop_token_id` in the config, or give a tokenizer with an EOS token")
+    return self.tokenizer.eos_token_id
