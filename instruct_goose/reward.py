@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RewardModel', 'score_completions']
 
-# %% ../nbs/04_reward.ipynb #c5df8bfe
+# %% ../nbs/04_reward.ipynb #2da95ba4
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -16,11 +16,11 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from .agent import _hidden_size, _load, position_ids_from_mask
+from .agent import _hidden_size, _load, eval_mode, position_ids_from_mask
 from .core import last_true_index, typecheck
 from .data import encode_texts
 
-# %% ../nbs/04_reward.ipynb #2df1c8b8
+# %% ../nbs/04_reward.ipynb #40224aff
 class RewardModel(nn.Module):
     "r_θ(x, y): a linear head on any 🤗 trunk, read at the last real token of each sequence; unbounded."
     def __init__(
@@ -80,12 +80,9 @@ class RewardModel(nn.Module):
         "Score text pairs, tokenized with the reward model's own tokenizer (never the policy's ids)."
         if len(prompts) != len(completions):
             raise ValueError(f"`prompts` has {len(prompts)} items but `completions` has {len(completions)}")
-        training = self.training
-        self.eval()
-        try:
-            texts = [p + c for p, c in zip(prompts, completions)]
+        texts = [p + c for p, c in zip(prompts, completions)]
+        with eval_mode(self):
             return torch.cat([self(*self.encode(texts[i:i + batch_size])) for i in range(0, len(texts), batch_size)])
-        finally: self.train(training)
 
     def save_pretrained(self, save_directory: str | Path, **kwargs):
         "Save the trunk (🤗 format), the head and the tokenizer, if any, to `save_directory`."
@@ -105,10 +102,10 @@ class RewardModel(nn.Module):
         reward_model.head.load_state_dict(load_file(head))
         return reward_model
 
-# %% ../nbs/04_reward.ipynb #aea5f3eb
+# %% ../nbs/04_reward.ipynb #33868982
 RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
 
-# %% ../nbs/04_reward.ipynb #9537b169
+# %% ../nbs/04_reward.ipynb #02708325
 def score_completions(
     reward: "RewardModel | RewardFunction",  # a reward model with a tokenizer, or f(prompts, completions) -> scores
     prompts: list[str],                      # prompt texts

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['StageConfig', 'SFTConfig', 'RewardConfig', 'SFTTrainer', 'RewardTrainer']
 
-# %% ../nbs/06_sft.ipynb #59fb3a77
+# %% ../nbs/06_sft.ipynb #2112d511
 import math
 from dataclasses import dataclass
 
@@ -14,14 +14,14 @@ from datasets import Dataset
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from .agent import lm_nll
+from .agent import eval_mode, lm_nll
 from .core import check_number
 from .data import as_dataset, encode_sft
 from .loop import TrainLoop, TrainingConfig
 from .losses import PairwiseLoss, pairwise_accuracy
 from .reward import RewardModel
 
-# %% ../nbs/06_sft.ipynb #b6f25020
+# %% ../nbs/06_sft.ipynb #d9a8701b
 @dataclass
 class StageConfig(TrainingConfig):
     "A supervised stage: how long to train, how long a sequence may be, when to evaluate."
@@ -53,7 +53,7 @@ class RewardConfig(StageConfig):
     learning_rate: float = 1e-5     # peak learning rate of AdamW
     normalize: bool = True          # afterwards, scale the head so the training pairs score mean 0, std 1
 
-# %% ../nbs/06_sft.ipynb #c0dc4f9d
+# %% ../nbs/06_sft.ipynb #92d52553
 class SFTTrainer:
     "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS) or plain text."
     def __init__(
@@ -81,10 +81,8 @@ class SFTTrainer:
     def evaluate(self, model: nn.Module | None = None, dataset=None, batch_size: int = 32) -> dict:
         "`eval/loss`: the mean per-batch completion NLL on `dataset` (default: the eval set)."
         model, dataset = model or self.model, dataset or self.eval_dataset
-        training = model.training
-        model.eval()
-        losses = [self.batch_loss(model, dataset[i:i + batch_size]) for i in range(0, len(dataset), batch_size)]
-        model.train(training)
+        with eval_mode(model):
+            losses = [self.batch_loss(model, dataset[i:i + batch_size]) for i in range(0, len(dataset), batch_size)]
         return {"eval/loss": torch.stack(losses).mean()}
 
     def train(self) -> PreTrainedModel:
@@ -103,7 +101,7 @@ class SFTTrainer:
         loop.end()
         return self.model
 
-# %% ../nbs/06_sft.ipynb #3af4c944
+# %% ../nbs/06_sft.ipynb #9bdb389a
 class RewardTrainer:
     "Fits a `RewardModel` to (prompt, chosen, rejected) pairs with the Bradley–Terry loss; normalises it afterwards."
     def __init__(
@@ -130,10 +128,8 @@ class RewardTrainer:
     def evaluate(self, model: nn.Module | None = None, dataset=None, batch_size: int = 64) -> dict:
         "`eval/loss` and `eval/accuracy` on `dataset` (default: the eval set)."
         model, dataset = model or self.reward_model, dataset or self.eval_dataset
-        training = model.training
-        model.eval()
-        pairs = [self.pair_scores(model, dataset[i:i + batch_size]) for i in range(0, len(dataset), batch_size)]
-        model.train(training)
+        with eval_mode(model):
+            pairs = [self.pair_scores(model, dataset[i:i + batch_size]) for i in range(0, len(dataset), batch_size)]
         chosen, rejected = torch.cat([c for c, _ in pairs]), torch.cat([r for _, r in pairs])
         return {"eval/loss": self.loss_fn(chosen, rejected), "eval/accuracy": pairwise_accuracy(chosen, rejected)}
 
@@ -151,8 +147,7 @@ class RewardTrainer:
         self.reward_model = loop.fit(self.reward_model, len(self.train_dataset), steps, micro_loss, evaluate,
                                      self.config.eval_steps, "reward")
         if self.config.normalize:
-            with torch.no_grad():
-                self.reward_model.eval()
+            with torch.no_grad(), eval_mode(self.reward_model):
                 train = self.train_dataset
                 pairs = [self.pair_scores(self.reward_model, train[i:i + 64]) for i in range(0, len(train), 64)]
                 self.reward_model.normalize_(torch.cat([torch.cat(p) for p in pairs]))
