@@ -1,6 +1,6 @@
 # The two commands of the README, each doing its own set-up on a fresh machine:
 #   make test   every notebook (nbdev_test), pytest, and a check that the library matches the notebooks
-#   make demo   the demo
+#   make demo   SFT -> reward model -> PPO-ptx -> eval on the built-in task (about a minute on 2 CPU cores)
 # README.md is written from nbs/index.ipynb by `make readme` (nbdev_readme needs Quarto).
 # torch is installed before the project so pip takes the CPU build from this machine's disk
 # instead of fetching a multi-GB CUDA build.
@@ -40,4 +40,4 @@ test: check-export
 	$(BIN)/python -m pytest tests -q
 
 demo: $(STAMP)
-	$(BIN)/python examples/bandit_ppo.py
+	$(BIN)/goose pipeline --output_dir runs/demo

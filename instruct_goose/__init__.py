@@ -6,13 +6,16 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/99_package.ipynb #74a008c2
-from . import agent, core, data, losses, reward, trainer
+# %% ../nbs/99_package.ipynb #c3f16c62
+from . import agent, core, data, loop, losses, reward, sft, trainer
 from .core import *
 from .losses import *
 from .data import *
 from .agent import *
 from .reward import *
+from .loop import *
+from .sft import *
 from .trainer import *
 
-__all__ = [*core.__all__, *losses.__all__, *data.__all__, *agent.__all__, *reward.__all__, *trainer.__all__]
+__all__ = [*core.__all__, *losses.__all__, *data.__all__, *agent.__all__, *reward.__all__, *loop.__all__,
+           *sft.__all__, *trainer.__all__]

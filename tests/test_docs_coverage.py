@@ -32,6 +32,6 @@ def test_every_public_name_has_show_doc(module):
 
 
 def test_package_exports_every_module():
-    for module in public_modules():
+    for module in set(public_modules()) - {"cli"}:                    # the command line stays in its own module
         for name in importlib.import_module(f"instruct_goose.{module}").__all__:
             assert getattr(instruct_goose, name, None) is not None, f"instruct_goose.{name} (from {module}) is not exported at top level"
