@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TrainingConfig', 'batch_indices', 'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop']
 
-# %% ../nbs/05_loop.ipynb #87591e75
+# %% ../nbs/05_loop.ipynb #94d66291
 import json, math, os, re, shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ from transformers import get_scheduler
 
 from .core import check_number
 
-# %% ../nbs/05_loop.ipynb #8323b2eb
+# %% ../nbs/05_loop.ipynb #c7f927ae
 @dataclass
 class TrainingConfig:
     "Fields shared by every trainer: where to write, how to optimise, when to log and save."
@@ -55,7 +55,7 @@ class TrainingConfig:
         if self.report_to not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"`report_to` must be 'none', 'tensorboard' or 'wandb', got {self.report_to!r}")
 
-# %% ../nbs/05_loop.ipynb #adfd859c
+# %% ../nbs/05_loop.ipynb #c66b8578
 def batch_indices(
     n_examples: int,        # size of the dataset
     batch_size: int,        # examples per step (all processes together)
@@ -71,7 +71,7 @@ def batch_indices(
     order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return order[k * batch_size:(k + 1) * batch_size][process_index::num_processes].tolist()
 
-# %% ../nbs/05_loop.ipynb #408184c6
+# %% ../nbs/05_loop.ipynb #6a41cc72
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 def latest_checkpoint(
@@ -82,14 +82,14 @@ def latest_checkpoint(
     steps = [(int(m[1]), p) for p in output_dir.glob("checkpoint-*") if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
     return max(steps)[1] if steps else None
 
-# %% ../nbs/05_loop.ipynb #f6c76f73
+# %% ../nbs/05_loop.ipynb #474bf942
 class TrainState:
     "The step and the history of logged metrics; saved with every checkpoint."
     def __init__(self): self.step, self.history = 0, []
     def state_dict(self) -> dict: return {"step": self.step, "history": self.history}
     def load_state_dict(self, state: dict): self.step, self.history = state["step"], list(state["history"])
 
-# %% ../nbs/05_loop.ipynb #5c7c5e5f
+# %% ../nbs/05_loop.ipynb #dd08c89f
 def _check_writable(output_dir: str | Path):
     output_dir = Path(output_dir)
     try:
@@ -105,7 +105,7 @@ def fresh_accelerator(**kwargs) -> Accelerator:
     AcceleratorState._reset_state(reset_partial_state=False)
     return Accelerator(**kwargs)
 
-# %% ../nbs/05_loop.ipynb #aafb0567
+# %% ../nbs/05_loop.ipynb #471230bd
 class TrainLoop:
     "Accelerate, optimizer, schedule, logging and atomic checkpoints, shared by the trainers."
     def __init__(self, config: TrainingConfig):
@@ -204,11 +204,14 @@ class TrainLoop:
         self.accelerator.load_state(str(path))
         return True
 
-    _must_match: tuple = ("seed", "per_device_train_batch_size", "gradient_accumulation_steps")
+    _may_differ = {"output_dir", "resume_from_checkpoint", "logging_steps", "save_steps", "save_total_limit", "report_to",
+                   "disable_tqdm", "num_sample_generations"}
 
     def _check_compatible(self, saved: dict):
-        now = asdict(self.config)
-        wrong = [f"{k}: checkpoint {saved[k]!r}, now {now[k]!r}" for k in self._must_match if k in saved and saved[k] != now.get(k)]
+        "Every setting that shapes the run (all but where and how often to log and save) must match the checkpoint's."
+        now = json.loads(json.dumps(asdict(self.config), default=str))
+        wrong = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+                 if k not in self._may_differ and saved.get(k) != now.get(k)]
         if wrong: raise ValueError("`resume_from_checkpoint` was written with a different config (" + "; ".join(wrong) + ")")
 
     def sample_table(self, title: str, queries: list[str], responses: list[str], scores, max_rows: int = 4) -> Table:

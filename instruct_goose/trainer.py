@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RLHFConfig', 'Rollout', 'RLHFTrainer', 'evaluate_policy']
 
-# %% ../nbs/08_trainer.ipynb #339459a6
+# %% ../nbs/08_trainer.ipynb #65dc135f
 import time
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -24,7 +24,7 @@ from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import (AdaptiveKLController, FixedKLController, KLController, PPOLoss, compute_gae,
                                    compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #3cd133f7
+# %% ../nbs/08_trainer.ipynb #5e3a3e29
 @dataclass
 class RLHFConfig(TrainingConfig):
     "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared training fields."
@@ -67,7 +67,7 @@ class RLHFConfig(TrainingConfig):
         if self.kl_estimator not in ("k1", "k2", "mse", "k3", "abs"):
             raise ValueError(f"`kl_estimator` must be one of k1, k2, mse, k3, abs; got {self.kl_estimator!r}")
 
-# %% ../nbs/08_trainer.ipynb #16683797
+# %% ../nbs/08_trainer.ipynb #39c86936
 @dataclass
 class Rollout:
     "One batch of prompts and sampled responses with everything PPO computes once for it (all detached)."
@@ -91,12 +91,12 @@ class Rollout:
         "The minibatch of `rows`."
         return Rollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-# %% ../nbs/08_trainer.ipynb #0e5a61fc
+# %% ../nbs/08_trainer.ipynb #2aa31bc7
 def _chunks(n: int, size: int) -> list[slice]:
     "Slices that cut `n` rows into pieces of at most `size`."
     return [slice(i, i + size) for i in range(0, n, size)]
 
-# %% ../nbs/08_trainer.ipynb #a6825f2d
+# %% ../nbs/08_trainer.ipynb #04690ebe
 class RLHFTrainer:
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -151,18 +151,11 @@ class RLHFTrainer:
         rollout: Rollout,          # a rollout or a minibatch of one
         current: ResponseStats,    # the agent's logprobs, entropy and values on it now, with gradients
     ) -> Tensor:                   # the loss to minimise; statistics go to `self.stats`
-        "−L^CLIP + c₁·L^VF − c₂·S on a (mini)batch of a rollout; records the statistics in `stats`."
+        "−L^CLIP + c₁·L^VF − c₂·S on a (mini)batch of a rollout; records the loss statistics in `stats`."
         mask = rollout.response_mask
         t = self.loss_fn.terms(rollout.logprobs, current.logprobs, rollout.advantages, rollout.values, current.values,
                                rollout.returns, mask, entropy=current.entropy)
-        seq_kl, seq_non_score = rollout.kl.sum(1), rollout.non_score_reward.sum(1)
         self.stats = {
-            "objective/kl": seq_kl.mean(),
-            "objective/entropy": masked_sum(-rollout.logprobs, mask, dim=1).mean(),
-            "objective/non_score_reward": seq_non_score.mean(),
-            "objective/scores": rollout.scores.mean(),
-            "objective/rlhf_reward": (rollout.scores + seq_non_score).mean(),
-            "objective/kl_coef": torch.tensor(self.kl_ctl.value),
             "policy/approxkl_avg": 0.5 * masked_mean((current.logprobs.detach() - rollout.logprobs) ** 2, mask),
             "policy/clipfrac_avg": t.clipfrac,
             "policy/entropy_avg": t.entropy,
@@ -173,6 +166,16 @@ class RLHFTrainer:
             "val/ratio_var": masked_var(t.ratios, mask),
         }
         return t.loss
+
+    def rollout_stats(self, rollout: Rollout) -> dict[str, Tensor]:
+        "The rollout's objective statistics under TRL's names: KL, entropy, scores, RLHF reward, β (computed once per rollout)."
+        seq_kl, seq_non_score = rollout.kl.sum(1), rollout.non_score_reward.sum(1)
+        return {"objective/kl": seq_kl.mean(),
+                "objective/entropy": masked_sum(-rollout.logprobs, rollout.response_mask, dim=1).mean(),
+                "objective/non_score_reward": seq_non_score.mean(),
+                "objective/scores": rollout.scores.mean(),
+                "objective/rlhf_reward": (rollout.scores + seq_non_score).mean(),
+                "objective/kl_coef": torch.tensor(self.kl_ctl.value)}
 
     @typecheck
     def compute_loss(
@@ -188,9 +191,11 @@ class RLHFTrainer:
                                             self.config.temperature)
         rollout = self.make_rollout(query_ids, query_attention_mask, response_ids, response_attention_mask, rewards,
                                     current.logprobs.detach(), current.values.detach())
-        return self.ppo_loss(rollout, current)
+        loss = self.ppo_loss(rollout, current)
+        self.stats = {**self.rollout_stats(rollout), **self.stats}
+        return loss
 
-# %% ../nbs/08_trainer.ipynb #67700518
+# %% ../nbs/08_trainer.ipynb #bc2c1ab0
 @patch
 @torch.no_grad()
 def sample_rollout(
@@ -206,7 +211,7 @@ def sample_rollout(
     sampled = [agent.generate(q_ids[s], q_mask[s], c.response_length, self.stop_token_id, tok.pad_token_id, c.temperature)
                for s in pieces]
     r_ids, r_mask = torch.cat([ids for ids, _ in sampled]), torch.cat([m for _, m in sampled])
-    completions = [tok.decode(ids[m], skip_special_tokens=True) for ids, m in zip(r_ids, r_mask)]
+    completions = [tok.decode(ids[m], skip_special_tokens=True) for ids, m in zip(r_ids.cpu(), r_mask.cpu())]
     scores = score_completions(self.reward_model, prompts, completions).to(device)
     if c.missing_eos_penalty is not None:
         stopped = ((r_ids == self.stop_token_id) & r_mask).any(1)
@@ -283,8 +288,8 @@ def train(self: RLHFTrainer) -> Agent:
         rows = batch_indices(len(self.train_dataset), rollout_size * procs, loop.state.step, c.seed, rank, procs)
         prompts = self.train_dataset[rows]["prompt"]
         rollout, completions = self.sample_rollout(agent, prompts)
-        update = self.ppo_update(agent, rollout, loop)
-        self.kl_ctl.update(rollout.kl.sum(1).mean(), n_steps=len(rollout) * procs)
+        update = {**self.rollout_stats(rollout), **self.ppo_update(agent, rollout, loop)}
+        self.kl_ctl.update(update["objective/kl"], n_steps=len(rollout) * procs)
         loop.state.step += 1
         progress.update(1)
         last = loop.state.step == steps
@@ -312,7 +317,7 @@ def stop_token_id(self: RLHFTrainer) -> int:
         raise ValueError("set `stop_token_id` in the config, or give a tokenizer with an EOS token")
     return self.tokenizer.eos_token_id
 
-# %% ../nbs/08_trainer.ipynb #537daef9
+# %% ../nbs/08_trainer.ipynb #79e19cef
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module,                 # the trained policy: an `Agent` or a causal LM
@@ -335,7 +340,7 @@ def evaluate_policy(
     for name, m in (("policy", model), ("reference", ref_model)):
         torch.manual_seed(seed)
         ids, masks[name] = generate_responses(m, q_ids, q_mask, response_length, stop, tokenizer.pad_token_id, temperature)
-        completions[name] = [tokenizer.decode(i[k], skip_special_tokens=True) for i, k in zip(ids, masks[name])]
+        completions[name] = [tokenizer.decode(i[k], skip_special_tokens=True) for i, k in zip(ids.cpu(), masks[name].cpu())]
         if name == "policy": policy_ids = ids
     mask = masks["policy"]
     with eval_mode(model, ref_model):
