@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TrainingConfig', 'batch_indices', 'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop']
 
-# %% ../nbs/05_loop.ipynb #94d66291
+# %% ../nbs/05_loop.ipynb #b4b87b8d
 import json, math, os, re, shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ from transformers import get_scheduler
 
 from .core import check_number
 
-# %% ../nbs/05_loop.ipynb #c7f927ae
+# %% ../nbs/05_loop.ipynb #ea337852
 @dataclass
 class TrainingConfig:
     "Fields shared by every trainer: where to write, how to optimise, when to log and save."
@@ -55,7 +55,7 @@ class TrainingConfig:
         if self.report_to not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"`report_to` must be 'none', 'tensorboard' or 'wandb', got {self.report_to!r}")
 
-# %% ../nbs/05_loop.ipynb #c66b8578
+# %% ../nbs/05_loop.ipynb #0d245c89
 def batch_indices(
     n_examples: int,        # size of the dataset
     batch_size: int,        # examples per step (all processes together)
@@ -71,7 +71,7 @@ def batch_indices(
     order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return order[k * batch_size:(k + 1) * batch_size][process_index::num_processes].tolist()
 
-# %% ../nbs/05_loop.ipynb #6a41cc72
+# %% ../nbs/05_loop.ipynb #3289dfc9
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 def latest_checkpoint(
@@ -82,14 +82,14 @@ def latest_checkpoint(
     steps = [(int(m[1]), p) for p in output_dir.glob("checkpoint-*") if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
     return max(steps)[1] if steps else None
 
-# %% ../nbs/05_loop.ipynb #474bf942
+# %% ../nbs/05_loop.ipynb #556507f2
 class TrainState:
     "The step and the history of logged metrics; saved with every checkpoint."
     def __init__(self): self.step, self.history = 0, []
     def state_dict(self) -> dict: return {"step": self.step, "history": self.history}
     def load_state_dict(self, state: dict): self.step, self.history = state["step"], list(state["history"])
 
-# %% ../nbs/05_loop.ipynb #dd08c89f
+# %% ../nbs/05_loop.ipynb #2b97d964
 def _check_writable(output_dir: str | Path):
     output_dir = Path(output_dir)
     try:
@@ -105,7 +105,7 @@ def fresh_accelerator(**kwargs) -> Accelerator:
     AcceleratorState._reset_state(reset_partial_state=False)
     return Accelerator(**kwargs)
 
-# %% ../nbs/05_loop.ipynb #471230bd
+# %% ../nbs/05_loop.ipynb #326c1ef4
 class TrainLoop:
     "Accelerate, optimizer, schedule, logging and atomic checkpoints, shared by the trainers."
     def __init__(self, config: TrainingConfig):
@@ -114,6 +114,9 @@ class TrainLoop:
         self.accelerator = fresh_accelerator(
             mixed_precision=config.mixed_precision, project_dir=config.output_dir,
             log_with=None if config.report_to == "none" else config.report_to)
+        if config.report_to != "none":
+            settings = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(config).items()}
+            self.accelerator.init_trackers(type(config).__name__.lower(), config=settings)
         set_seed(config.seed)
         self.state = TrainState()
         self.register(self.state)
