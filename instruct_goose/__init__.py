@@ -6,8 +6,8 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/99_package.ipynb #c3f16c62
-from . import agent, core, data, loop, losses, reward, sft, trainer
+# %% ../nbs/99_package.ipynb #e3e6824d
+from . import agent, core, data, loop, losses, reward, rloo, sft, trainer
 from .core import *
 from .losses import *
 from .data import *
@@ -16,6 +16,7 @@ from .reward import *
 from .loop import *
 from .sft import *
 from .trainer import *
+from .rloo import *
 
 __all__ = [*core.__all__, *losses.__all__, *data.__all__, *agent.__all__, *reward.__all__, *loop.__all__,
-           *sft.__all__, *trainer.__all__]
+           *sft.__all__, *trainer.__all__, *rloo.__all__]

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 GOOSE = str(Path(sys.executable).parent / "goose")
 
 
@@ -12,7 +14,7 @@ def goose(*args, cwd=None):
 
 
 def test_every_command_has_help():
-    for command in ("sft", "rm", "ppo", "eval", "pipeline"):
+    for command in ("sft", "rm", "ppo", "rloo", "eval", "pipeline"):
         result = goose(command, "--help")
         assert result.returncode == 0, result.stderr
         assert "--output_dir" in result.stdout or "--output" in result.stdout
@@ -25,17 +27,18 @@ def test_bad_value_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "ppo").exists()
 
 
-def test_short_pipeline_trains_evaluates_and_reports(tmp_path):
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_short_pipeline_trains_evaluates_and_reports(tmp_path, algo):
     out = tmp_path / "run"
-    result = goose("pipeline", "--output_dir", str(out), "--sft_steps", "40", "--rm_steps", "10",
-                   "--ppo_episodes", "64", "--response_length", "8", "--disable_tqdm", "true")
+    result = goose("pipeline", "--output_dir", str(out), "--algo", algo, "--sft_steps", "40", "--rm_steps", "10",
+                   "--rl_episodes", "64", "--response_length", "8", "--disable_tqdm", "true")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     metrics = summary["metrics"]
     assert {"eval/reward", "eval/gold", "eval/kl", "eval/reward_win_rate", "eval/gold_win_rate"} <= set(metrics)
     assert all(v == v for v in metrics.values())                      # no NaN
-    assert (out / "ppo_curves.png").stat().st_size > 10_000
-    for stage in ("sft", "rm", "ppo"):
+    assert (out / f"{algo}_curves.png").stat().st_size > 10_000
+    for stage in ("sft", "rm", algo):
         assert (out / stage / "config.json").is_file(), stage
         assert any((out / stage).glob("checkpoint-*")), stage
     assert "samples at step" in result.stdout and "policy vs reference" in result.stdout
