@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/99_package.ipynb #e3e6824d
+# %% ../nbs/99_package.ipynb #49e0f540
 from . import agent, core, data, loop, losses, reward, rloo, sft, trainer
 from .core import *
 from .losses import *

@@ -7,7 +7,7 @@ __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMComman
            'PipelineCommand', 'load_tokenizer_and_model', 'load_data', 'run_sft', 'run_rm', 'run_ppo', 'run_rloo',
            'run_eval', 'comparison_table', 'plot_curves', 'run_pipeline', 'main']
 
-# %% ../nbs/10_cli.ipynb #93cee3ac
+# %% ../nbs/10_cli.ipynb #ce524061
 import argparse, copy, dataclasses, inspect, json, logging, re, sys, time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,7 +26,7 @@ from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from .rloo import RLOOConfig, RLOOTrainer
 from .trainer import RLHFConfig, RLHFTrainer, evaluate_policy
 
-# %% ../nbs/10_cli.ipynb #ebb2753d
+# %% ../nbs/10_cli.ipynb #82689ec6
 _FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
 
 def field_help(cls) -> dict[str, str]:
@@ -53,7 +53,7 @@ def _boolean(text: str) -> bool:
 def _none_or(parse):
     return lambda text: None if text.lower() == "none" else parse(text)
 
-# %% ../nbs/10_cli.ipynb #d554e780
+# %% ../nbs/10_cli.ipynb #7b403674
 def build_parser(cls, prog: str) -> argparse.ArgumentParser:
     "An argparse parser with one `--flag` per field of dataclass `cls`, documented by the field's comment."
     parser = argparse.ArgumentParser(prog=prog, description=inspect.getdoc(cls),
@@ -84,7 +84,7 @@ def _yaml(text: str) -> dict:
     import yaml
     return yaml.safe_load(text) or {}
 
-# %% ../nbs/10_cli.ipynb #81681b3e
+# %% ../nbs/10_cli.ipynb #691de852
 _TINY = {"tiny-gpt2": "gpt2", "tiny-llama": "llama"}
 
 @dataclass
@@ -176,7 +176,7 @@ class PipelineCommand:
     response_length: int = 16                # tokens sampled per response
     disable_tqdm: bool = False               # hide the progress bars
 
-# %% ../nbs/10_cli.ipynb #17188483
+# %% ../nbs/10_cli.ipynb #bfa9d24b
 def load_tokenizer_and_model(name: str, seed: int = 0):
     "(tokenizer, causal LM) for a 🤗 name/path, or a tiny model on the task's tokenizer for tiny-gpt2 / tiny-llama."
     if name in _TINY:
@@ -198,7 +198,7 @@ def _stage_config(command, config_class):
     names = {f.name for f in fields(config_class)}
     return config_class(**{k: v for k, v in dataclasses.asdict(command).items() if k in names})
 
-# %% ../nbs/10_cli.ipynb #4061a98e
+# %% ../nbs/10_cli.ipynb #bc6dc142
 def run_sft(args: SFTCommand):
     "goose sft"
     tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
@@ -249,7 +249,7 @@ def run_eval(args: EvalCommand) -> dict:
     if args.output: Path(args.output).write_text(json.dumps({"metrics": metrics, "samples": records}, indent=1))
     return metrics
 
-# %% ../nbs/10_cli.ipynb #d6599666
+# %% ../nbs/10_cli.ipynb #0a9d998e
 def comparison_table(metrics: dict, title: str = "policy vs reference (held-out prompts)") -> Table:
     "A rich table of `evaluate_policy`'s metrics: reference and policy side by side, with win rates."
     table = Table(title=title)
@@ -261,7 +261,7 @@ def comparison_table(metrics: dict, title: str = "policy vs reference (held-out 
     table.add_row("KL to reference (nats)", "0", f"{metrics['eval/kl']:.2f}", "")
     return table
 
-# %% ../nbs/10_cli.ipynb #21da4c86
+# %% ../nbs/10_cli.ipynb #a915eb02
 def plot_curves(history: list[dict], path: str | Path, keys=("objective/scores", "objective/kl", "objective/kl_coef")):
     "Save a PNG with one panel per metric of a training history (needs matplotlib)."
     import matplotlib
@@ -309,7 +309,7 @@ def run_pipeline(args: PipelineCommand) -> dict:
     console.print(f"done in {summary['seconds']} s; plot: {out / f'{args.algo}_curves.png'}; summary: {out / 'summary.json'}")
     return summary
 
-# %% ../nbs/10_cli.ipynb #73ff32cf
+# %% ../nbs/10_cli.ipynb #aaab4b70
 _COMMANDS = {"sft": (SFTCommand, run_sft), "rm": (RMCommand, run_rm), "ppo": (PPOCommand, run_ppo),
              "rloo": (RLOOCommand, run_rloo), "eval": (EvalCommand, run_eval), "pipeline": (PipelineCommand, run_pipeline)}
 

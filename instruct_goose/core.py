@@ -6,7 +6,7 @@
 __all__ = ['assert_tensor', 'ShapeError', 'typecheck', 'check_number', 'masked_sum', 'masked_mean', 'masked_var', 'masked_whiten',
            'last_true_index', 'logprobs_from_logits', 'entropy_from_logits', 'truncate_after_stop']
 
-# %% ../nbs/00_core.ipynb #3922c4e0
+# %% ../nbs/00_core.ipynb #27f526c8
 import functools, inspect, math
 from collections.abc import Sequence
 from types import UnionType
@@ -18,7 +18,7 @@ from beartype import BeartypeConf, beartype
 from beartype.door import is_bearable
 from jaxtyping import Bool, Float, Int, Shaped, TypeCheckError, jaxtyped
 
-# %% ../nbs/00_core.ipynb #91d6d9de
+# %% ../nbs/00_core.ipynb #0d238ee5
 def assert_tensor(
     actual: Tensor,         # the tensor a test produced
     expected,               # a tensor, number or nested list of the expected values
@@ -37,11 +37,11 @@ def assert_tensor(
     if eps == 0: assert torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}"
     else: torch.testing.assert_close(actual, expected, atol=eps, rtol=0)
 
-# %% ../nbs/00_core.ipynb #613ec707
+# %% ../nbs/00_core.ipynb #99d436c0
 class ShapeError(TypeError):
     "A tensor argument whose dtype, rank or dimension sizes break the function's annotations."
 
-# %% ../nbs/00_core.ipynb #e1922774
+# %% ../nbs/00_core.ipynb #ad1714c0
 _conf = BeartypeConf(is_pep484_tower=True)
 
 def _array_spec(anno, value):
@@ -103,7 +103,7 @@ def _explain(f, args, kwargs) -> str:
             seen.setdefault(dim, (size, name))
     return f"{f.__qualname__}(): " + "; ".join(problems) if problems else ""
 
-# %% ../nbs/00_core.ipynb #6cf84e79
+# %% ../nbs/00_core.ipynb #dcdb295b
 def typecheck(f):
     "Check `f`'s jaxtyping/beartype annotations at every call; a failure raises `ShapeError` naming the argument."
     checked = jaxtyped(typechecker=beartype(conf=_conf))(f)
@@ -114,7 +114,7 @@ def typecheck(f):
             raise ShapeError(_explain(f, args, kwargs) or str(e)) from e
     return _checked
 
-# %% ../nbs/00_core.ipynb #56849dff
+# %% ../nbs/00_core.ipynb #26a9e471
 def check_number(
     name: str,                  # the argument's name, for the message
     value: float,               # the number to check
@@ -129,7 +129,7 @@ def check_number(
         raise ValueError(f"`{name}` must be a finite number in {bracket}{low}, {high}], got {value!r}")
     return value
 
-# %% ../nbs/00_core.ipynb #397e518c
+# %% ../nbs/00_core.ipynb #61675a67
 @typecheck
 def masked_sum(
     x: Float[Tensor, "*shape"],      # values
@@ -140,7 +140,7 @@ def masked_sum(
     kept = torch.where(mask, x, 0.0)
     return kept.sum() if dim is None else kept.sum(dim)
 
-# %% ../nbs/00_core.ipynb #661a6654
+# %% ../nbs/00_core.ipynb #9f779abe
 @typecheck
 def masked_mean(
     x: Float[Tensor, "*shape"],      # values
@@ -151,7 +151,7 @@ def masked_mean(
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
-# %% ../nbs/00_core.ipynb #819d4380
+# %% ../nbs/00_core.ipynb #5d5a171f
 @typecheck
 def masked_var(
     x: Float[Tensor, "*shape"],      # values
@@ -165,7 +165,7 @@ def masked_var(
     n = mask.sum()
     return var * n / (n - 1).clamp(min=1)
 
-# %% ../nbs/00_core.ipynb #1dc61885
+# %% ../nbs/00_core.ipynb #301ac181
 @typecheck
 def masked_whiten(
     x: Float[Tensor, "*shape"],      # values
@@ -179,7 +179,7 @@ def masked_whiten(
     if not shift_mean: whitened = whitened + mean
     return torch.where(mask, whitened, 0.0)
 
-# %% ../nbs/00_core.ipynb #1b1664fe
+# %% ../nbs/00_core.ipynb #c40ccc49
 @typecheck
 def last_true_index(
     mask: Bool[Tensor, "batch seq"],  # True on real tokens, padding on either side
@@ -188,7 +188,7 @@ def last_true_index(
     positions = torch.arange(mask.shape[-1], device=mask.device)
     return torch.where(mask, positions, -1).amax(-1)
 
-# %% ../nbs/00_core.ipynb #592359fa
+# %% ../nbs/00_core.ipynb #0d7b1f51
 def _float_rows(logits: Tensor, temperature: float):
     "Each batch row of `logits` as float32 divided by `temperature` (no copy for float32 at T=1)."
     check_number("temperature", temperature, low_open=True)
@@ -196,7 +196,7 @@ def _float_rows(logits: Tensor, temperature: float):
         row = row.float()
         yield row if temperature == 1.0 else row / temperature
 
-# %% ../nbs/00_core.ipynb #7873bad1
+# %% ../nbs/00_core.ipynb #544d649e
 @typecheck
 def logprobs_from_logits(
     logits: Float[Tensor, "batch resp vocab"],  # model outputs at the positions that predict `labels`
@@ -207,7 +207,7 @@ def logprobs_from_logits(
     return torch.stack([row.gather(-1, lab[:, None]).squeeze(-1) - torch.logsumexp(row, -1)
                         for row, lab in zip(_float_rows(logits, temperature), labels)])
 
-# %% ../nbs/00_core.ipynb #e9df080b
+# %% ../nbs/00_core.ipynb #ee789499
 @typecheck
 def entropy_from_logits(
     logits: Float[Tensor, "batch resp vocab"],  # model outputs
@@ -216,7 +216,7 @@ def entropy_from_logits(
     "Entropy of each position's next-token distribution in nats; -inf logits (banned tokens) are fine."
     return torch.stack([torch.special.entr(row.softmax(-1)).sum(-1) for row in _float_rows(logits, temperature)])
 
-# %% ../nbs/00_core.ipynb #8d83884b
+# %% ../nbs/00_core.ipynb #579d85f0
 @typecheck
 def truncate_after_stop(
     ids: Int[Tensor, "batch resp"],         # sampled response token ids

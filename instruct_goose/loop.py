@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TrainingConfig', 'batch_indices', 'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop']
 
-# %% ../nbs/05_loop.ipynb #b4b87b8d
+# %% ../nbs/05_loop.ipynb #3c5061b0
 import json, math, os, re, shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ from transformers import get_scheduler
 
 from .core import check_number
 
-# %% ../nbs/05_loop.ipynb #ea337852
+# %% ../nbs/05_loop.ipynb #798fe0ea
 @dataclass
 class TrainingConfig:
     "Fields shared by every trainer: where to write, how to optimise, when to log and save."
@@ -55,7 +55,7 @@ class TrainingConfig:
         if self.report_to not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"`report_to` must be 'none', 'tensorboard' or 'wandb', got {self.report_to!r}")
 
-# %% ../nbs/05_loop.ipynb #0d245c89
+# %% ../nbs/05_loop.ipynb #ee1cca18
 def batch_indices(
     n_examples: int,        # size of the dataset
     batch_size: int,        # examples per step (all processes together)
@@ -71,7 +71,7 @@ def batch_indices(
     order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return order[k * batch_size:(k + 1) * batch_size][process_index::num_processes].tolist()
 
-# %% ../nbs/05_loop.ipynb #3289dfc9
+# %% ../nbs/05_loop.ipynb #26f60025
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 def latest_checkpoint(
@@ -82,14 +82,14 @@ def latest_checkpoint(
     steps = [(int(m[1]), p) for p in output_dir.glob("checkpoint-*") if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
     return max(steps)[1] if steps else None
 
-# %% ../nbs/05_loop.ipynb #556507f2
+# %% ../nbs/05_loop.ipynb #5ccd81d0
 class TrainState:
     "The step and the history of logged metrics; saved with every checkpoint."
     def __init__(self): self.step, self.history = 0, []
     def state_dict(self) -> dict: return {"step": self.step, "history": self.history}
     def load_state_dict(self, state: dict): self.step, self.history = state["step"], list(state["history"])
 
-# %% ../nbs/05_loop.ipynb #2b97d964
+# %% ../nbs/05_loop.ipynb #99f70fac
 def _check_writable(output_dir: str | Path):
     output_dir = Path(output_dir)
     try:
@@ -105,7 +105,7 @@ def fresh_accelerator(**kwargs) -> Accelerator:
     AcceleratorState._reset_state(reset_partial_state=False)
     return Accelerator(**kwargs)
 
-# %% ../nbs/05_loop.ipynb #326c1ef4
+# %% ../nbs/05_loop.ipynb #cfd15b20
 class TrainLoop:
     "Accelerate, optimizer, schedule, logging and atomic checkpoints, shared by the trainers."
     def __init__(self, config: TrainingConfig):

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RewardModel', 'score_completions']
 
-# %% ../nbs/04_reward.ipynb #2da95ba4
+# %% ../nbs/04_reward.ipynb #4acd48a6
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from .agent import _hidden_size, _load, eval_mode, position_ids_from_mask
 from .core import last_true_index, typecheck
 from .data import encode_texts
 
-# %% ../nbs/04_reward.ipynb #40224aff
+# %% ../nbs/04_reward.ipynb #306ef336
 class RewardModel(nn.Module):
     "r_θ(x, y): a linear head on any 🤗 trunk, read at the last real token of each sequence; unbounded."
     def __init__(
@@ -102,10 +102,10 @@ class RewardModel(nn.Module):
         reward_model.head.load_state_dict(load_file(head))
         return reward_model
 
-# %% ../nbs/04_reward.ipynb #33868982
+# %% ../nbs/04_reward.ipynb #d9b38894
 RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
 
-# %% ../nbs/04_reward.ipynb #02708325
+# %% ../nbs/04_reward.ipynb #3e83c1a1
 def score_completions(
     reward: "RewardModel | RewardFunction",  # a reward model with a tokenizer, or f(prompts, completions) -> scores
     prompts: list[str],                      # prompt texts
