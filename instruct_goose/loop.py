@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['TrainingConfig', 'batch_indices', 'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop']
 
-# %% ../nbs/05_loop.ipynb #3c5061b0
-import json, math, os, re, shutil
+# %% ../nbs/05_loop.ipynb #b856d894
+import json, math, os, re, shutil, warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -23,7 +23,7 @@ from transformers import get_scheduler
 
 from .core import check_number
 
-# %% ../nbs/05_loop.ipynb #798fe0ea
+# %% ../nbs/05_loop.ipynb #a5d166f6
 @dataclass
 class TrainingConfig:
     "Fields shared by every trainer: where to write, how to optimise, when to log and save."
@@ -43,6 +43,7 @@ class TrainingConfig:
     resume_from_checkpoint: str | None = None     # a checkpoint directory, or "latest" in `output_dir`
     report_to: Literal["none", "tensorboard", "wandb"] = "none"  # experiment tracker, through Accelerate
     disable_tqdm: bool = False                    # hide the progress bar
+    skip_nonfinite: bool = False                  # skip an optimizer step whose gradient is NaN/inf (default: stop with an error)
 
     def __post_init__(self):
         check_number("learning_rate", self.learning_rate, low_open=True)
@@ -55,7 +56,7 @@ class TrainingConfig:
         if self.report_to not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"`report_to` must be 'none', 'tensorboard' or 'wandb', got {self.report_to!r}")
 
-# %% ../nbs/05_loop.ipynb #ee1cca18
+# %% ../nbs/05_loop.ipynb #af24cbc9
 def batch_indices(
     n_examples: int,        # size of the dataset
     batch_size: int,        # examples per step (all processes together)
@@ -71,7 +72,7 @@ def batch_indices(
     order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return order[k * batch_size:(k + 1) * batch_size][process_index::num_processes].tolist()
 
-# %% ../nbs/05_loop.ipynb #26f60025
+# %% ../nbs/05_loop.ipynb #d6410f3c
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 def latest_checkpoint(
@@ -82,14 +83,14 @@ def latest_checkpoint(
     steps = [(int(m[1]), p) for p in output_dir.glob("checkpoint-*") if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
     return max(steps)[1] if steps else None
 
-# %% ../nbs/05_loop.ipynb #5ccd81d0
+# %% ../nbs/05_loop.ipynb #2f30c17c
 class TrainState:
     "The step and the history of logged metrics; saved with every checkpoint."
     def __init__(self): self.step, self.history = 0, []
     def state_dict(self) -> dict: return {"step": self.step, "history": self.history}
     def load_state_dict(self, state: dict): self.step, self.history = state["step"], list(state["history"])
 
-# %% ../nbs/05_loop.ipynb #99f70fac
+# %% ../nbs/05_loop.ipynb #48b51568
 def _check_writable(output_dir: str | Path):
     output_dir = Path(output_dir)
     try:
@@ -105,7 +106,7 @@ def fresh_accelerator(**kwargs) -> Accelerator:
     AcceleratorState._reset_state(reset_partial_state=False)
     return Accelerator(**kwargs)
 
-# %% ../nbs/05_loop.ipynb #cfd15b20
+# %% ../nbs/05_loop.ipynb #91ed1131
 class TrainLoop:
     "Accelerate, optimizer, schedule, logging and atomic checkpoints, shared by the trainers."
     def __init__(self, config: TrainingConfig):
@@ -144,14 +145,29 @@ class TrainLoop:
         "Accumulate the gradient of `loss`, scaled for gradient accumulation."
         self.accelerator.backward(loss / self.config.gradient_accumulation_steps)
 
-    def optimizer_step(self, model: nn.Module) -> Tensor:
+    def optimizer_step(self, model: nn.Module, stats: dict | None = None) -> Tensor:
         "Clip, step the optimizer and the schedule, zero the gradients; returns the gradient norm before clipping."
         max_norm = self.config.max_grad_norm or math.inf
         grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        if not torch.isfinite(grad_norm):          # one host sync per optimizer step, never per micro-batch
+            self.optimizer.zero_grad(set_to_none=True)
+            self._nonfinite(grad_norm, stats or {})
+            return grad_norm
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def _nonfinite(self, grad_norm: Tensor, stats: dict):
+        "Stop (or, with `skip_nonfinite`, skip the step) on a NaN/inf gradient, naming the step and the non-finite quantities."
+        bad = [k for k, v in stats.items() if not torch.isfinite(torch.as_tensor(v)).all()]
+        where = f"step {self.state.step + 1}: the gradient norm is {grad_norm.item()}" + (f"; non-finite: {', '.join(bad)}" if bad else "")
+        if not self.config.skip_nonfinite:
+            raise FloatingPointError(where + ". No update was applied; set skip_nonfinite=True to skip such batches.")
+        self.skipped_steps += 1
+        warnings.warn(where + ": the batch was skipped")
+
+    skipped_steps: int = 0
 
     @property
     def lr(self) -> float: return self.scheduler.get_last_lr()[0]
@@ -254,7 +270,7 @@ class TrainLoop:
                 with acc.autocast(): loss, metrics = loss_fn(model, micro)
                 self.backward(loss)
                 for k, v in metrics.items(): totals[k] = totals.get(k, 0) + v / c.gradient_accumulation_steps
-            grad_norm = self.optimizer_step(model)
+            grad_norm = self.optimizer_step(model, totals)
             self.state.step += 1
             progress.update(1)
             done = self.state.step == num_training_steps

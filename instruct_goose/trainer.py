@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['OnPolicyConfig', 'RLHFConfig', 'Rollout', 'OnPolicyTrainer', 'RLHFTrainer', 'Samples', 'evaluate_policy']
 
-# %% ../nbs/08_trainer.ipynb #79e64f43
+# %% ../nbs/08_trainer.ipynb #701c4151
 import time
 from dataclasses import dataclass, fields
 from typing import Literal, NamedTuple
@@ -24,7 +24,7 @@ from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import (AdaptiveKLController, FixedKLController, KLController, PPOLoss, compute_gae,
                                    compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #fd21f0bd
+# %% ../nbs/08_trainer.ipynb #1cf208fe
 _KL_ESTIMATORS = ("k1", "k2", "mse", "k3", "abs")
 
 @dataclass
@@ -62,7 +62,7 @@ class OnPolicyConfig(TrainingConfig):
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
 
-# %% ../nbs/08_trainer.ipynb #33a100f4
+# %% ../nbs/08_trainer.ipynb #47c815c1
 @dataclass
 class RLHFConfig(OnPolicyConfig):
     "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared fields."
@@ -82,7 +82,7 @@ class RLHFConfig(OnPolicyConfig):
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
         for name in ("cliprange_value", "kl_target", "kl_horizon"): check_number(name, getattr(self, name), low_open=True)
 
-# %% ../nbs/08_trainer.ipynb #77fb9097
+# %% ../nbs/08_trainer.ipynb #282e58da
 @dataclass
 class Rollout:
     "One batch of prompts and sampled responses with everything PPO computes once for it (all detached)."
@@ -106,12 +106,12 @@ class Rollout:
         "The minibatch of `rows`."
         return Rollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-# %% ../nbs/08_trainer.ipynb #ebc617bb
+# %% ../nbs/08_trainer.ipynb #afa6822e
 def _chunks(n: int, size: int) -> list[slice]:
     "Slices that cut `n` rows into pieces of at most `size`."
     return [slice(i, i + size) for i in range(0, n, size)]
 
-# %% ../nbs/08_trainer.ipynb #b58fc08a
+# %% ../nbs/08_trainer.ipynb #70b9d6bc
 class OnPolicyTrainer:
     "What the on-policy trainers (PPO, RLOO) share: the config, tokenizer, reward, prompts and KL controller; `train` is below."
     def __init__(
@@ -128,7 +128,7 @@ class OnPolicyTrainer:
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
 
-# %% ../nbs/08_trainer.ipynb #d0bc7de2
+# %% ../nbs/08_trainer.ipynb #7cd854d8
 class RLHFTrainer(OnPolicyTrainer):
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -223,7 +223,7 @@ class RLHFTrainer(OnPolicyTrainer):
         self.stats = {**self.rollout_stats(rollout), **self.stats}
         return loss
 
-# %% ../nbs/08_trainer.ipynb #9cde2797
+# %% ../nbs/08_trainer.ipynb #55efe337
 class Samples(NamedTuple):
     "Responses sampled for a batch of prompts, with their scores."
     query_ids: Tensor             # (batch, query) left-padded prompts
@@ -268,6 +268,11 @@ def check_ready(self: OnPolicyTrainer):
     "Refuse to start training without what it needs, naming what is missing."
     for name in ("tokenizer", "reward_model", "train_dataset"):
         if getattr(self, name) is None: raise ValueError(f"`{name}` is needed to train: pass it to {type(self).__name__}(...)")
+    c = self.config
+    limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and c.max_prompt_length + c.response_length > limit:
+        raise ValueError(f"`max_prompt_length` ({c.max_prompt_length}) + `response_length` ({c.response_length}) exceeds "
+                         f"the model's context of {limit} tokens")
     if self.config.rollout_size % self.samples_per_prompt:
         raise ValueError(f"a rollout of {self.config.rollout_size} responses (per_device_train_batch_size × "
                          f"gradient_accumulation_steps × num_mini_batches) is not a multiple of {self.samples_per_prompt} per prompt")
@@ -316,7 +321,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     loop.end()
     return model
 
-# %% ../nbs/08_trainer.ipynb #581eed3b
+# %% ../nbs/08_trainer.ipynb #651caeb2
 @patch
 @torch.no_grad()
 def sample_rollout(
@@ -358,7 +363,7 @@ def update(
                 loop.backward(loss)
                 for k, v in self.stats.items(): sums[k] = sums.get(k, 0) + v
                 count += 1
-            grad_norm = loop.optimizer_step(agent)
+            grad_norm = loop.optimizer_step(agent, self.stats)
     return {**{k: v / count for k, v in sums.items()}, "grad_norm": grad_norm}
 
 @patch
@@ -380,7 +385,7 @@ def ptx_nll(
     device = next(agent.parameters()).device
     return lm_nll(agent.model, ids.to(device), mask.to(device), loss_mask.to(device))
 
-# %% ../nbs/08_trainer.ipynb #32c976d5
+# %% ../nbs/08_trainer.ipynb #8f9fdf72
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module,                 # the trained policy: an `Agent` or a causal LM
