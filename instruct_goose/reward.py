@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RewardModel', 'score_completions']
 
-# %% ../nbs/04_reward.ipynb #4acd48a6
+# %% ../nbs/04_reward.ipynb #830df7d1
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from .agent import _hidden_size, _load, eval_mode, position_ids_from_mask
 from .core import last_true_index, typecheck
 from .data import encode_texts
 
-# %% ../nbs/04_reward.ipynb #306ef336
+# %% ../nbs/04_reward.ipynb #30c4ba3f
 class RewardModel(nn.Module):
     "r_θ(x, y): a linear head on any 🤗 trunk, read at the last real token of each sequence; unbounded."
     def __init__(
@@ -102,25 +102,25 @@ class RewardModel(nn.Module):
         reward_model.head.load_state_dict(load_file(head))
         return reward_model
 
-# %% ../nbs/04_reward.ipynb #d9b38894
+# %% ../nbs/04_reward.ipynb #417b0daa
 RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
 
-# %% ../nbs/04_reward.ipynb #3e83c1a1
+# %% ../nbs/04_reward.ipynb #2c8c51f7
 def score_completions(
     reward: "RewardModel | RewardFunction",  # a reward model with a tokenizer, or f(prompts, completions) -> scores
     prompts: list[str],                      # prompt texts
     completions: list[str],                  # completion texts, one per prompt
 ) -> Float[Tensor, "batch"]:                 # one finite float32 score per completion
     "Score (prompt, completion) texts with a reward model or a reward function; refuse anything but one finite number each."
-    if isinstance(reward, RewardModel): return reward.score(prompts, completions).cpu()
-    name = getattr(reward, "__name__", type(reward).__name__)
-    raw = reward(prompts, completions)
-    raw = raw.tolist() if isinstance(raw, Tensor) else list(raw)
-    if len(raw) != len(completions):
-        raise ValueError(f"reward function `{name}` returned {len(raw)} scores for {len(completions)} completions")
-    bad = [i for i, x in enumerate(raw) if isinstance(x, bool) or not isinstance(x, (int, float))]
-    if bad: raise TypeError(f"reward function `{name}` returned non-numbers at {bad}: {[raw[i] for i in bad][:3]}")
-    scores = torch.tensor(raw, dtype=torch.float32)
+    if isinstance(reward, RewardModel):
+        name, scores = f"reward model `{type(reward.backbone).__name__}`", reward.score(prompts, completions).cpu()
+    else:
+        name, raw = f"reward function `{getattr(reward, '__name__', type(reward).__name__)}`", reward(prompts, completions)
+        raw = raw.tolist() if isinstance(raw, Tensor) else list(raw)
+        if len(raw) != len(completions): raise ValueError(f"{name} returned {len(raw)} scores for {len(completions)} completions")
+        bad = [i for i, x in enumerate(raw) if isinstance(x, bool) or not isinstance(x, (int, float))]
+        if bad: raise TypeError(f"{name} returned non-numbers at {bad}: {[raw[i] for i in bad][:3]}")
+        scores = torch.tensor(raw, dtype=torch.float32)
     nonfinite = (~torch.isfinite(scores)).nonzero().flatten().tolist()
-    if nonfinite: raise ValueError(f"reward function `{name}` returned NaN or inf at {nonfinite}")
+    if nonfinite: raise ValueError(f"{name} returned NaN or inf at {nonfinite}")
     return scores

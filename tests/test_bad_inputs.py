@@ -62,6 +62,13 @@ def test_reward_function_returning_booleans_is_refused():
         score_completions(lambda p, c: [True], ["a"], ["c"])
 
 
+def test_nan_score_from_reward_model(tokenizer):
+    reward_model = RewardModel(tiny_causal_lm(tokenizer, seed=2), tokenizer=tokenizer)
+    with torch.no_grad(): reward_model.head.bias.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"reward model `GPT2Model` returned NaN or inf at \[0\]"):
+        score_completions(reward_model, ["the goose"], [" says honk"])
+
+
 def test_nan_score_reaching_the_rollout_is_refused():
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"`scores` is NaN or infinite at rows \[0\]"):
