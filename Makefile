@@ -43,3 +43,15 @@ test: check-export
 
 demo: $(STAMP)
 	$(BIN)/goose pipeline --output_dir runs/demo
+
+# The documentation site, built without Quarto (tools/docs.py: nbdev's processed notebooks -> MkDocs -> _site/,
+# KaTeX from npm bundled so it works offline), then checked page by page in Debian's headless Chromium.
+.PHONY: docs docs-check
+docs: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[docs]"
+	$(BIN)/python tools/docs.py
+
+docs-check: docs
+	@command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
+	$(BIN)/python -m pip install --quiet playwright==1.65.2
+	$(BIN)/python tools/docs_check.py

@@ -7,7 +7,7 @@ __all__ = ['position_ids_from_mask', 'response_logits', 'token_logprobs', 'lm_nl
            'disable_dropout', 'eval_mode', 'generate_responses', 'Agent', 'create_reference_model', 'ObjectiveTerms',
            'AgentObjective']
 
-# %% ../nbs/03_agent.ipynb #35e289d5
+# %% ../nbs/03_agent.ipynb #b64f9d5e
 import copy, inspect
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +23,7 @@ from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreT
 from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
                                  truncate_after_stop, typecheck)
 
-# %% ../nbs/03_agent.ipynb #8029852a
+# %% ../nbs/03_agent.ipynb #02dcccd8
 @typecheck
 def position_ids_from_mask(
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1/True on real tokens
@@ -31,7 +31,7 @@ def position_ids_from_mask(
     "Position ids that count real tokens only, so left padding does not shift a sequence."
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
-# %% ../nbs/03_agent.ipynb #da019d1b
+# %% ../nbs/03_agent.ipynb #c09186f4
 def _check_left_padded(query_attention_mask):
     if not bool(query_attention_mask[:, -1].all()):
         raise ValueError("`query_attention_mask` must be left-padded (the last position of every row real): "
@@ -57,7 +57,7 @@ def response_logits(
     hidden = out.hidden_states[-1][:, -n_resp - 1:-1] if output_hidden_states else None
     return out.logits[:, -n_resp - 1:-1], hidden
 
-# %% ../nbs/03_agent.ipynb #5187b2f1
+# %% ../nbs/03_agent.ipynb #e75e9ba2
 @typecheck
 def token_logprobs(
     model: nn.Module,                          # a 🤗 causal LM
@@ -70,7 +70,7 @@ def token_logprobs(
                 use_cache=False)
     return F.pad(logprobs_from_logits(out.logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
 
-# %% ../nbs/03_agent.ipynb #cfe1247d
+# %% ../nbs/03_agent.ipynb #4122d739
 @typecheck
 def lm_nll(
     model: nn.Module,                          # a 🤗 causal LM
@@ -84,7 +84,7 @@ def lm_nll(
         loss_mask = real & F.pad(real[:, :-1], (1, 0))   # real, with a real token before it
     return -masked_mean(token_logprobs(model, input_ids, attention_mask), loss_mask)
 
-# %% ../nbs/03_agent.ipynb #a611c2d8
+# %% ../nbs/03_agent.ipynb #575fb189
 class AgentOutput(NamedTuple):
     "Per-token outputs of `Agent.forward`."
     logits: Tensor  # (batch, seq, vocab) next-token logits
@@ -96,7 +96,7 @@ class ResponseStats(NamedTuple):
     entropy: Tensor   # (batch, resp) entropy of the distribution each token was drawn from
     values: Tensor    # (batch, resp) V before each response token, float32
 
-# %% ../nbs/03_agent.ipynb #8d1f2581
+# %% ../nbs/03_agent.ipynb #a07bbf8a
 def _hidden_size(config) -> int:
     "Width of the last hidden state, read through the config for any model family."
     return config.get_text_config().hidden_size
@@ -111,7 +111,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def _load(model, auto_class, **kwargs):
     return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
 
-# %% ../nbs/03_agent.ipynb #f25c6729
+# %% ../nbs/03_agent.ipynb #7e95b356
 @contextmanager
 def eval_mode(*models: nn.Module):
     "Put `models` in eval mode (dropout off) inside the block, then give each its old mode back."
@@ -121,7 +121,7 @@ def eval_mode(*models: nn.Module):
     finally:
         for m, mode in zip(models, modes): m.train(mode)
 
-# %% ../nbs/03_agent.ipynb #d9356605
+# %% ../nbs/03_agent.ipynb #345fb4f3
 @torch.no_grad()
 @typecheck
 def generate_responses(
@@ -147,7 +147,7 @@ def generate_responses(
     response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_token_id)  # all rows stopped early
     return truncate_after_stop(response, stop_token_ids, pad_token_id)
 
-# %% ../nbs/03_agent.ipynb #1cd8442c
+# %% ../nbs/03_agent.ipynb #71d57a40
 class Agent(nn.Module):
     "A causal LM policy with a value head: the actor and critic PPO trains."
     def __init__(
@@ -233,7 +233,7 @@ class Agent(nn.Module):
         if head.is_file(): agent.value_head.load_state_dict(load_file(head))
         return agent
 
-# %% ../nbs/03_agent.ipynb #fed9bdf8
+# %% ../nbs/03_agent.ipynb #24250387
 def create_reference_model(
     agent_or_model: "Agent | PreTrainedModel",  # the agent (its policy is copied) or a causal LM
 ) -> PreTrainedModel:                           # a frozen copy: requires_grad=False, eval()
@@ -242,7 +242,7 @@ def create_reference_model(
     reference = copy.deepcopy(model).eval()
     return reference.requires_grad_(False)
 
-# %% ../nbs/03_agent.ipynb #816c5481
+# %% ../nbs/03_agent.ipynb #fdb30414
 class ObjectiveTerms(NamedTuple):
     "InstructGPT's eq. 2 and its three parts (batch means)."
     objective: Tensor  # reward − β·KL + γ·pretrain: to be maximised
@@ -250,7 +250,7 @@ class ObjectiveTerms(NamedTuple):
     kl: Tensor         # mean log π_RL(y|x) − log π_SFT(y|x)
     pretrain: Tensor   # mean log-likelihood per token of the pretraining batch (0 without one)
 
-# %% ../nbs/03_agent.ipynb #935f2964
+# %% ../nbs/03_agent.ipynb #7d348771
 class AgentObjective(nn.Module):
     "InstructGPT's eq. 2 on a batch: reward − β·KL(π_RL‖π_SFT) + γ·pretraining log-likelihood (maximise it)."
     def __init__(

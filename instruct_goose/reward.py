@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RewardModel', 'score_completions']
 
-# %% ../nbs/04_reward.ipynb #830df7d1
+# %% ../nbs/04_reward.ipynb #fcaea4cf
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from .agent import _hidden_size, _load, eval_mode, position_ids_from_mask
 from .core import last_true_index, typecheck
 from .data import encode_texts
 
-# %% ../nbs/04_reward.ipynb #30c4ba3f
+# %% ../nbs/04_reward.ipynb #d3b873d7
 class RewardModel(nn.Module):
     "r_θ(x, y): a linear head on any 🤗 trunk, read at the last real token of each sequence; unbounded."
     def __init__(
@@ -102,10 +102,10 @@ class RewardModel(nn.Module):
         reward_model.head.load_state_dict(load_file(head))
         return reward_model
 
-# %% ../nbs/04_reward.ipynb #417b0daa
+# %% ../nbs/04_reward.ipynb #5d6aa5e7
 RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
 
-# %% ../nbs/04_reward.ipynb #2c8c51f7
+# %% ../nbs/04_reward.ipynb #8c9e8722
 def score_completions(
     reward: "RewardModel | RewardFunction",  # a reward model with a tokenizer, or f(prompts, completions) -> scores
     prompts: list[str],                      # prompt texts

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RLOOConfig', 'RLOORollout', 'RLOOTrainer']
 
-# %% ../nbs/09_rloo.ipynb #6e2e330a
+# %% ../nbs/09_rloo.ipynb #f451f618
 from dataclasses import dataclass, fields
 
 import torch
@@ -18,7 +18,7 @@ from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
 from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks
 
-# %% ../nbs/09_rloo.ipynb #4ae1413b
+# %% ../nbs/09_rloo.ipynb #89ceb942
 @dataclass
 class RLOOConfig(OnPolicyConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options; field names as in TRL's `RLOOConfig`."
@@ -36,7 +36,7 @@ class RLOOConfig(OnPolicyConfig):
                              "(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches)")
         if self.reward_clip_range is not None: check_number("reward_clip_range", self.reward_clip_range, low_open=True)
 
-# %% ../nbs/09_rloo.ipynb #b1c69777
+# %% ../nbs/09_rloo.ipynb #a1d04e74
 @dataclass
 class RLOORollout:
     "k responses per prompt with everything RLOO computes once for them (all detached)."
@@ -57,7 +57,7 @@ class RLOORollout:
         "The minibatch of `rows`."
         return RLOORollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-# %% ../nbs/09_rloo.ipynb #0e2f84b5
+# %% ../nbs/09_rloo.ipynb #07435f9d
 class RLOOTrainer(OnPolicyTrainer):
     "RLOO: k samples per prompt, leave-one-out baselines, the clipped surrogate on sequence (or token) ratios; no critic."
     def __init__(

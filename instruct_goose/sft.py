@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['StageConfig', 'SFTConfig', 'RewardConfig', 'SFTTrainer', 'RewardTrainer']
 
-# %% ../nbs/06_sft.ipynb #059309e5
+# %% ../nbs/06_sft.ipynb #f7d06a5c
 import math
 from dataclasses import dataclass
 
@@ -21,7 +21,7 @@ from .loop import TrainLoop, TrainingConfig
 from .losses import PairwiseLoss, pairwise_accuracy
 from .reward import RewardModel
 
-# %% ../nbs/06_sft.ipynb #1fdd23b9
+# %% ../nbs/06_sft.ipynb #fbefa8bc
 @dataclass
 class StageConfig(TrainingConfig):
     "A supervised stage: how long to train, how long a sequence may be, when to evaluate."
@@ -53,7 +53,7 @@ class RewardConfig(StageConfig):
     learning_rate: float = 1e-5     # peak learning rate of AdamW
     normalize: bool = True          # afterwards, scale the head so the training pairs score mean 0, std 1
 
-# %% ../nbs/06_sft.ipynb #640f140a
+# %% ../nbs/06_sft.ipynb #54dfe776
 class SFTTrainer:
     "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS) or plain text."
     def __init__(
@@ -101,7 +101,7 @@ class SFTTrainer:
         loop.end()
         return self.model
 
-# %% ../nbs/06_sft.ipynb #7e2beed8
+# %% ../nbs/06_sft.ipynb #ede62ba5
 class RewardTrainer:
     "Fits a `RewardModel` to (prompt, chosen, rejected) pairs with the Bradley–Terry loss; normalises it afterwards."
     def __init__(

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['OnPolicyConfig', 'RLHFConfig', 'Rollout', 'OnPolicyTrainer', 'RLHFTrainer', 'Samples', 'evaluate_policy']
 
-# %% ../nbs/08_trainer.ipynb #701c4151
+# %% ../nbs/08_trainer.ipynb #f97f606c
 import time
 from dataclasses import dataclass, fields
 from typing import Literal, NamedTuple
@@ -24,7 +24,7 @@ from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import (AdaptiveKLController, FixedKLController, KLController, PPOLoss, compute_gae,
                                    compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #1cf208fe
+# %% ../nbs/08_trainer.ipynb #a2f5d8a9
 _KL_ESTIMATORS = ("k1", "k2", "mse", "k3", "abs")
 
 @dataclass
@@ -62,7 +62,7 @@ class OnPolicyConfig(TrainingConfig):
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
 
-# %% ../nbs/08_trainer.ipynb #47c815c1
+# %% ../nbs/08_trainer.ipynb #543ee73a
 @dataclass
 class RLHFConfig(OnPolicyConfig):
     "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared fields."
@@ -82,7 +82,7 @@ class RLHFConfig(OnPolicyConfig):
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
         for name in ("cliprange_value", "kl_target", "kl_horizon"): check_number(name, getattr(self, name), low_open=True)
 
-# %% ../nbs/08_trainer.ipynb #282e58da
+# %% ../nbs/08_trainer.ipynb #a359483a
 @dataclass
 class Rollout:
     "One batch of prompts and sampled responses with everything PPO computes once for it (all detached)."
@@ -106,12 +106,12 @@ class Rollout:
         "The minibatch of `rows`."
         return Rollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-# %% ../nbs/08_trainer.ipynb #afa6822e
+# %% ../nbs/08_trainer.ipynb #4c44d7d6
 def _chunks(n: int, size: int) -> list[slice]:
     "Slices that cut `n` rows into pieces of at most `size`."
     return [slice(i, i + size) for i in range(0, n, size)]
 
-# %% ../nbs/08_trainer.ipynb #70b9d6bc
+# %% ../nbs/08_trainer.ipynb #c176ce4a
 class OnPolicyTrainer:
     "What the on-policy trainers (PPO, RLOO) share: the config, tokenizer, reward, prompts and KL controller; `train` is below."
     def __init__(
@@ -128,7 +128,7 @@ class OnPolicyTrainer:
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
 
-# %% ../nbs/08_trainer.ipynb #7cd854d8
+# %% ../nbs/08_trainer.ipynb #e63c7d69
 class RLHFTrainer(OnPolicyTrainer):
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -223,7 +223,7 @@ class RLHFTrainer(OnPolicyTrainer):
         self.stats = {**self.rollout_stats(rollout), **self.stats}
         return loss
 
-# %% ../nbs/08_trainer.ipynb #55efe337
+# %% ../nbs/08_trainer.ipynb #83ebf8ef
 class Samples(NamedTuple):
     "Responses sampled for a batch of prompts, with their scores."
     query_ids: Tensor             # (batch, query) left-padded prompts
@@ -321,7 +321,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     loop.end()
     return model
 
-# %% ../nbs/08_trainer.ipynb #651caeb2
+# %% ../nbs/08_trainer.ipynb #c623741a
 @patch
 @torch.no_grad()
 def sample_rollout(
@@ -385,7 +385,7 @@ def ptx_nll(
     device = next(agent.parameters()).device
     return lm_nll(agent.model, ids.to(device), mask.to(device), loss_mask.to(device))
 
-# %% ../nbs/08_trainer.ipynb #8f9fdf72
+# %% ../nbs/08_trainer.ipynb #6938079d
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module,                 # the trained policy: an `Agent` or a causal LM
