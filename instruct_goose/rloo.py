@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RLOOConfig', 'RLOORollout', 'RLOOTrainer']
 
-# %% ../nbs/09_rloo.ipynb #f451f618
+# %% ../nbs/09_rloo.ipynb #019bf638
 from dataclasses import dataclass, fields
 
 import torch
@@ -18,7 +18,7 @@ from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
 from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks
 
-# %% ../nbs/09_rloo.ipynb #89ceb942
+# %% ../nbs/09_rloo.ipynb #0d46383d
 @dataclass
 class RLOOConfig(OnPolicyConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options; field names as in TRL's `RLOOConfig`."
@@ -36,7 +36,7 @@ class RLOOConfig(OnPolicyConfig):
                              "(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches)")
         if self.reward_clip_range is not None: check_number("reward_clip_range", self.reward_clip_range, low_open=True)
 
-# %% ../nbs/09_rloo.ipynb #a1d04e74
+# %% ../nbs/09_rloo.ipynb #1969c176
 @dataclass
 class RLOORollout:
     "k responses per prompt with everything RLOO computes once for them (all detached)."
@@ -57,7 +57,7 @@ class RLOORollout:
         "The minibatch of `rows`."
         return RLOORollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-# %% ../nbs/09_rloo.ipynb #07435f9d
+# %% ../nbs/09_rloo.ipynb #9c5a9a71
 class RLOOTrainer(OnPolicyTrainer):
     "RLOO: k samples per prompt, leave-one-out baselines, the clipped surrogate on sequence (or token) ratios; no critic."
     def __init__(
@@ -142,6 +142,7 @@ class RLOOTrainer(OnPolicyTrainer):
                     loop.backward(loss)
                     for k, v in self.stats.items(): sums[k] = sums.get(k, 0) + v
                     count += 1
+                loop.average_gradients(policy)      # the policy is called through `response_logits`, not DDP's forward
                 loop.optimizer_step(policy, self.stats)
         return {k: v / count for k, v in sums.items()}
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['OnPolicyConfig', 'RLHFConfig', 'Rollout', 'OnPolicyTrainer', 'RLHFTrainer', 'Samples', 'evaluate_policy']
 
-# %% ../nbs/08_trainer.ipynb #f97f606c
+# %% ../nbs/08_trainer.ipynb #d978dca3
 import time
 from dataclasses import dataclass, fields
 from typing import Literal, NamedTuple
@@ -24,7 +24,7 @@ from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import (AdaptiveKLController, FixedKLController, KLController, PPOLoss, compute_gae,
                                    compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #a2f5d8a9
+# %% ../nbs/08_trainer.ipynb #775c3c9d
 _KL_ESTIMATORS = ("k1", "k2", "mse", "k3", "abs")
 
 @dataclass
@@ -62,7 +62,7 @@ class OnPolicyConfig(TrainingConfig):
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
 
-# %% ../nbs/08_trainer.ipynb #543ee73a
+# %% ../nbs/08_trainer.ipynb #b7aa665b
 @dataclass
 class RLHFConfig(OnPolicyConfig):
     "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared fields."
@@ -82,7 +82,7 @@ class RLHFConfig(OnPolicyConfig):
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
         for name in ("cliprange_value", "kl_target", "kl_horizon"): check_number(name, getattr(self, name), low_open=True)
 
-# %% ../nbs/08_trainer.ipynb #a359483a
+# %% ../nbs/08_trainer.ipynb #7613848a
 @dataclass
 class Rollout:
     "One batch of prompts and sampled responses with everything PPO computes once for it (all detached)."
@@ -106,12 +106,12 @@ class Rollout:
         "The minibatch of `rows`."
         return Rollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-# %% ../nbs/08_trainer.ipynb #4c44d7d6
+# %% ../nbs/08_trainer.ipynb #5834aa70
 def _chunks(n: int, size: int) -> list[slice]:
     "Slices that cut `n` rows into pieces of at most `size`."
     return [slice(i, i + size) for i in range(0, n, size)]
 
-# %% ../nbs/08_trainer.ipynb #c176ce4a
+# %% ../nbs/08_trainer.ipynb #108bb0d7
 class OnPolicyTrainer:
     "What the on-policy trainers (PPO, RLOO) share: the config, tokenizer, reward, prompts and KL controller; `train` is below."
     def __init__(
@@ -128,7 +128,7 @@ class OnPolicyTrainer:
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
 
-# %% ../nbs/08_trainer.ipynb #e63c7d69
+# %% ../nbs/08_trainer.ipynb #84038896
 class RLHFTrainer(OnPolicyTrainer):
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -223,7 +223,7 @@ class RLHFTrainer(OnPolicyTrainer):
         self.stats = {**self.rollout_stats(rollout), **self.stats}
         return loss
 
-# %% ../nbs/08_trainer.ipynb #83ebf8ef
+# %% ../nbs/08_trainer.ipynb #e9b80c29
 class Samples(NamedTuple):
     "Responses sampled for a batch of prompts, with their scores."
     query_ids: Tensor             # (batch, query) left-padded prompts
@@ -301,6 +301,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
         rows = batch_indices(len(self.train_dataset), prompts_per_step, loop.state.step, c.seed, rank, procs)
         rollout, samples = self.sample_rollout(model, self.train_dataset[rows]["prompt"])
         stats = {**self.rollout_stats(rollout), **self.update(model, rollout, loop)}
+        stats = {k: loop.accelerator.reduce(v, reduction="mean") for k, v in stats.items()}  # means over all processes
         self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
         loop.state.step += 1
         progress.update(1)
@@ -321,7 +322,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     loop.end()
     return model
 
-# %% ../nbs/08_trainer.ipynb #c623741a
+# %% ../nbs/08_trainer.ipynb #a100a676
 @patch
 @torch.no_grad()
 def sample_rollout(
@@ -363,6 +364,7 @@ def update(
                 loop.backward(loss)
                 for k, v in self.stats.items(): sums[k] = sums.get(k, 0) + v
                 count += 1
+            loop.average_gradients(agent)          # the agent is called through its methods, not DDP's forward
             grad_norm = loop.optimizer_step(agent, self.stats)
     return {**{k: v / count for k, v in sums.items()}, "grad_norm": grad_norm}
 
@@ -385,7 +387,7 @@ def ptx_nll(
     device = next(agent.parameters()).device
     return lm_nll(agent.model, ids.to(device), mask.to(device), loss_mask.to(device))
 
-# %% ../nbs/08_trainer.ipynb #6938079d
+# %% ../nbs/08_trainer.ipynb #2261c1be
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module,                 # the trained policy: an `Agent` or a causal LM
