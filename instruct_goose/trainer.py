@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['OnPolicyConfig', 'RLHFConfig', 'Rollout', 'OnPolicyTrainer', 'RLHFTrainer', 'Samples', 'evaluate_policy']
 
-# %% ../nbs/08_trainer.ipynb #d978dca3
+# %% ../nbs/08_trainer.ipynb #472ed74f
 import time
 from dataclasses import dataclass, fields
-from typing import Literal, NamedTuple
+from typing import NamedTuple, get_args
 
 import torch
 from fastcore.basics import patch
@@ -21,17 +21,15 @@ from .data import as_dataset, encode_prompts, encode_sft
 from .reward import score_completions
 from .core import check_number, logprobs_from_logits, masked_mean, masked_sum, masked_var, masked_whiten, typecheck
 from .loop import TrainLoop, TrainingConfig, batch_indices
-from .losses import (AdaptiveKLController, FixedKLController, KLController, PPOLoss, compute_gae,
-                                   compute_rewards)
+from .losses import (AdaptiveKLController, FixedKLController, KLController, KLEstimator, PPOLoss,
+                                   compute_gae, compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #775c3c9d
-_KL_ESTIMATORS = ("k1", "k2", "mse", "k3", "abs")
-
+# %% ../nbs/08_trainer.ipynb #fb82bd14
 @dataclass
 class OnPolicyConfig(TrainingConfig):
     "Fields every on-policy RL trainer shares (PPO and RLOO): the KL penalty, sampling, and the schedule of rollouts and updates."
     kl_coef: float = 0.05                  # β: weight of the KL penalty (its start value when adaptive)
-    kl_estimator: Literal["k1", "k2", "mse", "k3", "abs"] = "k1"  # per-token KL estimator, see `kl_penalty`
+    kl_estimator: KLEstimator = "k1"      # per-token KL estimator: k1, k2, mse, k3 or abs, see `kl_penalty`
     cliprange: float = 0.2                 # ε: clip range of the policy ratio
     whiten_rewards: bool = False           # scale rewards to unit variance (mean kept) before computing advantages
     temperature: float = 1.0               # sampling temperature; log-probabilities use the same
@@ -54,15 +52,15 @@ class OnPolicyConfig(TrainingConfig):
             check_number(name, getattr(self, name), low=1)
         check_number("num_sample_generations", self.num_sample_generations)
         if self.missing_eos_penalty is not None: check_number("missing_eos_penalty", self.missing_eos_penalty)
-        if self.kl_estimator not in _KL_ESTIMATORS:
-            raise ValueError(f"`kl_estimator` must be one of {', '.join(_KL_ESTIMATORS)}; got {self.kl_estimator!r}")
+        if self.kl_estimator not in get_args(KLEstimator):
+            raise ValueError(f"`kl_estimator` must be one of {', '.join(get_args(KLEstimator))}; got {self.kl_estimator!r}")
 
     @property
     def rollout_size(self) -> int:
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
 
-# %% ../nbs/08_trainer.ipynb #b7aa665b
+# %% ../nbs/08_trainer.ipynb #f6f731b0
 @dataclass
 class RLHFConfig(OnPolicyConfig):
     "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared fields."
@@ -82,7 +80,7 @@ class RLHFConfig(OnPolicyConfig):
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
         for name in ("cliprange_value", "kl_target", "kl_horizon"): check_number(name, getattr(self, name), low_open=True)
 
-# %% ../nbs/08_trainer.ipynb #7613848a
+# %% ../nbs/08_trainer.ipynb #4a87e246
 @dataclass
 class Rollout:
     "One batch of prompts and sampled responses with everything PPO computes once for it (all detached)."
@@ -106,12 +104,12 @@ class Rollout:
         "The minibatch of `rows`."
         return Rollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-# %% ../nbs/08_trainer.ipynb #5834aa70
+# %% ../nbs/08_trainer.ipynb #9740224f
 def _chunks(n: int, size: int) -> list[slice]:
     "Slices that cut `n` rows into pieces of at most `size`."
     return [slice(i, i + size) for i in range(0, n, size)]
 
-# %% ../nbs/08_trainer.ipynb #108bb0d7
+# %% ../nbs/08_trainer.ipynb #b31619fb
 class OnPolicyTrainer:
     "What the on-policy trainers (PPO, RLOO) share: the config, tokenizer, reward, prompts and KL controller; `train` is below."
     def __init__(
@@ -128,7 +126,7 @@ class OnPolicyTrainer:
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
 
-# %% ../nbs/08_trainer.ipynb #84038896
+# %% ../nbs/08_trainer.ipynb #fdd6e7ab
 class RLHFTrainer(OnPolicyTrainer):
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -223,7 +221,7 @@ class RLHFTrainer(OnPolicyTrainer):
         self.stats = {**self.rollout_stats(rollout), **self.stats}
         return loss
 
-# %% ../nbs/08_trainer.ipynb #e9b80c29
+# %% ../nbs/08_trainer.ipynb #643a6756
 class Samples(NamedTuple):
     "Responses sampled for a batch of prompts, with their scores."
     query_ids: Tensor             # (batch, query) left-padded prompts
@@ -322,7 +320,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     loop.end()
     return model
 
-# %% ../nbs/08_trainer.ipynb #a100a676
+# %% ../nbs/08_trainer.ipynb #8b768621
 @patch
 @torch.no_grad()
 def sample_rollout(
@@ -387,7 +385,7 @@ def ptx_nll(
     device = next(agent.parameters()).device
     return lm_nll(agent.model, ids.to(device), mask.to(device), loss_mask.to(device))
 
-# %% ../nbs/08_trainer.ipynb #2261c1be
+# %% ../nbs/08_trainer.ipynb #341df954
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module,                 # the trained policy: an `Agent` or a causal LM
