@@ -6,7 +6,7 @@
 __all__ = ['train_tokenizer', 'tiny_causal_lm', 'pad_rows', 'encode_prompts', 'encode_texts', 'encode_sft', 'as_dataset',
            'task_path', 'load_task', 'task_tokenizer', 'gold_score']
 
-# %% ../nbs/02_data.ipynb #98b77579
+# %% ../nbs/02_data.ipynb #a71e1854
 import functools
 from collections.abc import Iterable
 from importlib.resources import files
@@ -18,7 +18,7 @@ from datasets import Dataset, load_dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-# %% ../nbs/02_data.ipynb #9025fcf4
+# %% ../nbs/02_data.ipynb #a9ecec5e
 def train_tokenizer(
     texts: Iterable[str],        # the corpus to learn merges from
     vocab_size: int = 512,       # size of the vocabulary, special tokens included
@@ -36,7 +36,7 @@ def train_tokenizer(
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=pad_token, eos_token=eos_token,
                                    bos_token=eos_token, unk_token=unk_token, clean_up_tokenization_spaces=False)
 
-# %% ../nbs/02_data.ipynb #7d7ceae9
+# %% ../nbs/02_data.ipynb #0013c3af
 def tiny_causal_lm(
     tokenizer: PreTrainedTokenizerFast,      # sets the vocabulary size and the special token ids
     arch: Literal["gpt2", "llama"] = "gpt2", # model family
@@ -60,7 +60,7 @@ def tiny_causal_lm(
     torch.manual_seed(seed)
     return model_class(config)
 
-# %% ../nbs/02_data.ipynb #539d8022
+# %% ../nbs/02_data.ipynb #2c55060c
 def _pad_token_id(tokenizer) -> int:
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token: set `tokenizer.pad_token` (a token other than EOS, "
@@ -80,7 +80,7 @@ def pad_rows(
     mask = [[0] * len(p) + [1] * len(r) if side == "left" else [1] * len(r) + [0] * len(p) for r, p in zip(rows, pads)]
     return torch.tensor(ids), torch.tensor(mask)
 
-# %% ../nbs/02_data.ipynb #e49dcccc
+# %% ../nbs/02_data.ipynb #e1abb2ca
 def encode_prompts(
     tokenizer,                       # the policy's tokenizer
     prompts: list[str],              # prompt texts
@@ -121,7 +121,7 @@ def encode_sft(
     for i, (h, r) in enumerate(zip(heads, rows)): loss_mask[i, len(h):len(r)] = True
     return ids, mask, loss_mask
 
-# %% ../nbs/02_data.ipynb #4b013a01
+# %% ../nbs/02_data.ipynb #d7d72814
 def as_dataset(
     data,                              # a 🤗 Dataset or a list of dicts
     name: str,                         # the argument's name, for messages
@@ -134,7 +134,7 @@ def as_dataset(
         raise ValueError(f"`{name}` needs the columns {' or '.join(map(str, columns))}; it has {data.column_names}")
     return data
 
-# %% ../nbs/02_data.ipynb #7905eb19
+# %% ../nbs/02_data.ipynb #c5bbaca0
 _TASK_FILES = ("sft", "preferences", "prompts", "pretrain")
 
 def task_path(name: str) -> Path:
@@ -149,7 +149,8 @@ def load_task(
     "A part of the built-in task as a 🤗 `Dataset`, read with `load_dataset('json', ...)`."
     dataset = load_dataset("json", data_files=str(task_path(name)), split="train")
     if "split" not in dataset.column_names: return dataset
-    return dataset.filter(lambda row: row["split"] == split).remove_columns("split")
+    # in memory: several processes filtering at once must not race to write the same cache file
+    return dataset.filter(lambda row: row["split"] == split, keep_in_memory=True).remove_columns("split")
 
 @functools.lru_cache
 def task_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:

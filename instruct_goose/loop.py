@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TrainingConfig', 'batch_indices', 'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop']
 
-# %% ../nbs/05_loop.ipynb #3bc666c1
+# %% ../nbs/05_loop.ipynb #e1805a18
 import json, math, os, re, shutil, warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ from transformers import get_scheduler
 
 from .core import check_number
 
-# %% ../nbs/05_loop.ipynb #b2bb44ce
+# %% ../nbs/05_loop.ipynb #640f03fd
 @dataclass
 class TrainingConfig:
     "Fields shared by every trainer: where to write, how to optimise, when to log and save."
@@ -56,7 +56,7 @@ class TrainingConfig:
         if self.report_to not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"`report_to` must be 'none', 'tensorboard' or 'wandb', got {self.report_to!r}")
 
-# %% ../nbs/05_loop.ipynb #9e82e333
+# %% ../nbs/05_loop.ipynb #1b404ed6
 def batch_indices(
     n_examples: int,        # size of the dataset
     batch_size: int,        # examples per step (all processes together)
@@ -72,7 +72,7 @@ def batch_indices(
     order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     return order[k * batch_size:(k + 1) * batch_size][process_index::num_processes].tolist()
 
-# %% ../nbs/05_loop.ipynb #cce0b6ca
+# %% ../nbs/05_loop.ipynb #63e0ac4d
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 def latest_checkpoint(
@@ -83,14 +83,14 @@ def latest_checkpoint(
     steps = [(int(m[1]), p) for p in output_dir.glob("checkpoint-*") if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
     return max(steps)[1] if steps else None
 
-# %% ../nbs/05_loop.ipynb #73f10e21
+# %% ../nbs/05_loop.ipynb #8ab2c99a
 class TrainState:
     "The step and the history of logged metrics; saved with every checkpoint."
     def __init__(self): self.step, self.history = 0, []
     def state_dict(self) -> dict: return {"step": self.step, "history": self.history}
     def load_state_dict(self, state: dict): self.step, self.history = state["step"], list(state["history"])
 
-# %% ../nbs/05_loop.ipynb #c79d2614
+# %% ../nbs/05_loop.ipynb #a02f3e56
 def _check_writable(output_dir: str | Path):
     output_dir = Path(output_dir)
     try:
@@ -106,7 +106,7 @@ def fresh_accelerator(**kwargs) -> Accelerator:
     AcceleratorState._reset_state(reset_partial_state=False)
     return Accelerator(**kwargs)
 
-# %% ../nbs/05_loop.ipynb #080c1d2a
+# %% ../nbs/05_loop.ipynb #c8155569
 class TrainLoop:
     "Accelerate, optimizer, schedule, logging and atomic checkpoints, shared by the trainers."
     def __init__(self, config: TrainingConfig):
@@ -200,7 +200,9 @@ class TrainLoop:
         tmp = output_dir / f".checkpoint-{self.state.step}.tmp"
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process: shutil.rmtree(tmp, ignore_errors=True)
-        self.accelerator.save_state(str(tmp))
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(tmp))          # every process writes its own random state into `tmp`
+        self.accelerator.wait_for_everyone()           # so nobody renames `tmp` before all have finished
         if self.accelerator.is_main_process:
             (tmp / "training_config.json").write_text(json.dumps(asdict(self.config), indent=1, default=str))
             if final.exists(): shutil.rmtree(final)

@@ -39,12 +39,15 @@ def test_two_processes_stay_in_sync(algo, tmp_path):
     tokenizer.save_pretrained(tmp_path / "policy")
     (tmp_path / "train.py").write_text(SCRIPT)
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    # a fresh datasets cache, as on a new machine: both processes read and filter the task files at the same time
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
     result = subprocess.run([torchrun, "--nproc_per_node", "2", str(tmp_path / "train.py"), algo, str(tmp_path / "policy"),
                              str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-8000:]
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-4"]   # 32 episodes / (4 x 2)
+    saved = {p.name for p in (tmp_path / "run" / "checkpoint-4").iterdir()}
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= saved        # both processes' states made it in
     for name, value in rank0.items():
         assert torch.equal(rank1[name], value), name
     start = tiny_causal_lm(tokenizer, seed=0).state_dict()
