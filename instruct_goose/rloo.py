@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['RLOOConfig', 'RLOORollout', 'RLOOTrainer']
 
-# %% ../nbs/09_rloo.ipynb #019bf638
-from dataclasses import dataclass, fields
+# %% ../nbs/09_rloo.ipynb #e62525cc
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -16,9 +16,9 @@ from .agent import disable_dropout, response_logits
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var, masked_whiten
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
-from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks
+from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows
 
-# %% ../nbs/09_rloo.ipynb #0d46383d
+# %% ../nbs/09_rloo.ipynb #55af7d71
 @dataclass
 class RLOOConfig(OnPolicyConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options; field names as in TRL's `RLOOConfig`."
@@ -36,9 +36,9 @@ class RLOOConfig(OnPolicyConfig):
                              "(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches)")
         if self.reward_clip_range is not None: check_number("reward_clip_range", self.reward_clip_range, low_open=True)
 
-# %% ../nbs/09_rloo.ipynb #1969c176
+# %% ../nbs/09_rloo.ipynb #5d3701ca
 @dataclass
-class RLOORollout:
+class RLOORollout(_Rows):
     "k responses per prompt with everything RLOO computes once for them (all detached)."
     query_ids: Tensor            # (batch, query) prompts, left-padded, each repeated k times
     query_attention_mask: Tensor # (batch, query)
@@ -51,13 +51,7 @@ class RLOORollout:
     rlhf_reward: Tensor          # (batch,) R = score − β·Σ KL
     advantages: Tensor           # (batch,) per response, or (batch, resp) per token with `token_level_kl`
 
-    def __len__(self): return self.query_ids.shape[0]
-
-    def __getitem__(self, rows) -> "RLOORollout":
-        "The minibatch of `rows`."
-        return RLOORollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
-
-# %% ../nbs/09_rloo.ipynb #9c5a9a71
+# %% ../nbs/09_rloo.ipynb #5f83a37e
 class RLOOTrainer(OnPolicyTrainer):
     "RLOO: k samples per prompt, leave-one-out baselines, the clipped surrogate on sequence (or token) ratios; no critic."
     def __init__(

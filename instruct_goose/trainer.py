@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['OnPolicyConfig', 'RLHFConfig', 'Rollout', 'OnPolicyTrainer', 'RLHFTrainer', 'Samples', 'evaluate_policy']
 
-# %% ../nbs/08_trainer.ipynb #472ed74f
+# %% ../nbs/08_trainer.ipynb #a1132a7d
 import time
 from dataclasses import dataclass, fields
 from typing import NamedTuple, get_args
@@ -24,7 +24,7 @@ from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import (AdaptiveKLController, FixedKLController, KLController, KLEstimator, PPOLoss,
                                    compute_gae, compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #fb82bd14
+# %% ../nbs/08_trainer.ipynb #49f12657
 @dataclass
 class OnPolicyConfig(TrainingConfig):
     "Fields every on-policy RL trainer shares (PPO and RLOO): the KL penalty, sampling, and the schedule of rollouts and updates."
@@ -60,7 +60,7 @@ class OnPolicyConfig(TrainingConfig):
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
 
-# %% ../nbs/08_trainer.ipynb #f6f731b0
+# %% ../nbs/08_trainer.ipynb #80b50c49
 @dataclass
 class RLHFConfig(OnPolicyConfig):
     "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared fields."
@@ -80,9 +80,17 @@ class RLHFConfig(OnPolicyConfig):
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
         for name in ("cliprange_value", "kl_target", "kl_horizon"): check_number(name, getattr(self, name), low_open=True)
 
-# %% ../nbs/08_trainer.ipynb #4a87e246
+# %% ../nbs/08_trainer.ipynb #894efde5
+class _Rows:
+    "Row access for a dataclass of per-row tensors: its length and the minibatch of some rows."
+    def __len__(self): return self.query_ids.shape[0]
+
+    def __getitem__(self, rows: Tensor | slice):
+        "The minibatch of `rows`."
+        return type(self)(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
 @dataclass
-class Rollout:
+class Rollout(_Rows):
     "One batch of prompts and sampled responses with everything PPO computes once for it (all detached)."
     query_ids: Tensor                # (batch, query) prompts, left-padded
     query_attention_mask: Tensor     # (batch, query)
@@ -98,18 +106,12 @@ class Rollout:
     advantages: Tensor               # (batch, resp) whitened Â_t
     returns: Tensor                  # (batch, resp) R̂_t
 
-    def __len__(self): return self.query_ids.shape[0]
-
-    def __getitem__(self, rows: Tensor | slice) -> "Rollout":
-        "The minibatch of `rows`."
-        return Rollout(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
-
-# %% ../nbs/08_trainer.ipynb #9740224f
+# %% ../nbs/08_trainer.ipynb #55456b80
 def _chunks(n: int, size: int) -> list[slice]:
     "Slices that cut `n` rows into pieces of at most `size`."
     return [slice(i, i + size) for i in range(0, n, size)]
 
-# %% ../nbs/08_trainer.ipynb #b31619fb
+# %% ../nbs/08_trainer.ipynb #88506fdc
 class OnPolicyTrainer:
     "What the on-policy trainers (PPO, RLOO) share: the config, tokenizer, reward, prompts and KL controller; `train` is below."
     def __init__(
@@ -126,7 +128,7 @@ class OnPolicyTrainer:
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
 
-# %% ../nbs/08_trainer.ipynb #fdd6e7ab
+# %% ../nbs/08_trainer.ipynb #2147b753
 class RLHFTrainer(OnPolicyTrainer):
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -221,7 +223,7 @@ class RLHFTrainer(OnPolicyTrainer):
         self.stats = {**self.rollout_stats(rollout), **self.stats}
         return loss
 
-# %% ../nbs/08_trainer.ipynb #643a6756
+# %% ../nbs/08_trainer.ipynb #e0e48745
 class Samples(NamedTuple):
     "Responses sampled for a batch of prompts, with their scores."
     query_ids: Tensor             # (batch, query) left-padded prompts
@@ -320,7 +322,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     loop.end()
     return model
 
-# %% ../nbs/08_trainer.ipynb #8b768621
+# %% ../nbs/08_trainer.ipynb #1b44ecdf
 @patch
 @torch.no_grad()
 def sample_rollout(
@@ -385,7 +387,7 @@ def ptx_nll(
     device = next(agent.parameters()).device
     return lm_nll(agent.model, ids.to(device), mask.to(device), loss_mask.to(device))
 
-# %% ../nbs/08_trainer.ipynb #341df954
+# %% ../nbs/08_trainer.ipynb #d6dede9b
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module,                 # the trained policy: an `Agent` or a causal LM
