@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['position_ids_from_mask', 'response_logits', 'token_logprobs', 'lm_nll', 'AgentOutput', 'ResponseStats',
-           'disable_dropout', 'eval_mode', 'generate_responses', 'Agent', 'create_reference_model', 'ObjectiveTerms',
-           'AgentObjective']
+           'disable_dropout', 'eval_mode', 'generate_responses', 'Agent', 'AdapterOffReference',
+           'create_reference_model', 'ObjectiveTerms', 'AgentObjective']
 
-# %% ../nbs/03_agent.ipynb #b64f9d5e
+# %% ../nbs/03_agent.ipynb #ffef5aeb
 import copy, inspect
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +23,7 @@ from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreT
 from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
                                  truncate_after_stop, typecheck)
 
-# %% ../nbs/03_agent.ipynb #02dcccd8
+# %% ../nbs/03_agent.ipynb #c7e4612a
 @typecheck
 def position_ids_from_mask(
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1/True on real tokens
@@ -31,11 +31,16 @@ def position_ids_from_mask(
     "Position ids that count real tokens only, so left padding does not shift a sequence."
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
-# %% ../nbs/03_agent.ipynb #c09186f4
+# %% ../nbs/03_agent.ipynb #e27b655d
 def _check_left_padded(query_attention_mask):
     if not bool(query_attention_mask[:, -1].all()):
         raise ValueError("`query_attention_mask` must be left-padded (the last position of every row real): "
                          "pad prompts on the left, e.g. tokenizer.padding_side = 'left'")
+
+def _accepts(model: nn.Module, argument: str) -> bool:
+    "Whether `model`'s forward (a peft wrapper's: its base model's) takes `argument`."
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return argument in inspect.signature(base.forward).parameters
 
 @typecheck
 def response_logits(
@@ -51,13 +56,13 @@ def response_logits(
     n_resp = response_ids.shape[1]
     input_ids = torch.cat([query_ids, response_ids], 1)
     attention_mask = torch.cat([query_attention_mask.long(), response_attention_mask.long()], 1)
-    keep = {"logits_to_keep": n_resp + 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    keep = {"logits_to_keep": n_resp + 1} if _accepts(model, "logits_to_keep") else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
                 output_hidden_states=output_hidden_states, use_cache=False, **keep)
     hidden = out.hidden_states[-1][:, -n_resp - 1:-1] if output_hidden_states else None
     return out.logits[:, -n_resp - 1:-1], hidden
 
-# %% ../nbs/03_agent.ipynb #e75e9ba2
+# %% ../nbs/03_agent.ipynb #2dab6b09
 @typecheck
 def token_logprobs(
     model: nn.Module,                          # a 🤗 causal LM
@@ -70,7 +75,7 @@ def token_logprobs(
                 use_cache=False)
     return F.pad(logprobs_from_logits(out.logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
 
-# %% ../nbs/03_agent.ipynb #4122d739
+# %% ../nbs/03_agent.ipynb #68594fb3
 @typecheck
 def lm_nll(
     model: nn.Module,                          # a 🤗 causal LM
@@ -84,7 +89,7 @@ def lm_nll(
         loss_mask = real & F.pad(real[:, :-1], (1, 0))   # real, with a real token before it
     return -masked_mean(token_logprobs(model, input_ids, attention_mask), loss_mask)
 
-# %% ../nbs/03_agent.ipynb #575fb189
+# %% ../nbs/03_agent.ipynb #cc6406ca
 class AgentOutput(NamedTuple):
     "Per-token outputs of `Agent.forward`."
     logits: Tensor  # (batch, seq, vocab) next-token logits
@@ -96,7 +101,7 @@ class ResponseStats(NamedTuple):
     entropy: Tensor   # (batch, resp) entropy of the distribution each token was drawn from
     values: Tensor    # (batch, resp) V before each response token, float32
 
-# %% ../nbs/03_agent.ipynb #a07bbf8a
+# %% ../nbs/03_agent.ipynb #89481ac1
 def _hidden_size(config) -> int:
     "Width of the last hidden state, read through the config for any model family."
     return config.get_text_config().hidden_size
@@ -111,7 +116,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def _load(model, auto_class, **kwargs):
     return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
 
-# %% ../nbs/03_agent.ipynb #7e95b356
+# %% ../nbs/03_agent.ipynb #7b2db198
 @contextmanager
 def eval_mode(*models: nn.Module):
     "Put `models` in eval mode (dropout off) inside the block, then give each its old mode back."
@@ -121,7 +126,7 @@ def eval_mode(*models: nn.Module):
     finally:
         for m, mode in zip(models, modes): m.train(mode)
 
-# %% ../nbs/03_agent.ipynb #345fb4f3
+# %% ../nbs/03_agent.ipynb #eb5f1039
 @torch.no_grad()
 @typecheck
 def generate_responses(
@@ -147,7 +152,7 @@ def generate_responses(
     response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_token_id)  # all rows stopped early
     return truncate_after_stop(response, stop_token_ids, pad_token_id)
 
-# %% ../nbs/03_agent.ipynb #71d57a40
+# %% ../nbs/03_agent.ipynb #e10d6fe4
 class Agent(nn.Module):
     "A causal LM policy with a value head: the actor and critic PPO trains."
     def __init__(
@@ -224,25 +229,54 @@ class Agent(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> "Agent":
-        "Load an `Agent` saved by `save_pretrained` (or any causal LM checkpoint, with a fresh value head)."
+        "Load an `Agent` saved by `save_pretrained` (a LoRA policy as a trainable adapter on its base; any causal LM checkpoint gets a fresh value head)."
         path = Path(path)
         critic = path / "value_model"
-        agent = cls(AutoModelForCausalLM.from_pretrained(path, **kwargs),
+        if (path / "adapter_config.json").is_file():          # a LoRA policy: its base model plus the adapter
+            from peft import AutoPeftModelForCausalLM
+            policy = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
+        else: policy = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        agent = cls(policy,
                     AutoModel.from_pretrained(critic, **kwargs) if critic.is_dir() else None)
         head = path / "value_head.safetensors"
         if head.is_file(): agent.value_head.load_state_dict(load_file(head))
         return agent
 
-# %% ../nbs/03_agent.ipynb #24250387
+# %% ../nbs/03_agent.ipynb #04e85b34
+class AdapterOffReference(nn.Module):
+    "π_ref for a LoRA policy: the policy's own base weights, its adapter disabled during each call (no second copy)."
+    def __init__(
+        self,
+        peft_model: nn.Module,   # the LoRA-wrapped policy (a peft `PeftModel`)
+    ):
+        super().__init__()
+        object.__setattr__(self, "peft_model", peft_model)   # not a sub-module: `.eval()`, `.to()`, `requires_grad_` leave it alone
+
+    @property
+    def config(self): return self.peft_model.config
+
+    def get_base_model(self) -> nn.Module: return self.peft_model.get_base_model()
+
+    def forward(self, *args, **kwargs):
+        with self.peft_model.disable_adapter(): return self.peft_model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        with self.peft_model.disable_adapter(): return self.peft_model.generate(*args, **kwargs)
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+# %% ../nbs/03_agent.ipynb #9e5c2bb9
 def create_reference_model(
-    agent_or_model: "Agent | PreTrainedModel",  # the agent (its policy is copied) or a causal LM
-) -> PreTrainedModel:                           # a frozen copy: requires_grad=False, eval()
-    "A frozen deep copy of the policy to serve as π_ref (the SFT model) in the KL penalty."
+    agent_or_model: "Agent | PreTrainedModel",  # the agent (its policy is used) or a causal LM
+) -> nn.Module:                                 # a frozen copy (requires_grad=False, eval()); for LoRA the adapter-off base
+    "π_ref (the SFT model) for the KL penalty: a frozen deep copy of the policy, or for a LoRA policy its base with the adapter off."
     model = agent_or_model.model if isinstance(agent_or_model, Agent) else agent_or_model
+    if _is_peft(model): return AdapterOffReference(model).eval()
     reference = copy.deepcopy(model).eval()
     return reference.requires_grad_(False)
 
-# %% ../nbs/03_agent.ipynb #fdb30414
+# %% ../nbs/03_agent.ipynb #1220d1e9
 class ObjectiveTerms(NamedTuple):
     "InstructGPT's eq. 2 and its three parts (batch means)."
     objective: Tensor  # reward − β·KL + γ·pretrain: to be maximised
@@ -250,7 +284,7 @@ class ObjectiveTerms(NamedTuple):
     kl: Tensor         # mean log π_RL(y|x) − log π_SFT(y|x)
     pretrain: Tensor   # mean log-likelihood per token of the pretraining batch (0 without one)
 
-# %% ../nbs/03_agent.ipynb #7d348771
+# %% ../nbs/03_agent.ipynb #6eb7acf0
 class AgentObjective(nn.Module):
     "InstructGPT's eq. 2 on a batch: reward − β·KL(π_RL‖π_SFT) + γ·pretraining log-likelihood (maximise it)."
     def __init__(

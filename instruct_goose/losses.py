@@ -6,7 +6,7 @@
 __all__ = ['kl_penalty', 'compute_rewards', 'compute_gae', 'policy_loss', 'value_loss', 'PPOTerms', 'PPOLoss', 'rloo_advantages',
            'KLController', 'FixedKLController', 'AdaptiveKLController', 'PairwiseLoss', 'pairwise_accuracy']
 
-# %% ../nbs/01_losses.ipynb #4ce64e42
+# %% ../nbs/01_losses.ipynb #81574ca3
 import math
 from typing import Literal, NamedTuple
 
@@ -17,7 +17,7 @@ from jaxtyping import Bool, Float
 
 from .core import check_number, last_true_index, masked_mean, masked_whiten, typecheck
 
-# %% ../nbs/01_losses.ipynb #6769c04c
+# %% ../nbs/01_losses.ipynb #bc71f610
 KLEstimator = Literal["k1", "k2", "mse", "k3", "abs"]
 
 _KL = {
@@ -28,7 +28,7 @@ _KL = {
     "abs": lambda log_ratio: log_ratio.abs(),
 }
 
-# %% ../nbs/01_losses.ipynb #22c47747
+# %% ../nbs/01_losses.ipynb #0318335b
 @typecheck
 def kl_penalty(
     logprobs: Float[Tensor, "batch resp"],      # log π(y_t) of the sampled tokens under the policy
@@ -38,7 +38,7 @@ def kl_penalty(
     "Per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probabilities."
     return _KL[estimator](logprobs - ref_logprobs)
 
-# %% ../nbs/01_losses.ipynb #9b3c25a1
+# %% ../nbs/01_losses.ipynb #ea8a8b38
 @typecheck
 def compute_rewards(
     scores: Float[Tensor, "batch"],             # r_θ(x, y): one score per response
@@ -59,7 +59,7 @@ def compute_rewards(
     rewards = non_score_reward.scatter_add(-1, last[:, None], scores[:, None].to(non_score_reward.dtype))
     return rewards, kl, non_score_reward
 
-# %% ../nbs/01_losses.ipynb #234c1860
+# %% ../nbs/01_losses.ipynb #9ec4bd02
 @typecheck
 def compute_gae(
     rewards: Float[Tensor, "batch resp"],  # R_t from `compute_rewards`
@@ -84,7 +84,7 @@ def compute_gae(
     advantages = torch.stack(advantages[::-1], dim=1)
     return torch.where(mask, advantages, 0.0), torch.where(mask, advantages + values, 0.0)
 
-# %% ../nbs/01_losses.ipynb #d128254c
+# %% ../nbs/01_losses.ipynb #a33d1245
 @typecheck
 def policy_loss(
     pi_old_logprobs: Float[Tensor, "batch resp"],  # log π_old(y_t): the policy that sampled the rollout
@@ -100,7 +100,7 @@ def policy_loss(
     loss = masked_mean(torch.maximum(unclipped, clipped), padding_masks)
     return loss, ratios, masked_mean((clipped > unclipped).to(ratios.dtype), padding_masks)
 
-# %% ../nbs/01_losses.ipynb #70a41055
+# %% ../nbs/01_losses.ipynb #af39c780
 @typecheck
 def value_loss(
     phi_old_values: Float[Tensor, "batch resp"],  # V^old_t: the value head at the rollout
@@ -117,7 +117,7 @@ def value_loss(
     loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), padding_masks)
     return loss, masked_mean((clipped_error > unclipped_error).to(returns.dtype), padding_masks)
 
-# %% ../nbs/01_losses.ipynb #aee7a82c
+# %% ../nbs/01_losses.ipynb #684849af
 class PPOTerms(NamedTuple):
     "Everything `PPOLoss` computes for one minibatch; all but `loss` are detached, for logging."
     loss: Tensor            # the total to minimise, with gradients
@@ -128,7 +128,7 @@ class PPOTerms(NamedTuple):
     clipfrac: Tensor        # share of tokens where the policy clip binds
     value_clipfrac: Tensor  # share of tokens where the value clip binds
 
-# %% ../nbs/01_losses.ipynb #ccc4b861
+# %% ../nbs/01_losses.ipynb #ca90a134
 class PPOLoss(nn.Module):
     "PPO's clipped surrogate, clipped value loss and entropy bonus as one loss to minimise."
     def __init__(
@@ -177,10 +177,10 @@ class PPOLoss(nn.Module):
         return PPOTerms(loss, pg_loss.detach(), vf_loss.detach(), mean_entropy.detach(), ratios.detach(),
                         clipfrac.detach(), vf_clipfrac.detach())
 
-# %% ../nbs/01_losses.ipynb #af76b690
+# %% ../nbs/01_losses.ipynb #32d2c6fb
 @typecheck
 def rloo_advantages(
-    rewards: Float[Tensor, "batch"],  # one reward per completion; element i*B + b is completion i of prompt b
+    rewards: Float[Tensor, "batch"],  # one reward per completion; element b*k + i is completion i of prompt b
     k: int,                           # completions per prompt (≥ 2)
     normalize: bool = False,          # whiten the advantages over the batch (zero mean, unit variance)
 ) -> Float[Tensor, "batch"]:          # reward minus the mean reward of the prompt's other k−1 completions
@@ -188,12 +188,12 @@ def rloo_advantages(
     if k < 2: raise ValueError(f"`k` must be at least 2 (the baseline needs another completion), got {k}")
     if rewards.shape[0] % k:
         raise ValueError(f"`rewards` has {rewards.shape[0]} items, which is not a multiple of `k`={k} completions per prompt")
-    grouped = rewards.reshape(k, -1)
-    baseline = (grouped.sum(0, keepdim=True) - grouped) / (k - 1)
+    grouped = rewards.reshape(-1, k)
+    baseline = (grouped.sum(1, keepdim=True) - grouped) / (k - 1)
     advantages = (grouped - baseline).flatten()
     return masked_whiten(advantages, torch.ones_like(advantages, dtype=torch.bool)) if normalize else advantages
 
-# %% ../nbs/01_losses.ipynb #454c6988
+# %% ../nbs/01_losses.ipynb #4e9cd340
 class KLController:
     "The interface of a KL coefficient schedule: `.value`, `update`, and state for checkpoints."
     value: float
@@ -204,7 +204,7 @@ class KLController:
 
     def load_state_dict(self, state: dict): self.value = float(state["value"])
 
-# %% ../nbs/01_losses.ipynb #587b2119
+# %% ../nbs/01_losses.ipynb #bb7794f3
 class FixedKLController(KLController):
     "A constant KL coefficient."
     def __init__(self, kl_coef: float):  # β, ≥ 0
@@ -213,7 +213,7 @@ class FixedKLController(KLController):
     def update(self, current_kl: float, n_steps: int):
         "Nothing to do: the coefficient stays fixed."
 
-# %% ../nbs/01_losses.ipynb #9347ef8d
+# %% ../nbs/01_losses.ipynb #7df16571
 class AdaptiveKLController(KLController):
     "Ziegler et al.'s proportional controller that steers the measured KL towards `target`."
     def __init__(
@@ -236,7 +236,7 @@ class AdaptiveKLController(KLController):
         proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
         self.value *= 1 + proportional_error * n_steps / self.horizon
 
-# %% ../nbs/01_losses.ipynb #78947d7b
+# %% ../nbs/01_losses.ipynb #6522406c
 class PairwiseLoss(nn.Module):
     "Bradley–Terry loss −log σ(r_chosen − r_rejected − margin), averaged over the pairs."
     @typecheck
@@ -250,7 +250,7 @@ class PairwiseLoss(nn.Module):
         if margin is not None: diff = diff - margin
         return -F.logsigmoid(diff).mean()
 
-# %% ../nbs/01_losses.ipynb #0e575da8
+# %% ../nbs/01_losses.ipynb #c933f8a8
 @typecheck
 def pairwise_accuracy(
     chosen_rewards: Float[Tensor, "batch"],    # r_θ(x, y_w)

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RLOOConfig', 'RLOORollout', 'RLOOTrainer']
 
-# %% ../nbs/09_rloo.ipynb #e62525cc
+# %% ../nbs/09_rloo.ipynb #b37ddeb3
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,7 @@ from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
 from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows
 
-# %% ../nbs/09_rloo.ipynb #55af7d71
+# %% ../nbs/09_rloo.ipynb #5c9f07c4
 @dataclass
 class RLOOConfig(OnPolicyConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options; field names as in TRL's `RLOOConfig`."
@@ -36,7 +36,7 @@ class RLOOConfig(OnPolicyConfig):
                              "(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches)")
         if self.reward_clip_range is not None: check_number("reward_clip_range", self.reward_clip_range, low_open=True)
 
-# %% ../nbs/09_rloo.ipynb #5d3701ca
+# %% ../nbs/09_rloo.ipynb #bbece594
 @dataclass
 class RLOORollout(_Rows):
     "k responses per prompt with everything RLOO computes once for them (all detached)."
@@ -51,7 +51,7 @@ class RLOORollout(_Rows):
     rlhf_reward: Tensor          # (batch,) R = score − β·Σ KL
     advantages: Tensor           # (batch,) per response, or (batch, resp) per token with `token_level_kl`
 
-# %% ../nbs/09_rloo.ipynb #5f83a37e
+# %% ../nbs/09_rloo.ipynb #6a0c8718
 class RLOOTrainer(OnPolicyTrainer):
     "RLOO: k samples per prompt, leave-one-out baselines, the clipped surrogate on sequence (or token) ratios; no critic."
     def __init__(
@@ -71,30 +71,38 @@ class RLOOTrainer(OnPolicyTrainer):
     def advantages(self, scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> tuple:
         "(scores, kl, non_score_reward, rlhf_reward, advantages) for k·B responses laid out as `rloo_advantages` expects."
         c = self.config
-        if c.normalize_reward: scores = masked_whiten(scores, torch.ones_like(scores, dtype=torch.bool))
+        every = lambda x: torch.ones_like(x, dtype=torch.bool)
+        if c.normalize_reward: scores = self.whiten(scores, every(scores))       # over all processes' rows
         if c.reward_clip_range is not None: scores = scores.clamp(-c.reward_clip_range, c.reward_clip_range)
         rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, mask, c.kl_coef, c.kl_estimator)
         rlhf_reward = rewards.sum(1)
-        if c.whiten_rewards: rlhf_reward = masked_whiten(rlhf_reward, torch.ones_like(rlhf_reward, dtype=torch.bool), shift_mean=False)
+        if c.whiten_rewards: rlhf_reward = self.whiten(rlhf_reward, every(rlhf_reward), shift_mean=False)
         advantages = rloo_advantages(rlhf_reward, c.rloo_k)
         if c.token_level_kl:
             returns_to_go, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
             advantages = torch.where(mask, returns_to_go - (rlhf_reward - advantages)[:, None], 0.0)
         if c.normalize_advantage:
-            advantages = masked_whiten(advantages, mask if c.token_level_kl else torch.ones_like(advantages, dtype=torch.bool))
+            advantages = self.whiten(advantages, mask if c.token_level_kl else every(advantages))
         return scores, kl, non_score_reward, rlhf_reward, advantages
 
     @torch.no_grad()
-    def sample_rollout(self, policy: nn.Module, prompts: list[str]) -> tuple[RLOORollout, Samples]:
+    def sample_rollout(
+        self,
+        policy: nn.Module,       # the causal LM that samples
+        prompts: list[str],      # this process's prompts for the step
+        seed: int | None = None, # the step's sampling seed (see `sample_and_score`)
+        first_row: int = 0,      # the global index of this process's first response
+    ) -> tuple[RLOORollout, Samples]:
         "Sample k responses per prompt in one batched call, score them, and compute log-probabilities and advantages."
         c = self.config
-        x = self.sample_and_score(policy, list(prompts) * c.rloo_k)
+        x = self.sample_and_score(policy, [p for p in prompts for _ in range(c.rloo_k)], seed, first_row)
         pieces = _chunks(len(x.prompts), c.local_rollout_forward_batch_size)
         def logprobs_of(model):
             return torch.cat([logprobs_from_logits(response_logits(model, x.query_ids[s], x.query_attention_mask[s],
                                                                    x.response_ids[s], x.response_mask[s])[0],
                                                    x.response_ids[s], c.temperature) for s in pieces])
-        logprobs, ref_logprobs = logprobs_of(policy), logprobs_of(self.ref_model)
+        logprobs = logprobs_of(policy)
+        with self.on_device(self.ref_model) as ref: ref_logprobs = logprobs_of(ref)
         scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, x.response_mask)
         return RLOORollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, scores, logprobs, kl,
                            non_score, rlhf_reward, advantages), x
@@ -123,12 +131,12 @@ class RLOOTrainer(OnPolicyTrainer):
 
     def update(self, policy: nn.Module, rollout: RLOORollout, loop: TrainLoop) -> dict:
         "`num_ppo_epochs` × `num_mini_batches` optimizer steps on one rollout, with gradient accumulation."
-        c, micro = self.config, self.config.per_device_train_batch_size
-        sums, count = {}, 0
+        c, sums, count = self.config, {}, 0
+        policy.train()                               # dropout is off; train mode lets gradient checkpointing work
         for epoch in range(c.num_ppo_epochs):
-            for minibatch in torch.randperm(len(rollout), device=rollout.query_ids.device).split(micro * c.gradient_accumulation_steps):
-                for rows in minibatch.split(micro):
-                    part = rollout[rows]
+            for micro_batches in self.minibatches(len(rollout)):
+                for rows in micro_batches:
+                    part = rollout[rows.to(rollout.query_ids.device)]
                     with loop.accelerator.autocast():
                         logits, _ = response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids,
                                                     part.response_mask)

@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['OnPolicyConfig', 'RLHFConfig', 'Rollout', 'OnPolicyTrainer', 'RLHFTrainer', 'Samples', 'evaluate_policy']
 
-# %% ../nbs/08_trainer.ipynb #a1132a7d
+# %% ../nbs/08_trainer.ipynb #9290a2e6
 import time
 from dataclasses import dataclass, fields
+from contextlib import contextmanager
 from typing import NamedTuple, get_args
 
 import torch
@@ -24,7 +25,7 @@ from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import (AdaptiveKLController, FixedKLController, KLController, KLEstimator, PPOLoss,
                                    compute_gae, compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #49f12657
+# %% ../nbs/08_trainer.ipynb #0a9af7b4
 @dataclass
 class OnPolicyConfig(TrainingConfig):
     "Fields every on-policy RL trainer shares (PPO and RLOO): the KL penalty, sampling, and the schedule of rollouts and updates."
@@ -40,7 +41,8 @@ class OnPolicyConfig(TrainingConfig):
     num_mini_batches: int = 1              # minibatches per pass; a rollout has per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches responses per process
     total_episodes: int = 1024             # responses to sample in all (all processes)
     max_prompt_length: int = 64            # prompts are cut to their last this many tokens
-    local_rollout_forward_batch_size: int = 64  # rows per forward pass when sampling and scoring a rollout
+    local_rollout_forward_batch_size: int = 64  # rows per forward pass when sampling and scoring a rollout (a memory lever)
+    offload_models: bool = False           # keep the reference and reward models on the CPU, moving each to the accelerator only while it runs
     num_sample_generations: int = 10       # how many times to print a table of samples during training (0: never)
 
     def __post_init__(self):
@@ -60,7 +62,7 @@ class OnPolicyConfig(TrainingConfig):
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
 
-# %% ../nbs/08_trainer.ipynb #80b50c49
+# %% ../nbs/08_trainer.ipynb #a14b76da
 @dataclass
 class RLHFConfig(OnPolicyConfig):
     "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared fields."
@@ -80,7 +82,7 @@ class RLHFConfig(OnPolicyConfig):
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
         for name in ("cliprange_value", "kl_target", "kl_horizon"): check_number(name, getattr(self, name), low_open=True)
 
-# %% ../nbs/08_trainer.ipynb #894efde5
+# %% ../nbs/08_trainer.ipynb #66162c65
 class _Rows:
     "Row access for a dataclass of per-row tensors: its length and the minibatch of some rows."
     def __len__(self): return self.query_ids.shape[0]
@@ -106,12 +108,12 @@ class Rollout(_Rows):
     advantages: Tensor               # (batch, resp) whitened Â_t
     returns: Tensor                  # (batch, resp) R̂_t
 
-# %% ../nbs/08_trainer.ipynb #55456b80
+# %% ../nbs/08_trainer.ipynb #0814fa66
 def _chunks(n: int, size: int) -> list[slice]:
     "Slices that cut `n` rows into pieces of at most `size`."
     return [slice(i, i + size) for i in range(0, n, size)]
 
-# %% ../nbs/08_trainer.ipynb #88506fdc
+# %% ../nbs/08_trainer.ipynb #33a0675e
 class OnPolicyTrainer:
     "What the on-policy trainers (PPO, RLOO) share: the config, tokenizer, reward, prompts and KL controller; `train` is below."
     def __init__(
@@ -128,7 +130,29 @@ class OnPolicyTrainer:
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
 
-# %% ../nbs/08_trainer.ipynb #2147b753
+    def whiten(
+        self,
+        values: Tensor,              # (rows, ...) this process's rows
+        mask: Tensor,                # True where `values` counts
+        shift_mean: bool = True,     # False: scale only, keep the mean
+    ) -> Tensor:                     # this process's rows, whitened with the statistics of all processes' rows
+        "`masked_whiten` over the whole rollout: gathered from every process while training, so the result does not depend on how the rows are split."
+        acc = self.loop.accelerator if getattr(self, "loop", None) else None
+        if acc is None or acc.num_processes == 1: return masked_whiten(values, mask, shift_mean)
+        everything = masked_whiten(acc.gather(values), acc.gather(mask.to(torch.uint8)).bool(), shift_mean)
+        return everything.split(values.shape[0])[acc.process_index]
+
+    @contextmanager
+    def on_device(self, model):
+        "Inside the block `model` sits on the training device; with `offload_models` it goes back to the CPU afterwards."
+        if not isinstance(model, nn.Module) or not self.config.offload_models or not getattr(self, "loop", None):
+            yield model
+            return
+        model.to(self.loop.device)
+        try: yield model
+        finally: model.to("cpu")
+
+# %% ../nbs/08_trainer.ipynb #6aace6bf
 class RLHFTrainer(OnPolicyTrainer):
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -164,15 +188,16 @@ class RLHFTrainer(OnPolicyTrainer):
     ) -> Rollout:
         "Reference log-probabilities, shaped rewards, GAE and whitened advantages for a batch of responses."
         c, mask = self.config, response_attention_mask.bool()
-        ref_logprobs = torch.cat([
-            logprobs_from_logits(response_logits(self.ref_model, query_ids[s], query_attention_mask[s], response_ids[s], mask[s])[0],
-                                 response_ids[s], c.temperature)
-            for s in _chunks(len(query_ids), c.local_rollout_forward_batch_size)])
+        with self.on_device(self.ref_model) as ref:
+            ref_logprobs = torch.cat([
+                logprobs_from_logits(response_logits(ref, query_ids[s], query_attention_mask[s], response_ids[s], mask[s])[0],
+                                     response_ids[s], c.temperature)
+                for s in _chunks(len(query_ids), c.local_rollout_forward_batch_size)])
         rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, mask, self.kl_ctl.value, c.kl_estimator)
-        if c.whiten_rewards: rewards = masked_whiten(rewards, mask, shift_mean=False)
+        if c.whiten_rewards: rewards = self.whiten(rewards, mask, shift_mean=False)
         advantages, returns = compute_gae(rewards, values, mask, c.gamma, c.lam)
         return Rollout(query_ids, query_attention_mask, response_ids, mask, scores, logprobs.detach(), ref_logprobs,
-                       values.detach(), rewards, kl, non_score_reward, masked_whiten(advantages, mask), returns)
+                       values.detach(), rewards, kl, non_score_reward, self.whiten(advantages, mask), returns)
 
     def ppo_loss(
         self,
@@ -223,7 +248,7 @@ class RLHFTrainer(OnPolicyTrainer):
         self.stats = {**self.rollout_stats(rollout), **self.stats}
         return loss
 
-# %% ../nbs/08_trainer.ipynb #e0e48745
+# %% ../nbs/08_trainer.ipynb #808677bd
 class Samples(NamedTuple):
     "Responses sampled for a batch of prompts, with their scores."
     query_ids: Tensor             # (batch, query) left-padded prompts
@@ -242,22 +267,33 @@ def stop_token_id(self: OnPolicyTrainer) -> int:
         raise ValueError("set `stop_token_id` in the config, or give a tokenizer with an EOS token")
     return self.tokenizer.eos_token_id
 
+def _trim_left_padding(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    "Drop the columns that are left padding in every row (a chunk is then padded as if it had been encoded alone)."
+    width = int(mask.sum(1).max())
+    return ids[:, ids.shape[1] - width:], mask[:, mask.shape[1] - width:]
+
 @patch
 @torch.no_grad()
 def sample_and_score(
     self: OnPolicyTrainer,
     model: nn.Module,        # the causal LM that samples
     prompts: list[str],      # prompt texts, one response each
+    seed: int | None = None, # seed of this batch's sampling (None: the random state as it stands)
+    first_row: int = 0,      # the global index of this process's first row
 ) -> Samples:
     "Sample a response per prompt (in chunks), decode, score the text, and subtract `missing_eos_penalty` where no stop came."
     c, tok = self.config, self.tokenizer
     device = next(model.parameters()).device
     q_ids, q_mask = (t.to(device) for t in encode_prompts(tok, prompts, c.max_prompt_length))
-    sampled = [generate_responses(model, q_ids[s], q_mask[s], c.response_length, self.stop_token_id, tok.pad_token_id,
-                                  c.temperature) for s in _chunks(len(prompts), c.local_rollout_forward_batch_size)]
+    sampled = []
+    for s in _chunks(len(prompts), c.local_rollout_forward_batch_size):
+        if seed is not None: torch.manual_seed(seed + first_row + s.start)   # a chunk's samples do not depend on the process
+        sampled.append(generate_responses(model, *_trim_left_padding(q_ids[s], q_mask[s]), c.response_length,
+                                          self.stop_token_id, tok.pad_token_id, c.temperature))
     r_ids, r_mask = torch.cat([ids for ids, _ in sampled]), torch.cat([m for _, m in sampled])
     completions = [tok.decode(ids[m], skip_special_tokens=True) for ids, m in zip(r_ids.cpu(), r_mask.cpu())]
-    scores = score_completions(self.reward_model, prompts, completions).to(device)
+    with self.on_device(self.reward_model):
+        scores = score_completions(self.reward_model, prompts, completions).to(device)
     if c.missing_eos_penalty is not None:
         stopped = ((r_ids == self.stop_token_id) & r_mask).any(1)
         scores = scores - c.missing_eos_penalty * (~stopped).float()
@@ -278,6 +314,34 @@ def check_ready(self: OnPolicyTrainer):
                          f"gradient_accumulation_steps × num_mini_batches) is not a multiple of {self.samples_per_prompt} per prompt")
 
 @patch
+def minibatches(
+    self: OnPolicyTrainer,
+    n: int,                  # rows in this process's rollout
+) -> list[list[Tensor]]:     # per minibatch, the rows of each of its micro-batches
+    "One pass's minibatches, each cut into micro-batches: shuffled when there are several, in order when one covers the rollout."
+    c = self.config
+    order = torch.randperm(n) if c.num_mini_batches > 1 else torch.arange(n)
+    return [list(minibatch.split(c.per_device_train_batch_size))
+            for minibatch in order.split(c.per_device_train_batch_size * c.gradient_accumulation_steps)]
+
+@patch
+def micro_batch_index(
+    self: OnPolicyTrainer,
+    epoch: int,              # the pass over the rollout
+    minibatch: int,          # the minibatch within the pass
+    micro: int,              # the micro-batch within the minibatch
+) -> int:                    # the micro-batch's index in the whole run, counted over all processes
+    "A global counter of micro-batches: what one process's micro-batch `i` is with several processes (`batch_indices`' contiguous layout)."
+    c, acc = self.config, self.loop.accelerator
+    passes = (self.loop.state.step * c.num_ppo_epochs + epoch) * c.num_mini_batches + minibatch
+    return (passes * acc.num_processes + acc.process_index) * c.gradient_accumulation_steps + micro
+
+@patch
+def sampling_seed(self: OnPolicyTrainer, step: int) -> int:
+    "The seed of step `step`'s sampling: a function of the run's seed and the step, like the data order."
+    return (self.config.seed * 1_000_003 + step) * 1_000_000
+
+@patch
 def train(self: OnPolicyTrainer) -> nn.Module:
     "The on-policy loop: rollout, `update` (K epochs of minibatch steps), KL control, logs, sample tables, checkpoints."
     c = self.config
@@ -290,8 +354,8 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     if steps == 0:
         raise ValueError(f"`total_episodes`={c.total_episodes} is less than one rollout ({c.rollout_size * procs} responses)")
     model = loop.accelerator.unwrap_model(loop.setup_optimizer(self.model, steps * c.num_ppo_epochs * c.num_mini_batches))
-    self.ref_model.to(loop.device)
-    if isinstance(self.reward_model, nn.Module): self.reward_model.to(loop.device)
+    for frozen in (self.ref_model, self.reward_model):
+        if isinstance(frozen, nn.Module): frozen.to("cpu" if c.offload_models else loop.device)
     loop.maybe_resume()
     progress = loop.progress_bar(steps, type(self).__name__.removesuffix("Trainer").lower())
     sample_every = max(1, steps // c.num_sample_generations) if c.num_sample_generations else 0
@@ -299,7 +363,9 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     while loop.state.step < steps:
         start = time.perf_counter()
         rows = batch_indices(len(self.train_dataset), prompts_per_step, loop.state.step, c.seed, rank, procs)
-        rollout, samples = self.sample_rollout(model, self.train_dataset[rows]["prompt"])
+        with loop.accelerator.autocast(), loop.gathered_for_generation():  # π_old in the update's precision; ZeRO-3: whole weights
+            rollout, samples = self.sample_rollout(model, self.train_dataset[rows]["prompt"], self.sampling_seed(loop.state.step),
+                                                   rank * c.rollout_size)
         stats = {**self.rollout_stats(rollout), **self.update(model, rollout, loop)}
         stats = {k: loop.accelerator.reduce(v, reduction="mean") for k, v in stats.items()}  # means over all processes
         self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
@@ -307,7 +373,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
         progress.update(1)
         last = loop.state.step == steps
         if loop.state.step % c.logging_steps == 0 or last:
-            eos = ((samples.response_ids == self.stop_token_id) & samples.response_mask).sum()
+            eos = loop.accelerator.reduce(((samples.response_ids == self.stop_token_id) & samples.response_mask).sum(), "sum")
             loop.log({**stats, "val/num_eos_tokens": eos, "eps": len(rollout) * procs / (time.perf_counter() - start),
                       "lr": loop.lr, "episode": loop.state.step * c.rollout_size * procs}, progress)
         if sample_every and (loop.state.step % sample_every == 0 or last):
@@ -322,16 +388,18 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     loop.end()
     return model
 
-# %% ../nbs/08_trainer.ipynb #1b44ecdf
+# %% ../nbs/08_trainer.ipynb #52bdb67f
 @patch
 @torch.no_grad()
 def sample_rollout(
     self: RLHFTrainer,
     agent: Agent,            # the policy that samples (unwrapped)
-    prompts: list[str],      # the step's prompts
+    prompts: list[str],      # this process's prompts for the step
+    seed: int | None = None, # the step's sampling seed (see `sample_and_score`)
+    first_row: int = 0,      # the global index of this process's first response
 ) -> tuple[Rollout, Samples]:  # (the rollout, what was sampled)
     "Sample and score a response per prompt, then compute the rollout statistics (`make_rollout`)."
-    x = self.sample_and_score(agent.model, prompts)
+    x = self.sample_and_score(agent.model, prompts, seed, first_row)
     stats = [agent.response_stats(x.query_ids[s], x.query_attention_mask[s], x.response_ids[s], x.response_mask[s],
                                   self.config.temperature)
              for s in _chunks(len(prompts), self.config.local_rollout_forward_batch_size)]
@@ -347,18 +415,18 @@ def update(
     loop: TrainLoop,         # the loop that owns the optimizer
 ) -> dict:                   # the statistics, averaged over micro-batches, and the last gradient norm
     "`num_ppo_epochs` × `num_mini_batches` optimizer steps on one rollout, with PPO-ptx and gradient accumulation."
-    c = self.config
-    micro, sums, count = c.per_device_train_batch_size, {}, 0
+    c, sums, count = self.config, {}, 0
+    agent.train()                                  # dropout is off; train mode lets gradient checkpointing work
     for epoch in range(c.num_ppo_epochs):
-        for minibatch in torch.randperm(len(rollout), device=rollout.query_ids.device).split(micro * c.gradient_accumulation_steps):
-            for rows in minibatch.split(micro):
-                part = rollout[rows]
+        for m, micro_batches in enumerate(self.minibatches(len(rollout))):
+            for i, rows in enumerate(micro_batches):
+                part = rollout[rows.to(rollout.query_ids.device)]
                 with loop.accelerator.autocast():
                     current = agent.response_stats(part.query_ids, part.query_attention_mask, part.response_ids,
                                                    part.response_mask, c.temperature)
                     loss = self.ppo_loss(part, current)
                     if c.ptx_coef > 0:
-                        ptx = self.ptx_nll(agent, loop.state.step * c.num_ppo_epochs * len(rollout) // micro + count)
+                        ptx = self.ptx_nll(agent, self.micro_batch_index(epoch, m, i))
                         loss = loss + c.ptx_coef * ptx
                         self.stats["loss/ptx_avg"] = ptx.detach()
                 loop.backward(loss)
@@ -378,7 +446,7 @@ def check_ready(self: RLHFTrainer):
 def ptx_nll(
     self: RLHFTrainer,
     agent: Agent,            # the policy
-    draw: int,               # which pretraining batch (a counter, so resumes draw the same ones)
+    draw: int,               # which pretraining batch: the global micro-batch counter, so resumes and any process count draw the same ones
 ) -> Tensor:                 # mean NLL per token of a pretraining batch
     "The language-modelling loss of the `draw`-th pretraining micro-batch (InstructGPT's γ term, as a loss)."
     c, data = self.config, self.pretrain_dataset
@@ -387,7 +455,7 @@ def ptx_nll(
     device = next(agent.parameters()).device
     return lm_nll(agent.model, ids.to(device), mask.to(device), loss_mask.to(device))
 
-# %% ../nbs/08_trainer.ipynb #d6dede9b
+# %% ../nbs/08_trainer.ipynb #e53382e3
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module,                 # the trained policy: an `Agent` or a causal LM

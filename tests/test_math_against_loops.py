@@ -97,8 +97,8 @@ def test_rloo_matches_loop(seed):
     expected = torch.empty_like(rewards)
     for b in range(prompts):
         for i in range(k):
-            others = [rewards[j * prompts + b].item() for j in range(k) if j != i]
-            expected[i * prompts + b] = rewards[i * prompts + b] - sum(others) / (k - 1)
+            others = [rewards[b * k + j].item() for j in range(k) if j != i]
+            expected[b * k + i] = rewards[b * k + i] - sum(others) / (k - 1)
     assert_tensor(rloo_advantages(rewards, k), expected, eps=1e-12)
 
 

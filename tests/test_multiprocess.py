@@ -1,55 +1,119 @@
-"""Two CPU processes (torchrun, gloo) train `goose ppo` / `goose rloo`: every process must end with the same weights.
+"""PPO and RLOO with 2 CPU processes (torchrun, gloo) against 1 process with the same global batch and seed.
 
-The on-policy trainers call the agent through its methods (`response_stats`, `response_logits`), not through the
-DDP-wrapped `forward`, so DDP alone would not synchronise their gradients; `TrainLoop.average_gradients` does."""
+What makes the runs equal:
+- each process takes a contiguous share of the step's prompts (`batch_indices`), and a process's micro-batch `i` is the
+  `i`-th contiguous share, so 1 process × 2 micro-batches sees the rows that 2 processes × 1 micro-batch see;
+- sampling is seeded per chunk of `local_rollout_forward_batch_size` rows from (seed, step, first global row), so a
+  chunk's samples do not depend on which process draws them (the chunk size must divide each process's rollout);
+- advantage and reward whitening use the statistics of all processes' rows (gathered);
+- an RLOO group is k adjacent rows, so no group is split across processes;
+- PPO-ptx draws its pretraining batch from a global micro-batch counter;
+- gradients are averaged over processes (`TrainLoop.average_gradients`), which equals accumulating over micro-batches.
+
+The prompts all have the same length in tokens. With prompts of different lengths each process pads to its own
+longest prompt, the matrix shapes differ, and the float sums come out in a different order (about 1e-7); Adam then
+turns such differences in near-zero gradients into full-size steps, so runs drift apart. Equal lengths remove that
+and leave what this test is about: the distributed logic.
+"""
+import json
 import os
+import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from instruct_goose import task_tokenizer, tiny_causal_lm
+from instruct_goose import load_task, task_tokenizer, tiny_causal_lm
 
 SCRIPT = '''
-import copy, os, sys, torch
+import copy, json, os, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from instruct_goose import Agent, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, create_reference_model, load_task
-algo, policy, out = sys.argv[1:4]
+algo, policy, out, accumulation = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+resume = sys.argv[5] if len(sys.argv) > 5 else None
 tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
-reward = lambda prompts, completions: [float(len(c)) for c in completions]      # differs between samples
-common = dict(output_dir=out + "/run", per_device_train_batch_size=4, total_episodes=32, response_length=6,
-              num_sample_generations=0, disable_tqdm=True, learning_rate=1e-3)
+prompts = [{"prompt": p} for p in json.load(open(os.path.join(policy, "prompts.json")))]
+reward = lambda prompts, completions: [len(c) / 10 for c in completions]
+common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, total_episodes=32,
+              response_length=6, local_rollout_forward_batch_size=2, num_ppo_epochs=2, num_sample_generations=0,
+              disable_tqdm=True, learning_rate=1e-3, save_steps=2, resume_from_checkpoint=resume)
 if algo == "ppo":
     torch.manual_seed(0)
-    trainer = RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model), RLHFConfig(**common),
-                          tokenizer=tokenizer, reward_model=reward, train_dataset=load_task("prompts"))
+    trainer = RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model),
+                          RLHFConfig(whiten_rewards=True, ptx_coef=0.5, **common), tokenizer=tokenizer, reward_model=reward,
+                          train_dataset=prompts, pretrain_dataset=load_task("pretrain"))
 else:
-    trainer = RLOOTrainer(RLOOConfig(rloo_k=2, **common), tokenizer, copy.deepcopy(model), model, reward, load_task("prompts"))
+    trainer = RLOOTrainer(RLOOConfig(rloo_k=2, normalize_advantage=True, **common), tokenizer, copy.deepcopy(model), model,
+                          reward, prompts)
 trainer.train()
-torch.save(trainer.model.state_dict(), f"{out}/rank{os.environ['RANK']}.pt")
+rank = os.environ.get("RANK", "0")
+torch.save(trainer.model.state_dict(), f"{out}/weights{rank}.pt")
+json.dump(trainer.loop.state.history, open(f"{out}/history{rank}.json", "w"))
 '''
+
+COMPARED = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss/policy_avg", "policy/approxkl_avg",
+            "grad_norm", "lr")
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    "A tiny GPT-2, its tokenizer, and the task prompts of the most common length in tokens."
+    where = tmp_path_factory.mktemp("policy")
+    tokenizer = task_tokenizer()
+    tiny_causal_lm(tokenizer, seed=0).save_pretrained(where)
+    tokenizer.save_pretrained(where)
+    prompts = load_task("prompts")["prompt"]
+    lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    common = Counter(lengths).most_common(1)[0][0]
+    same = [p for p, n in zip(prompts, lengths) if n == common]
+    assert len(same) >= 16, Counter(lengths)
+    (where / "prompts.json").write_text(json.dumps(same))
+    (where / "train.py").write_text(SCRIPT)
+    return where
+
+
+def _run(policy_dir, out, algo, processes, accumulation, resume=None):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache"}
+    script = [str(policy_dir / "train.py"), algo, str(policy_dir), str(out), str(accumulation)] + ([resume] if resume else [])
+    if processes == 1: command = [sys.executable] + script
+    else: command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(processes)] + script
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-8000:]
+    return torch.load(out / "weights0.pt"), json.loads((out / "history0.json").read_text())
+
+
+def _assert_same(a, b, what, eps=1e-6):
+    weights_a, history_a = a
+    weights_b, history_b = b
+    worst = max((weights_a[k] - weights_b[k]).abs().max().item() for k in weights_a)
+    assert worst <= eps, f"{what}: weights differ by {worst}"
+    assert len(history_a) == len(history_b) == 4
+    for row_a, row_b in zip(history_a, history_b):
+        for key in COMPARED:
+            if key in row_a: assert abs(row_a[key] - row_b[key]) <= eps * max(1, abs(row_a[key])), (what, row_a["step"], key)
 
 
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])
-def test_two_processes_stay_in_sync(algo, tmp_path):
-    tokenizer = task_tokenizer()
-    tiny_causal_lm(tokenizer, seed=0).save_pretrained(tmp_path / "policy")
-    tokenizer.save_pretrained(tmp_path / "policy")
-    (tmp_path / "train.py").write_text(SCRIPT)
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    # a fresh datasets cache, as on a new machine: both processes read and filter the task files at the same time
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
-    result = subprocess.run([torchrun, "--nproc_per_node", "2", str(tmp_path / "train.py"), algo, str(tmp_path / "policy"),
-                             str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-8000:]
-    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-4"]   # 32 episodes / (4 x 2)
-    saved = {p.name for p in (tmp_path / "run" / "checkpoint-4").iterdir()}
-    assert {"random_states_0.pkl", "random_states_1.pkl"} <= saved        # both processes' states made it in
-    for name, value in rank0.items():
-        assert torch.equal(rank1[name], value), name
-    start = tiny_causal_lm(tokenizer, seed=0).state_dict()
-    trained = {name.removeprefix("model."): value for name, value in rank0.items()}
-    assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])           # and training did move them
+def test_two_processes_equal_one(algo, policy_dir, tmp_path):
+    one = _run(policy_dir, tmp_path / "one", algo, processes=1, accumulation=2)
+    two = _run(policy_dir, tmp_path / "two", algo, processes=2, accumulation=1)
+
+    rank1 = torch.load(tmp_path / "two" / "weights1.pt")
+    for name, value in two[0].items(): assert torch.equal(rank1[name], value), name      # the processes agree
+    saved = {p.name for p in (tmp_path / "two" / "checkpoint-4").iterdir()}
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= saved                     # both processes' states saved
+    assert sorted(p.name for p in (tmp_path / "two").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+    _assert_same(one, two, "1 process x 2 micro-batches vs 2 processes")
+    start = tiny_causal_lm(task_tokenizer(), seed=0).state_dict()
+    trained = {name.removeprefix("model."): value for name, value in two[0].items()}
+    assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])         # and training did move them
+    assert one[1][-1]["lr"] == 0.0 and one[1][1]["lr"] == two[1][1]["lr"] > 0            # one schedule step per step
+
+    # the 2-process checkpoint of step 2, resumed by 1 process with 2 micro-batches, ends where the 2-process run did
+    shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = _run(policy_dir, tmp_path / "resumed", algo, processes=1, accumulation=2, resume="latest")
+    _assert_same(two, resumed, "2-process run vs its checkpoint resumed by 1 process")
