@@ -7,7 +7,7 @@ __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMComman
            'RLOOCommand', 'EvalCommand', 'PipelineCommand', 'load_tokenizer_and_model', 'load_data', 'run_sft',
            'run_rm', 'run_ppo', 'run_rloo', 'run_eval', 'comparison_table', 'plot_curves', 'run_pipeline', 'main']
 
-# %% ../nbs/10_cli.ipynb #f7deee3b
+# %% ../nbs/10_cli.ipynb #edde056b
 import argparse, copy, dataclasses, inspect, json, logging, re, sys, time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,7 +26,7 @@ from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from .rloo import RLOOConfig, RLOOTrainer
 from .trainer import OnPolicyConfig, RLHFConfig, RLHFTrainer, evaluate_policy
 
-# %% ../nbs/10_cli.ipynb #95911b90
+# %% ../nbs/10_cli.ipynb #c606d364
 _FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
 
 def field_help(cls) -> dict[str, str]:
@@ -53,7 +53,7 @@ def _boolean(text: str) -> bool:
 def _none_or(parse):
     return lambda text: None if text.lower() == "none" else parse(text)
 
-# %% ../nbs/10_cli.ipynb #d4a41449
+# %% ../nbs/10_cli.ipynb #9e2a78ec
 def build_parser(cls, prog: str) -> argparse.ArgumentParser:
     "An argparse parser with one `--flag` per field of dataclass `cls`, documented by the field's comment."
     parser = argparse.ArgumentParser(prog=prog, description=inspect.getdoc(cls),
@@ -84,7 +84,7 @@ def _yaml(text: str) -> dict:
     import yaml
     return yaml.safe_load(text) or {}
 
-# %% ../nbs/10_cli.ipynb #6aa2d041
+# %% ../nbs/10_cli.ipynb #c19e92cf
 _TINY = {"tiny-gpt2": "gpt2", "tiny-llama": "llama"}
 
 @dataclass
@@ -169,7 +169,7 @@ class PipelineCommand:
     response_length: int = 16                # tokens sampled per response
     disable_tqdm: bool = False               # hide the progress bars
 
-# %% ../nbs/10_cli.ipynb #3d87a369
+# %% ../nbs/10_cli.ipynb #6238b03c
 def load_tokenizer_and_model(name: str, seed: int = 0):
     "(tokenizer, causal LM) for a 🤗 name/path, or a tiny model on the task's tokenizer for tiny-gpt2 / tiny-llama."
     if name in _TINY:
@@ -191,7 +191,7 @@ def _stage_config(command, config_class):
     names = {f.name for f in fields(config_class)}
     return config_class(**{k: v for k, v in dataclasses.asdict(command).items() if k in names})
 
-# %% ../nbs/10_cli.ipynb #660a90a2
+# %% ../nbs/10_cli.ipynb #83883f8f
 def run_sft(args: SFTCommand):
     "goose sft"
     tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
@@ -242,7 +242,7 @@ def run_eval(args: EvalCommand) -> dict:
     if args.output: Path(args.output).write_text(json.dumps({"metrics": metrics, "samples": records}, indent=1))
     return metrics
 
-# %% ../nbs/10_cli.ipynb #c186d3da
+# %% ../nbs/10_cli.ipynb #0e69bbe1
 def comparison_table(metrics: dict, title: str = "policy vs reference (held-out prompts)") -> Table:
     "A rich table of `evaluate_policy`'s metrics: reference and policy side by side, with win rates."
     table = Table(title=title)
@@ -254,7 +254,7 @@ def comparison_table(metrics: dict, title: str = "policy vs reference (held-out 
     table.add_row("KL to reference (nats)", "0", f"{metrics['eval/kl']:.2f}", "")
     return table
 
-# %% ../nbs/10_cli.ipynb #028d50e9
+# %% ../nbs/10_cli.ipynb #99595c6b
 def plot_curves(history: list[dict], path: str | Path, keys=("objective/scores", "objective/kl", "objective/kl_coef")):
     "Save a PNG with one panel per metric of a training history (needs matplotlib)."
     import matplotlib
@@ -302,7 +302,7 @@ def run_pipeline(args: PipelineCommand) -> dict:
     console.print(f"done in {summary['seconds']} s; plot: {out / f'{args.algo}_curves.png'}; summary: {out / 'summary.json'}")
     return summary
 
-# %% ../nbs/10_cli.ipynb #f5070694
+# %% ../nbs/10_cli.ipynb #6c2d3bdf
 _COMMANDS = {"sft": (SFTCommand, run_sft), "rm": (RMCommand, run_rm), "ppo": (PPOCommand, run_ppo),
              "rloo": (RLOOCommand, run_rloo), "eval": (EvalCommand, run_eval), "pipeline": (PipelineCommand, run_pipeline)}
 
@@ -319,3 +319,7 @@ def main(argv: list[str] | None = None):
     transformers_logging.disable_progress_bar()                  # 🤗's per-file load/save bars; ours stay
     logging.getLogger("accelerate").setLevel(logging.ERROR)      # tied-weight notices on every checkpoint
     run(args)
+
+# %% ../nbs/10_cli.ipynb #7c767d6e
+#| eval: false
+if __name__ == "__main__": main()

@@ -1,0 +1,130 @@
+"""The memory levers: each is a config field, runs, and changes results by no more than its stated tolerance.
+
+- `gradient_checkpointing`: recomputes activations in the backward pass; the same arithmetic, so equal results (1e-6).
+- `local_rollout_forward_batch_size`: rows per forward pass in the rollout; given the same samples the rollout is the
+  same (1e-5). It also sets how sampling is seeded (per chunk), so a different value draws different samples.
+- `offload_models`: the reference and reward models wait on the CPU; equal results (1e-6), and the models go to the
+  device only while they run.
+- `mixed_precision="bf16"`: π_old is computed under the same autocast as π_θ, so the first epoch's ratio is exactly 1.
+"""
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from instruct_goose import (Agent, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, RewardModel, TrainLoop,
+                            TrainingConfig, create_reference_model, load_task, task_tokenizer, tiny_causal_lm)
+from instruct_goose.loop import enable_gradient_checkpointing
+
+
+@pytest.fixture(scope="module")
+def tokenizer(): return task_tokenizer()
+
+
+def reward(prompts, completions): return [len(c) / 10 for c in completions]
+
+
+def ppo(tokenizer, tmp_path, **config):
+    model = tiny_causal_lm(tokenizer, seed=0)
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=16, response_length=8,
+                    local_rollout_forward_batch_size=4, disable_tqdm=True, num_sample_generations=0, learning_rate=1e-3)
+    torch.manual_seed(0)
+    trainer = RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model), RLHFConfig(**{**settings, **config}),
+                          tokenizer=tokenizer, reward_model=reward, train_dataset=load_task("prompts"))
+    trainer.train()
+    return trainer
+
+
+def max_difference(a: nn.Module, b: nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_gradient_checkpointing_gives_the_same_run(tokenizer, tmp_path):
+    plain = ppo(tokenizer, tmp_path / "plain")
+    checkpointed = ppo(tokenizer, tmp_path / "checkpointed", gradient_checkpointing=True)
+    assert checkpointed.model.model.is_activation_checkpointing and not plain.model.model.is_activation_checkpointing
+    assert max_difference(plain.model, checkpointed.model) <= 1e-6
+    assert max_difference(plain.model, Agent(tiny_causal_lm(tokenizer, seed=0))) > 1e-4       # training moved it
+
+
+def test_gradient_checkpointing_really_recomputes(tokenizer):
+    "In train mode a checkpointed block's attention runs twice per backward: once forward, once to recompute."
+    def attention_calls(agent):
+        calls = []
+        agent.model.transformer.h[0].attn.register_forward_hook(lambda *args: calls.append(1))
+        agent.train()(torch.tensor([[5, 6, 7, 8]])).values.sum().backward()
+        return len(calls)
+    assert attention_calls(Agent(tiny_causal_lm(tokenizer, seed=0))) == 1
+    assert attention_calls(enable_gradient_checkpointing(Agent(tiny_causal_lm(tokenizer, seed=0)))) == 2
+
+
+def test_gradient_checkpointing_reaches_every_model_inside(tokenizer):
+    critic_agent = Agent(tiny_causal_lm(tokenizer, seed=0), value_model=tiny_causal_lm(tokenizer, arch="llama", seed=1))
+    enable_gradient_checkpointing(critic_agent)
+    assert critic_agent.model.is_activation_checkpointing and critic_agent.value_model.is_activation_checkpointing
+    assert enable_gradient_checkpointing(RewardModel(tiny_causal_lm(tokenizer, seed=0))).backbone.is_activation_checkpointing
+    with pytest.raises(ValueError, match="`gradient_checkpointing`: Linear holds no 🤗 model"):
+        enable_gradient_checkpointing(nn.Linear(2, 2))
+    loop = TrainLoop(TrainingConfig(output_dir="/tmp/goose-gc-test", gradient_checkpointing=True, disable_tqdm=True))
+    with pytest.raises(ValueError, match="`gradient_checkpointing`"):
+        loop.setup_optimizer(nn.Linear(2, 2), num_training_steps=1)
+
+
+def test_offload_models_gives_the_same_run(tokenizer, tmp_path):
+    plain = ppo(tokenizer, tmp_path / "plain")
+    offloaded = ppo(tokenizer, tmp_path / "offloaded", offload_models=True)
+    assert max_difference(plain.model, offloaded.model) <= 1e-6
+    assert next(offloaded.ref_model.parameters()).device.type == "cpu"
+
+
+class Recorder(nn.Module):
+    "Records where it is asked to move."
+    def __init__(self):
+        super().__init__()
+        self.moves = []
+
+    def to(self, device):
+        self.moves.append(str(device))
+        return self
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_on_device_moves_only_when_offloading(offload, tokenizer):
+    trainer = RLOOTrainer(RLOOConfig(offload_models=offload, output_dir="/tmp/goose-offload-test"), tokenizer,
+                          tiny_causal_lm(tokenizer), tiny_causal_lm(tokenizer), reward, [{"prompt": "x"}])
+    trainer.loop = SimpleNamespace(device="cuda:7")              # a stand-in: only the device's name is used
+    model = Recorder()
+    with trainer.on_device(model): assert model.moves == (["cuda:7"] if offload else [])
+    assert model.moves == (["cuda:7", "cpu"] if offload else [])
+    with pytest.raises(RuntimeError, match="boom"):                # back on the CPU even when the block fails
+        with trainer.on_device(model): raise RuntimeError("boom")
+    assert model.moves[-1:] == (["cpu"] if offload else [])
+    with trainer.on_device(reward) as same: assert same is reward  # a reward function is not a module: left alone
+
+
+def test_rollout_chunking_does_not_change_the_rollout(tokenizer, tmp_path):
+    trainer = ppo(tokenizer, tmp_path / "run", total_episodes=4)    # one short step, to have a trained value head
+    prompts = load_task("prompts")["prompt"][:6]
+    torch.manual_seed(0)
+    samples = trainer.sample_and_score(trainer.model.model, prompts)
+    rollouts = []
+    for chunk in (1, 4, 64):
+        trainer.config.local_rollout_forward_batch_size = chunk
+        stats = trainer.model.response_stats(samples.query_ids, samples.query_attention_mask, samples.response_ids,
+                                             samples.response_mask)
+        rollouts.append(trainer.make_rollout(samples.query_ids, samples.query_attention_mask, samples.response_ids,
+                                             samples.response_mask, samples.scores, stats.logprobs, stats.values))
+    for other in rollouts[1:]:
+        for name in ("ref_logprobs", "rewards", "advantages", "returns"):
+            assert (getattr(other, name) - getattr(rollouts[0], name)).abs().max() <= 1e-5, name
+
+
+def test_bf16_rollout_is_computed_under_the_same_autocast(tokenizer, tmp_path):
+    "One PPO epoch over micro-batches that are exactly the rollout's chunks: π_old and π_θ are the same computation."
+    trainer = ppo(tokenizer, tmp_path, mixed_precision="bf16", num_ppo_epochs=1, total_episodes=8)
+    for row in trainer.loop.state.history:
+        assert row["val/ratio"] == 1.0 and row["policy/approxkl_avg"] == 0.0, row
+        assert all(math.isfinite(v) for v in row.values())
