@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMCommand', 'OnPolicyCommand', 'PPOCommand',
            'RLOOCommand', 'EvalCommand', 'PipelineCommand', 'load_tokenizer_and_model', 'load_data', 'run_sft',
-           'run_rm', 'run_ppo', 'run_rloo', 'run_eval', 'comparison_table', 'plot_curves', 'run_pipeline', 'main']
+           'run_rm', 'policy_and_reference', 'run_ppo', 'run_rloo', 'run_eval', 'comparison_table', 'plot_curves',
+           'run_pipeline', 'main']
 
-# %% ../nbs/10_cli.ipynb #edde056b
+# %% ../nbs/10_cli.ipynb #1e246234
 import argparse, copy, dataclasses, inspect, json, logging, re, sys, time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -16,17 +17,19 @@ from typing import Literal, Union, get_args, get_origin
 
 import torch
 from rich.console import Console
+from torch import nn
 from rich.table import Table
 from transformers.utils import logging as transformers_logging
 
 from .agent import Agent, create_reference_model
+from .core import check_number
 from .data import gold_score, load_task, task_tokenizer, tiny_causal_lm
 from .reward import RewardModel
 from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from .rloo import RLOOConfig, RLOOTrainer
 from .trainer import OnPolicyConfig, RLHFConfig, RLHFTrainer, evaluate_policy
 
-# %% ../nbs/10_cli.ipynb #c606d364
+# %% ../nbs/10_cli.ipynb #9f9ce009
 _FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
 
 def field_help(cls) -> dict[str, str]:
@@ -53,7 +56,7 @@ def _boolean(text: str) -> bool:
 def _none_or(parse):
     return lambda text: None if text.lower() == "none" else parse(text)
 
-# %% ../nbs/10_cli.ipynb #9e2a78ec
+# %% ../nbs/10_cli.ipynb #bc5464a9
 def build_parser(cls, prog: str) -> argparse.ArgumentParser:
     "An argparse parser with one `--flag` per field of dataclass `cls`, documented by the field's comment."
     parser = argparse.ArgumentParser(prog=prog, description=inspect.getdoc(cls),
@@ -84,7 +87,7 @@ def _yaml(text: str) -> dict:
     import yaml
     return yaml.safe_load(text) or {}
 
-# %% ../nbs/10_cli.ipynb #c19e92cf
+# %% ../nbs/10_cli.ipynb #a7917a4f
 _TINY = {"tiny-gpt2": "gpt2", "tiny-llama": "llama"}
 
 @dataclass
@@ -123,6 +126,14 @@ class OnPolicyCommand(OnPolicyConfig):
     missing_eos_penalty: float | None = 1.0  # subtracted from the score of a response without a stop token
     num_sample_generations: int = 4          # how many times to print a table of samples during training (0: never)
     logging_steps: int = 4                   # log metrics every this many steps
+    lora_r: int = 0                          # LoRA rank: train peft adapters, the reference being the policy with them off (0: train every weight)
+    lora_alpha: float = 16.0                 # LoRA scaling numerator (the update is scaled by alpha / r)
+    lora_target_modules: str = "all-linear"  # modules that get adapters: "all-linear" or comma-separated names, e.g. "c_attn,c_fc"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_number("lora_r", self.lora_r)
+        check_number("lora_alpha", self.lora_alpha, low_open=True)
 
 @dataclass
 class PPOCommand(OnPolicyCommand, RLHFConfig):
@@ -169,7 +180,7 @@ class PipelineCommand:
     response_length: int = 16                # tokens sampled per response
     disable_tqdm: bool = False               # hide the progress bars
 
-# %% ../nbs/10_cli.ipynb #6238b03c
+# %% ../nbs/10_cli.ipynb #7f3fbcf9
 def load_tokenizer_and_model(name: str, seed: int = 0):
     "(tokenizer, causal LM) for a 🤗 name/path, or a tiny model on the task's tokenizer for tiny-gpt2 / tiny-llama."
     if name in _TINY:
@@ -191,7 +202,7 @@ def _stage_config(command, config_class):
     names = {f.name for f in fields(config_class)}
     return config_class(**{k: v for k, v in dataclasses.asdict(command).items() if k in names})
 
-# %% ../nbs/10_cli.ipynb #83883f8f
+# %% ../nbs/10_cli.ipynb #a5511057
 def run_sft(args: SFTCommand):
     "goose sft"
     tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
@@ -211,11 +222,23 @@ def run_rm(args: RMCommand):
 def _reward(name: str):
     return gold_score if name == "gold" else RewardModel.from_pretrained(name)
 
+def policy_and_reference(
+    sft_model: nn.Module,        # the model RL starts from
+    args: OnPolicyCommand,       # its `lora_*` fields
+) -> tuple[nn.Module, nn.Module]:  # (the policy to train, the frozen reference)
+    "A copy of the SFT model and the frozen SFT model; with `lora_r` > 0 the SFT model with LoRA adapters, and itself with them off."
+    if args.lora_r == 0: return copy.deepcopy(sft_model), create_reference_model(sft_model)
+    from peft import LoraConfig, get_peft_model
+    targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+    policy = get_peft_model(sft_model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets))
+    return policy, create_reference_model(policy)
+
 def run_ppo(args: PPOCommand):
     "goose ppo"
     tokenizer, sft_model = load_tokenizer_and_model(args.policy, args.seed)
     torch.manual_seed(args.seed)
-    trainer = RLHFTrainer(Agent(copy.deepcopy(sft_model)), create_reference_model(sft_model), _stage_config(args, RLHFConfig),
+    policy, reference = policy_and_reference(sft_model, args)
+    trainer = RLHFTrainer(Agent(policy), reference, _stage_config(args, RLHFConfig),
                           tokenizer=tokenizer, reward_model=_reward(args.reward_model),
                           train_dataset=load_data(args.dataset, "prompts"),
                           pretrain_dataset=load_data(args.pretrain_dataset, "pretrain") if args.ptx_coef > 0 else None)
@@ -225,7 +248,7 @@ def run_ppo(args: PPOCommand):
 def run_rloo(args: RLOOCommand):
     "goose rloo"
     tokenizer, sft_model = load_tokenizer_and_model(args.policy, args.seed)
-    trainer = RLOOTrainer(_stage_config(args, RLOOConfig), tokenizer, copy.deepcopy(sft_model), sft_model,
+    trainer = RLOOTrainer(_stage_config(args, RLOOConfig), tokenizer, *policy_and_reference(sft_model, args),
                           _reward(args.reward_model), load_data(args.dataset, "prompts"))
     trainer.train()
     return trainer
@@ -242,7 +265,7 @@ def run_eval(args: EvalCommand) -> dict:
     if args.output: Path(args.output).write_text(json.dumps({"metrics": metrics, "samples": records}, indent=1))
     return metrics
 
-# %% ../nbs/10_cli.ipynb #0e69bbe1
+# %% ../nbs/10_cli.ipynb #9aff108b
 def comparison_table(metrics: dict, title: str = "policy vs reference (held-out prompts)") -> Table:
     "A rich table of `evaluate_policy`'s metrics: reference and policy side by side, with win rates."
     table = Table(title=title)
@@ -254,7 +277,7 @@ def comparison_table(metrics: dict, title: str = "policy vs reference (held-out 
     table.add_row("KL to reference (nats)", "0", f"{metrics['eval/kl']:.2f}", "")
     return table
 
-# %% ../nbs/10_cli.ipynb #99595c6b
+# %% ../nbs/10_cli.ipynb #680e570c
 def plot_curves(history: list[dict], path: str | Path, keys=("objective/scores", "objective/kl", "objective/kl_coef")):
     "Save a PNG with one panel per metric of a training history (needs matplotlib)."
     import matplotlib
@@ -302,7 +325,7 @@ def run_pipeline(args: PipelineCommand) -> dict:
     console.print(f"done in {summary['seconds']} s; plot: {out / f'{args.algo}_curves.png'}; summary: {out / 'summary.json'}")
     return summary
 
-# %% ../nbs/10_cli.ipynb #6c2d3bdf
+# %% ../nbs/10_cli.ipynb #3ef83dbb
 _COMMANDS = {"sft": (SFTCommand, run_sft), "rm": (RMCommand, run_rm), "ppo": (PPOCommand, run_ppo),
              "rloo": (RLOOCommand, run_rloo), "eval": (EvalCommand, run_eval), "pipeline": (PipelineCommand, run_pipeline)}
 
@@ -320,6 +343,6 @@ def main(argv: list[str] | None = None):
     logging.getLogger("accelerate").setLevel(logging.ERROR)      # tied-weight notices on every checkpoint
     run(args)
 
-# %% ../nbs/10_cli.ipynb #7c767d6e
+# %% ../nbs/10_cli.ipynb #2ba3befb
 #| eval: false
 if __name__ == "__main__": main()

@@ -6,7 +6,7 @@
 __all__ = ['TrainingConfig', 'batch_indices', 'latest_checkpoint', 'TrainState', 'fresh_accelerator',
            'enable_gradient_checkpointing', 'TrainLoop']
 
-# %% ../nbs/05_loop.ipynb #33c0f4e1
+# %% ../nbs/05_loop.ipynb #ac7bbee5
 import json, math, os, re, shutil, warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, get_scheduler
 
 from .core import check_number
 
-# %% ../nbs/05_loop.ipynb #17c186db
+# %% ../nbs/05_loop.ipynb #45858a92
 @dataclass
 class TrainingConfig:
     "Fields shared by every trainer: where to write, how to optimise, when to log and save."
@@ -59,7 +59,7 @@ class TrainingConfig:
         if self.report_to not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"`report_to` must be 'none', 'tensorboard' or 'wandb', got {self.report_to!r}")
 
-# %% ../nbs/05_loop.ipynb #36105c60
+# %% ../nbs/05_loop.ipynb #ccff96be
 def batch_indices(
     n_examples: int,        # size of the dataset
     batch_size: int,        # examples per step (all processes together)
@@ -77,7 +77,7 @@ def batch_indices(
         raise ValueError(f"a batch of {batch_size} examples cannot be shared equally by {num_processes} processes")
     return order[k * batch_size:(k + 1) * batch_size].chunk(num_processes)[process_index].tolist()
 
-# %% ../nbs/05_loop.ipynb #f4538636
+# %% ../nbs/05_loop.ipynb #14cf7621
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 def latest_checkpoint(
@@ -88,14 +88,14 @@ def latest_checkpoint(
     steps = [(int(m[1]), p) for p in output_dir.glob("checkpoint-*") if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
     return max(steps)[1] if steps else None
 
-# %% ../nbs/05_loop.ipynb #9290178f
+# %% ../nbs/05_loop.ipynb #1c60b030
 class TrainState:
     "The step and the history of logged metrics; saved with every checkpoint."
     def __init__(self): self.step, self.history = 0, []
     def state_dict(self) -> dict: return {"step": self.step, "history": self.history}
     def load_state_dict(self, state: dict): self.step, self.history = state["step"], list(state["history"])
 
-# %% ../nbs/05_loop.ipynb #7212a8d2
+# %% ../nbs/05_loop.ipynb #67abe1d8
 def _check_writable(output_dir: str | Path):
     output_dir = Path(output_dir)
     try:
@@ -124,7 +124,7 @@ def enable_gradient_checkpointing(
         else: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
-# %% ../nbs/05_loop.ipynb #e57d208b
+# %% ../nbs/05_loop.ipynb #f77769e1
 class TrainLoop:
     "Accelerate, optimizer, schedule, logging and atomic checkpoints, shared by the trainers."
     def __init__(self, config: TrainingConfig):

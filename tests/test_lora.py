@@ -1,0 +1,100 @@
+"""LoRA policies (peft) in PPO and RLOO: only adapters (and PPO's value head) train, the reference is the base model
+with the adapter off (no second copy), and what is saved loads back."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from instruct_goose import (Agent, AdapterOffReference, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
+                            create_reference_model, load_task, logprobs_from_logits, response_logits, task_tokenizer,
+                            tiny_causal_lm)
+
+
+def reward(prompts, completions): return [len(c) / 10 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    where = tmp_path_factory.mktemp("base")
+    tokenizer = task_tokenizer()
+    tiny_causal_lm(tokenizer, seed=0).save_pretrained(where)
+    tokenizer.save_pretrained(where)
+    return where
+
+
+def lora(base_dir):
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def settings(tmp_path):
+    return dict(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=12, response_length=8,
+                disable_tqdm=True, num_sample_generations=0, learning_rate=1e-2)
+
+
+def split(named):
+    "(adapter weights, base weights) of a LoRA model's state, copied."
+    adapters = {n: p.detach().clone() for n, p in named if "lora_" in n}
+    base = {n: p.detach().clone() for n, p in named if "lora_" not in n}
+    return adapters, base
+
+
+def changed(before, after): return {n for n in before if not torch.equal(before[n], after[n])}
+
+
+def test_lora_ppo_trains_adapters_and_value_head_only(base_dir, tmp_path):
+    tokenizer = task_tokenizer()
+    torch.manual_seed(0)
+    agent = Agent(lora(base_dir))
+    reference = create_reference_model(agent)
+    assert isinstance(reference, AdapterOffReference) and list(reference.parameters()) == []
+    adapters, base = split(list(agent.model.named_parameters()))
+    head = agent.value_head.weight.detach().clone()
+    trainer = RLHFTrainer(agent, reference, RLHFConfig(**settings(tmp_path)), tokenizer=tokenizer, reward_model=reward,
+                          train_dataset=load_task("prompts"))
+    trainer.train()
+    adapters_after, base_after = split(list(trainer.model.model.named_parameters()))
+    assert changed(adapters, adapters_after) == set(adapters)                 # every adapter moved (B starts at 0)
+    assert changed(base, base_after) == set()                                  # the base did not
+    assert not torch.equal(head, trainer.model.value_head.weight)              # the value head trained
+
+    # the reference is still exactly the base model, and the saved run loads back as a trainable LoRA agent
+    q = torch.tensor([[5, 6, 7]]); qm = torch.ones_like(q); r = torch.tensor([[8, 9]]); rm = torch.ones_like(r)
+    plain = AutoModelForCausalLM.from_pretrained(base_dir)
+    assert torch.allclose(response_logits(trainer.ref_model, q, qm, r, rm)[0], response_logits(plain, q, qm, r, rm)[0], atol=1e-6)
+    saved = {p.name for p in Path(tmp_path).iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "value_head.safetensors"} <= saved
+    assert "model.safetensors" not in saved                                   # the base is not written again
+    reloaded = Agent.from_pretrained(tmp_path)
+    ours, theirs = trainer.model.response_stats(q, qm, r, rm), reloaded.response_stats(q, qm, r, rm)
+    assert torch.allclose(ours.logprobs, theirs.logprobs, atol=1e-6) and torch.allclose(ours.values, theirs.values, atol=1e-6)
+
+
+def test_lora_rloo_trains_adapters_only(base_dir, tmp_path):
+    tokenizer = task_tokenizer()
+    policy = lora(base_dir)
+    adapters, base = split(list(policy.named_parameters()))
+    trainer = RLOOTrainer(RLOOConfig(rloo_k=2, **settings(tmp_path)), tokenizer, policy, create_reference_model(policy),
+                          reward, load_task("prompts"))
+    trainer.train()
+    adapters_after, base_after = split(list(trainer.model.named_parameters()))
+    assert changed(adapters, adapters_after) == set(adapters) and changed(base, base_after) == set()
+    kl = [row["objective/kl"] for row in trainer.loop.state.history]
+    assert kl[0] == pytest.approx(0.0, abs=1e-5) and kl[-1] > 1e-4            # KL to the adapter-off base: 0, then grows
+
+
+def test_goose_rloo_with_lora(base_dir, tmp_path):
+    out = tmp_path / "rloo"
+    command = [str(Path(sys.executable).parent / "goose"), "rloo", "--policy", str(base_dir), "--reward_model", "gold",
+               "--lora_r", "4", "--lora_target_modules", "c_attn,c_fc", "--total_episodes", "16",
+               "--per_device_train_batch_size", "8", "--num_mini_batches", "1", "--response_length", "6",
+               "--num_sample_generations", "0", "--disable_tqdm", "true", "--output_dir", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["c_attn", "c_fc"]
+    assert AutoModelForCausalLM.from_pretrained(out) is not None               # 🤗 loads base + adapter on its own
