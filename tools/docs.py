@@ -28,7 +28,7 @@ KATEX = "0.16.47"
 CHAPTERS = [
     ("index", "Overview"), ("00_core", "Core"), ("01_losses", "Losses"), ("02_data", "Data"),
     ("03_agent", "Agent"), ("04_reward", "Reward"), ("05_loop", "Loop"), ("06_sft", "SFT and reward modelling"),
-    ("08_trainer", "Trainer (PPO)"), ("09_rloo", "RLOO"), ("10_cli", "CLI"),
+    ("08_trainer", "Trainer (PPO)"), ("09_rloo", "RLOO"), ("10_cli", "CLI"), ("14_scaling", "Scaling up"),
 ]
 TUTORIALS = [
     ("11_tutorial_pipeline", "InstructGPT's three stages"), ("12_tutorial_reward", "Training a reward model"),
