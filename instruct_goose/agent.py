@@ -7,11 +7,11 @@ __all__ = ['position_ids_from_mask', 'response_logits', 'token_logprobs', 'lm_nl
            'disable_dropout', 'eval_mode', 'generate_responses', 'Agent', 'AdapterOffReference',
            'create_reference_model', 'ObjectiveTerms', 'AgentObjective']
 
-# %% ../nbs/03_agent.ipynb #ffef5aeb
+# %% ../nbs/03_agent.ipynb #4132b3a8
 import copy, inspect
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreT
 from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
                                  truncate_after_stop, typecheck)
 
-# %% ../nbs/03_agent.ipynb #c7e4612a
+# %% ../nbs/03_agent.ipynb #758228eb
 @typecheck
 def position_ids_from_mask(
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1/True on real tokens
@@ -31,7 +31,7 @@ def position_ids_from_mask(
     "Position ids that count real tokens only, so left padding does not shift a sequence."
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
-# %% ../nbs/03_agent.ipynb #e27b655d
+# %% ../nbs/03_agent.ipynb #9c890fb7
 def _check_left_padded(query_attention_mask):
     if not bool(query_attention_mask[:, -1].all()):
         raise ValueError("`query_attention_mask` must be left-padded (the last position of every row real): "
@@ -62,7 +62,7 @@ def response_logits(
     hidden = out.hidden_states[-1][:, -n_resp - 1:-1] if output_hidden_states else None
     return out.logits[:, -n_resp - 1:-1], hidden
 
-# %% ../nbs/03_agent.ipynb #2dab6b09
+# %% ../nbs/03_agent.ipynb #25e7ae58
 @typecheck
 def token_logprobs(
     model: nn.Module,                          # a 🤗 causal LM
@@ -75,7 +75,7 @@ def token_logprobs(
                 use_cache=False)
     return F.pad(logprobs_from_logits(out.logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
 
-# %% ../nbs/03_agent.ipynb #68594fb3
+# %% ../nbs/03_agent.ipynb #ae96f6aa
 @typecheck
 def lm_nll(
     model: nn.Module,                          # a 🤗 causal LM
@@ -89,7 +89,7 @@ def lm_nll(
         loss_mask = real & F.pad(real[:, :-1], (1, 0))   # real, with a real token before it
     return -masked_mean(token_logprobs(model, input_ids, attention_mask), loss_mask)
 
-# %% ../nbs/03_agent.ipynb #cc6406ca
+# %% ../nbs/03_agent.ipynb #28888eda
 class AgentOutput(NamedTuple):
     "Per-token outputs of `Agent.forward`."
     logits: Tensor  # (batch, seq, vocab) next-token logits
@@ -98,10 +98,10 @@ class AgentOutput(NamedTuple):
 class ResponseStats(NamedTuple):
     "Per-token statistics of the response positions, from `Agent.response_stats`."
     logprobs: Tensor  # (batch, resp) log π(y_t) of the response tokens, float32
-    entropy: Tensor   # (batch, resp) entropy of the distribution each token was drawn from
+    entropy: Tensor | None  # (batch, resp) entropy of the distribution each token was drawn from (None if skipped)
     values: Tensor    # (batch, resp) V before each response token, float32
 
-# %% ../nbs/03_agent.ipynb #89481ac1
+# %% ../nbs/03_agent.ipynb #0ecb8c9e
 def _hidden_size(config) -> int:
     "Width of the last hidden state, read through the config for any model family."
     return config.get_text_config().hidden_size
@@ -116,7 +116,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def _load(model, auto_class, **kwargs):
     return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
 
-# %% ../nbs/03_agent.ipynb #7b2db198
+# %% ../nbs/03_agent.ipynb #2eae5b63
 @contextmanager
 def eval_mode(*models: nn.Module):
     "Put `models` in eval mode (dropout off) inside the block, then give each its old mode back."
@@ -126,7 +126,7 @@ def eval_mode(*models: nn.Module):
     finally:
         for m, mode in zip(models, modes): m.train(mode)
 
-# %% ../nbs/03_agent.ipynb #eb5f1039
+# %% ../nbs/03_agent.ipynb #aca1722a
 @torch.no_grad()
 @typecheck
 def generate_responses(
@@ -152,7 +152,7 @@ def generate_responses(
     response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_token_id)  # all rows stopped early
     return truncate_after_stop(response, stop_token_ids, pad_token_id)
 
-# %% ../nbs/03_agent.ipynb #e10d6fe4
+# %% ../nbs/03_agent.ipynb #3286621d
 class Agent(nn.Module):
     "A causal LM policy with a value head: the actor and critic PPO trains."
     def __init__(
@@ -202,6 +202,7 @@ class Agent(nn.Module):
         response_ids: Int[Tensor, "batch resp"],              # responses, right-padded
         response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
         temperature: float = 1.0,                             # the sampling temperature T
+        entropy: Literal["grad", "no_grad", "skip"] = "grad", # the entropy with gradients, without (for logging: no graph kept), or not at all (None)
     ) -> ResponseStats:                                       # per-token logprobs, entropy and values of the response
         "Log-probabilities, entropies and values at the response positions, in one forward pass of the policy."
         shared = self.value_model is None
@@ -211,8 +212,8 @@ class Agent(nn.Module):
             input_ids = torch.cat([query_ids, response_ids], 1)
             mask = torch.cat([query_attention_mask.long(), response_attention_mask.long()], 1)
             hidden = self._critic_hidden(input_ids, mask)[:, -response_ids.shape[1] - 1:-1]
-        return ResponseStats(logprobs_from_logits(logits, response_ids, temperature),
-                             entropy_from_logits(logits, temperature), self._values(hidden))
+        entropies = None if entropy == "skip" else entropy_from_logits(logits if entropy == "grad" else logits.detach(), temperature)
+        return ResponseStats(logprobs_from_logits(logits, response_ids, temperature), entropies, self._values(hidden))
 
     def generate(self, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id,
                  temperature=1.0, **generate_kwargs):
@@ -242,7 +243,7 @@ class Agent(nn.Module):
         if head.is_file(): agent.value_head.load_state_dict(load_file(head))
         return agent
 
-# %% ../nbs/03_agent.ipynb #04e85b34
+# %% ../nbs/03_agent.ipynb #5f832ebd
 class AdapterOffReference(nn.Module):
     "π_ref for a LoRA policy: the policy's own base weights, its adapter disabled during each call (no second copy)."
     def __init__(
@@ -266,7 +267,7 @@ class AdapterOffReference(nn.Module):
 def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
-# %% ../nbs/03_agent.ipynb #9e5c2bb9
+# %% ../nbs/03_agent.ipynb #42e3ce4b
 def create_reference_model(
     agent_or_model: "Agent | PreTrainedModel",  # the agent (its policy is used) or a causal LM
 ) -> nn.Module:                                 # a frozen copy (requires_grad=False, eval()); for LoRA the adapter-off base
@@ -276,7 +277,7 @@ def create_reference_model(
     reference = copy.deepcopy(model).eval()
     return reference.requires_grad_(False)
 
-# %% ../nbs/03_agent.ipynb #1220d1e9
+# %% ../nbs/03_agent.ipynb #85fa80f9
 class ObjectiveTerms(NamedTuple):
     "InstructGPT's eq. 2 and its three parts (batch means)."
     objective: Tensor  # reward − β·KL + γ·pretrain: to be maximised
@@ -284,7 +285,7 @@ class ObjectiveTerms(NamedTuple):
     kl: Tensor         # mean log π_RL(y|x) − log π_SFT(y|x)
     pretrain: Tensor   # mean log-likelihood per token of the pretraining batch (0 without one)
 
-# %% ../nbs/03_agent.ipynb #6eb7acf0
+# %% ../nbs/03_agent.ipynb #7863c340
 class AgentObjective(nn.Module):
     "InstructGPT's eq. 2 on a batch: reward − β·KL(π_RL‖π_SFT) + γ·pretraining log-likelihood (maximise it)."
     def __init__(

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['OnPolicyConfig', 'RLHFConfig', 'Rollout', 'OnPolicyTrainer', 'RLHFTrainer', 'Samples', 'evaluate_policy']
 
-# %% ../nbs/08_trainer.ipynb #2b117507
+# %% ../nbs/08_trainer.ipynb #289dd364
 import time
 from dataclasses import dataclass, fields
 from contextlib import contextmanager
@@ -26,7 +26,7 @@ from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import (AdaptiveKLController, FixedKLController, KLController, KLEstimator, PPOLoss,
                                    compute_gae, compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #3132e6c7
+# %% ../nbs/08_trainer.ipynb #b8cb276e
 @dataclass
 class OnPolicyConfig(TrainingConfig):
     "Fields every on-policy RL trainer shares (PPO and RLOO): the KL penalty, sampling, and the schedule of rollouts and updates."
@@ -63,7 +63,7 @@ class OnPolicyConfig(TrainingConfig):
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
 
-# %% ../nbs/08_trainer.ipynb #50c8e660
+# %% ../nbs/08_trainer.ipynb #e28afebc
 @dataclass
 class RLHFConfig(OnPolicyConfig):
     "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared fields."
@@ -83,7 +83,7 @@ class RLHFConfig(OnPolicyConfig):
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
         for name in ("cliprange_value", "kl_target", "kl_horizon"): check_number(name, getattr(self, name), low_open=True)
 
-# %% ../nbs/08_trainer.ipynb #83a518d8
+# %% ../nbs/08_trainer.ipynb #913c18d9
 class _Rows:
     "Row access for a dataclass of per-row tensors: its length and the minibatch of some rows."
     def __len__(self): return self.query_ids.shape[0]
@@ -109,12 +109,12 @@ class Rollout(_Rows):
     advantages: Tensor               # (batch, resp) whitened Â_t
     returns: Tensor                  # (batch, resp) R̂_t
 
-# %% ../nbs/08_trainer.ipynb #d2a1a194
+# %% ../nbs/08_trainer.ipynb #504e27c6
 def _chunks(n: int, size: int) -> list[slice]:
     "Slices that cut `n` rows into pieces of at most `size`."
     return [slice(i, i + size) for i in range(0, n, size)]
 
-# %% ../nbs/08_trainer.ipynb #ed5c7658
+# %% ../nbs/08_trainer.ipynb #d39205d2
 class OnPolicyTrainer:
     "What the on-policy trainers (PPO, RLOO) share: the config, tokenizer, reward, prompts and KL controller; `train` is below."
     def __init__(
@@ -153,7 +153,7 @@ class OnPolicyTrainer:
         try: yield model
         finally: model.to("cpu")
 
-# %% ../nbs/08_trainer.ipynb #0afc522b
+# %% ../nbs/08_trainer.ipynb #e7d706f4
 class RLHFTrainer(OnPolicyTrainer):
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -249,7 +249,7 @@ class RLHFTrainer(OnPolicyTrainer):
         self.stats = {**self.rollout_stats(rollout), **self.stats}
         return loss
 
-# %% ../nbs/08_trainer.ipynb #87d43300
+# %% ../nbs/08_trainer.ipynb #9d4ce51b
 class Samples(NamedTuple):
     "Responses sampled for a batch of prompts, with their scores."
     query_ids: Tensor             # (batch, query) left-padded prompts
@@ -392,7 +392,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     loop.end()
     return model
 
-# %% ../nbs/08_trainer.ipynb #5143da7b
+# %% ../nbs/08_trainer.ipynb #4125f28f
 @patch
 @torch.no_grad()
 def sample_rollout(
@@ -405,7 +405,7 @@ def sample_rollout(
     "Sample and score a response per prompt, then compute the rollout statistics (`make_rollout`)."
     x = self.sample_and_score(agent.model, prompts, seed, first_row)
     stats = [agent.response_stats(x.query_ids[s], x.query_attention_mask[s], x.response_ids[s], x.response_mask[s],
-                                  self.config.temperature)
+                                  self.config.temperature, entropy="skip")
              for s in _chunks(len(prompts), self.config.local_rollout_forward_batch_size)]
     logprobs, values = torch.cat([st.logprobs for st in stats]), torch.cat([st.values for st in stats])
     return self.make_rollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, x.scores, logprobs,
@@ -427,7 +427,7 @@ def update(
                 part = rollout[rows.to(rollout.query_ids.device)]
                 with loop.accelerator.autocast():
                     current = agent.response_stats(part.query_ids, part.query_attention_mask, part.response_ids,
-                                                   part.response_mask, c.temperature)
+                                                   part.response_mask, c.temperature, "grad" if c.ent_coef > 0 else "no_grad")
                     loss = self.ppo_loss(part, current)
                     if c.ptx_coef > 0:
                         ptx = self.ptx_nll(agent, self.micro_batch_index(epoch, m, i))
@@ -459,7 +459,7 @@ def ptx_nll(
     device = next(agent.parameters()).device
     return lm_nll(agent.model, ids.to(device), mask.to(device), loss_mask.to(device))
 
-# %% ../nbs/08_trainer.ipynb #0ac36b66
+# %% ../nbs/08_trainer.ipynb #17e99ef5
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module,                 # the trained policy: an `Agent` or a causal LM
