@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RLOOConfig', 'RLOORollout', 'RLOOTrainer']
 
-# %% ../nbs/09_rloo.ipynb #b37ddeb3
+# %% ../nbs/09_rloo.ipynb #27ad64a5
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +16,9 @@ from .agent import disable_dropout, response_logits
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var, masked_whiten
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
-from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows
+from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows, _trim_left_padding
 
-# %% ../nbs/09_rloo.ipynb #5c9f07c4
+# %% ../nbs/09_rloo.ipynb #f78aaf09
 @dataclass
 class RLOOConfig(OnPolicyConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options; field names as in TRL's `RLOOConfig`."
@@ -36,7 +36,7 @@ class RLOOConfig(OnPolicyConfig):
                              "(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches)")
         if self.reward_clip_range is not None: check_number("reward_clip_range", self.reward_clip_range, low_open=True)
 
-# %% ../nbs/09_rloo.ipynb #bbece594
+# %% ../nbs/09_rloo.ipynb #9afbf717
 @dataclass
 class RLOORollout(_Rows):
     "k responses per prompt with everything RLOO computes once for them (all detached)."
@@ -51,7 +51,7 @@ class RLOORollout(_Rows):
     rlhf_reward: Tensor          # (batch,) R = score − β·Σ KL
     advantages: Tensor           # (batch,) per response, or (batch, resp) per token with `token_level_kl`
 
-# %% ../nbs/09_rloo.ipynb #6a0c8718
+# %% ../nbs/09_rloo.ipynb #117c9b28
 class RLOOTrainer(OnPolicyTrainer):
     "RLOO: k samples per prompt, leave-one-out baselines, the clipped surrogate on sequence (or token) ratios; no critic."
     def __init__(
@@ -98,7 +98,7 @@ class RLOOTrainer(OnPolicyTrainer):
         x = self.sample_and_score(policy, [p for p in prompts for _ in range(c.rloo_k)], seed, first_row)
         pieces = _chunks(len(x.prompts), c.local_rollout_forward_batch_size)
         def logprobs_of(model):
-            return torch.cat([logprobs_from_logits(response_logits(model, x.query_ids[s], x.query_attention_mask[s],
+            return torch.cat([logprobs_from_logits(response_logits(model, *_trim_left_padding(x.query_ids[s], x.query_attention_mask[s]),
                                                                    x.response_ids[s], x.response_mask[s])[0],
                                                    x.response_ids[s], c.temperature) for s in pieces])
         logprobs = logprobs_of(policy)
@@ -136,7 +136,7 @@ class RLOOTrainer(OnPolicyTrainer):
         for epoch in range(c.num_ppo_epochs):
             for micro_batches in self.minibatches(len(rollout)):
                 for rows in micro_batches:
-                    part = rollout[rows.to(rollout.query_ids.device)]
+                    part = rollout[rows]
                     with loop.accelerator.autocast():
                         logits, _ = response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids,
                                                     part.response_mask)

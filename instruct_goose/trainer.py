@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['OnPolicyConfig', 'RLHFConfig', 'Rollout', 'OnPolicyTrainer', 'RLHFTrainer', 'Samples', 'evaluate_policy']
 
-# %% ../nbs/08_trainer.ipynb #289dd364
+# %% ../nbs/08_trainer.ipynb #5a0e9fa3
 import time
 from dataclasses import dataclass, fields
 from contextlib import contextmanager
@@ -26,7 +26,7 @@ from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import (AdaptiveKLController, FixedKLController, KLController, KLEstimator, PPOLoss,
                                    compute_gae, compute_rewards)
 
-# %% ../nbs/08_trainer.ipynb #b8cb276e
+# %% ../nbs/08_trainer.ipynb #ef616bf4
 @dataclass
 class OnPolicyConfig(TrainingConfig):
     "Fields every on-policy RL trainer shares (PPO and RLOO): the KL penalty, sampling, and the schedule of rollouts and updates."
@@ -63,7 +63,7 @@ class OnPolicyConfig(TrainingConfig):
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
 
-# %% ../nbs/08_trainer.ipynb #e28afebc
+# %% ../nbs/08_trainer.ipynb #d9393f0f
 @dataclass
 class RLHFConfig(OnPolicyConfig):
     "Hyper-parameters of PPO with a KL penalty and a pretraining term (PPO-ptx), plus the shared fields."
@@ -83,14 +83,19 @@ class RLHFConfig(OnPolicyConfig):
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
         for name in ("cliprange_value", "kl_target", "kl_horizon"): check_number(name, getattr(self, name), low_open=True)
 
-# %% ../nbs/08_trainer.ipynb #913c18d9
+# %% ../nbs/08_trainer.ipynb #92a0844e
 class _Rows:
     "Row access for a dataclass of per-row tensors: its length and the minibatch of some rows."
     def __len__(self): return self.query_ids.shape[0]
 
     def __getitem__(self, rows: Tensor | slice):
-        "The minibatch of `rows`."
-        return type(self)(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+        "The minibatch of `rows`, its prompts cut to the longest among them: padded as if they had been encoded alone."
+        if not hasattr(self, "_query_lengths"): self._query_lengths = self.query_attention_mask.sum(1).cpu()  # one sync per rollout
+        width = int(self._query_lengths[rows].max())
+        index = rows.to(self.query_ids.device) if isinstance(rows, Tensor) else rows
+        part = type(self)(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        part.query_ids, part.query_attention_mask = part.query_ids[:, -width:], part.query_attention_mask[:, -width:]
+        return part
 
 @dataclass
 class Rollout(_Rows):
@@ -109,12 +114,17 @@ class Rollout(_Rows):
     advantages: Tensor               # (batch, resp) whitened Â_t
     returns: Tensor                  # (batch, resp) R̂_t
 
-# %% ../nbs/08_trainer.ipynb #504e27c6
+# %% ../nbs/08_trainer.ipynb #cd344319
 def _chunks(n: int, size: int) -> list[slice]:
     "Slices that cut `n` rows into pieces of at most `size`."
     return [slice(i, i + size) for i in range(0, n, size)]
 
-# %% ../nbs/08_trainer.ipynb #d39205d2
+def _trim_left_padding(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    "Drop the columns that are left padding in every row (a chunk is then padded as if it had been encoded alone)."
+    width = int(mask.sum(1).max())
+    return ids[:, ids.shape[1] - width:], mask[:, mask.shape[1] - width:]
+
+# %% ../nbs/08_trainer.ipynb #c42f48e6
 class OnPolicyTrainer:
     "What the on-policy trainers (PPO, RLOO) share: the config, tokenizer, reward, prompts and KL controller; `train` is below."
     def __init__(
@@ -153,7 +163,7 @@ class OnPolicyTrainer:
         try: yield model
         finally: model.to("cpu")
 
-# %% ../nbs/08_trainer.ipynb #e7d706f4
+# %% ../nbs/08_trainer.ipynb #1166eac3
 class RLHFTrainer(OnPolicyTrainer):
     "PPO-ptx for a causal LM agent against a frozen reference model (InstructGPT's RLHF stage)."
     def __init__(
@@ -191,8 +201,8 @@ class RLHFTrainer(OnPolicyTrainer):
         c, mask = self.config, response_attention_mask.bool()
         with self.on_device(self.ref_model) as ref:
             ref_logprobs = torch.cat([
-                logprobs_from_logits(response_logits(ref, query_ids[s], query_attention_mask[s], response_ids[s], mask[s])[0],
-                                     response_ids[s], c.temperature)
+                logprobs_from_logits(response_logits(ref, *_trim_left_padding(query_ids[s], query_attention_mask[s]),
+                                                     response_ids[s], mask[s])[0], response_ids[s], c.temperature)
                 for s in _chunks(len(query_ids), c.local_rollout_forward_batch_size)])
         rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, mask, self.kl_ctl.value, c.kl_estimator)
         if c.whiten_rewards: rewards = self.whiten(rewards, mask, shift_mean=False)
@@ -249,7 +259,7 @@ class RLHFTrainer(OnPolicyTrainer):
         self.stats = {**self.rollout_stats(rollout), **self.stats}
         return loss
 
-# %% ../nbs/08_trainer.ipynb #9d4ce51b
+# %% ../nbs/08_trainer.ipynb #51e3eaee
 class Samples(NamedTuple):
     "Responses sampled for a batch of prompts, with their scores."
     query_ids: Tensor             # (batch, query) left-padded prompts
@@ -267,11 +277,6 @@ def stop_token_id(self: OnPolicyTrainer) -> int:
     if self.tokenizer is None or self.tokenizer.eos_token_id is None:
         raise ValueError("set `stop_token_id` in the config, or give a tokenizer with an EOS token")
     return self.tokenizer.eos_token_id
-
-def _trim_left_padding(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    "Drop the columns that are left padding in every row (a chunk is then padded as if it had been encoded alone)."
-    width = int(mask.sum(1).max())
-    return ids[:, ids.shape[1] - width:], mask[:, mask.shape[1] - width:]
 
 @patch
 @torch.no_grad()
@@ -392,7 +397,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     loop.end()
     return model
 
-# %% ../nbs/08_trainer.ipynb #4125f28f
+# %% ../nbs/08_trainer.ipynb #9587d5e3
 @patch
 @torch.no_grad()
 def sample_rollout(
@@ -404,8 +409,8 @@ def sample_rollout(
 ) -> tuple[Rollout, Samples]:  # (the rollout, what was sampled)
     "Sample and score a response per prompt, then compute the rollout statistics (`make_rollout`)."
     x = self.sample_and_score(agent.model, prompts, seed, first_row)
-    stats = [agent.response_stats(x.query_ids[s], x.query_attention_mask[s], x.response_ids[s], x.response_mask[s],
-                                  self.config.temperature, entropy="skip")
+    stats = [agent.response_stats(*_trim_left_padding(x.query_ids[s], x.query_attention_mask[s]), x.response_ids[s],
+                                  x.response_mask[s], self.config.temperature, entropy="skip")
              for s in _chunks(len(prompts), self.config.local_rollout_forward_batch_size)]
     logprobs, values = torch.cat([st.logprobs for st in stats]), torch.cat([st.values for st in stats])
     return self.make_rollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, x.scores, logprobs,
@@ -424,7 +429,7 @@ def update(
     for epoch in range(c.num_ppo_epochs):
         for m, micro_batches in enumerate(self.minibatches(len(rollout))):
             for i, rows in enumerate(micro_batches):
-                part = rollout[rows.to(rollout.query_ids.device)]
+                part = rollout[rows]
                 with loop.accelerator.autocast():
                     current = agent.response_stats(part.query_ids, part.query_attention_mask, part.response_ids,
                                                    part.response_mask, c.temperature, "grad" if c.ent_coef > 0 else "no_grad")
@@ -459,7 +464,7 @@ def ptx_nll(
     device = next(agent.parameters()).device
     return lm_nll(agent.model, ids.to(device), mask.to(device), loss_mask.to(device))
 
-# %% ../nbs/08_trainer.ipynb #17e99ef5
+# %% ../nbs/08_trainer.ipynb #15bd5fd0
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module,                 # the trained policy: an `Agent` or a causal LM

@@ -8,19 +8,17 @@ What makes the runs equal:
 - advantage and reward whitening use the statistics of all processes' rows (gathered);
 - an RLOO group is k adjacent rows, so no group is split across processes;
 - PPO-ptx draws its pretraining batch from a global micro-batch counter;
-- gradients are averaged over processes (`TrainLoop.average_gradients`), which equals accumulating over micro-batches.
+- gradients are averaged over processes (`TrainLoop.average_gradients`), which equals accumulating over micro-batches;
+- the learning-rate schedule steps once per optimizer step (Accelerate's default steps it once per process).
 
-The prompts all have the same length in tokens. With prompts of different lengths each process pads to its own
-longest prompt, the matrix shapes differ, and the float sums come out in a different order (about 1e-7); Adam then
-turns such differences in near-zero gradients into full-size steps, so runs drift apart. Equal lengths remove that
-and leave what this test is about: the distributed logic.
+Every forward pass cuts its rows' prompts to the longest among them, so a chunk or micro-batch is padded the same
+whichever process holds it: the matrix shapes match and the runs agree to float precision, prompts of any length.
 """
 import json
 import os
 import shutil
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -60,17 +58,14 @@ COMPARED = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss/p
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    "A tiny GPT-2, its tokenizer, and the task prompts of the most common length in tokens."
+    "A tiny GPT-2, its tokenizer, and the task prompts."
     where = tmp_path_factory.mktemp("policy")
     tokenizer = task_tokenizer()
     tiny_causal_lm(tokenizer, seed=0).save_pretrained(where)
     tokenizer.save_pretrained(where)
     prompts = load_task("prompts")["prompt"]
-    lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
-    common = Counter(lengths).most_common(1)[0][0]
-    same = [p for p, n in zip(prompts, lengths) if n == common]
-    assert len(same) >= 16, Counter(lengths)
-    (where / "prompts.json").write_text(json.dumps(same))
+    assert len({len(tokenizer(p)["input_ids"]) for p in prompts[:64]}) > 3          # prompts of many lengths
+    (where / "prompts.json").write_text(json.dumps(list(prompts)))
     (where / "train.py").write_text(SCRIPT)
     return where
 
