@@ -8,7 +8,7 @@ __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMComman
            'run_rm', 'policy_and_reference', 'run_ppo', 'run_rloo', 'run_eval', 'comparison_table', 'plot_curves',
            'run_pipeline', 'main']
 
-# %% ../nbs/10_cli.ipynb #1e246234
+# %% ../nbs/10_cli.ipynb #91472c31
 import argparse, copy, dataclasses, inspect, json, logging, re, sys, time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -29,7 +29,7 @@ from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from .rloo import RLOOConfig, RLOOTrainer
 from .trainer import OnPolicyConfig, RLHFConfig, RLHFTrainer, evaluate_policy
 
-# %% ../nbs/10_cli.ipynb #9f9ce009
+# %% ../nbs/10_cli.ipynb #007801a0
 _FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
 
 def field_help(cls) -> dict[str, str]:
@@ -56,7 +56,7 @@ def _boolean(text: str) -> bool:
 def _none_or(parse):
     return lambda text: None if text.lower() == "none" else parse(text)
 
-# %% ../nbs/10_cli.ipynb #bc5464a9
+# %% ../nbs/10_cli.ipynb #a30d27c7
 def build_parser(cls, prog: str) -> argparse.ArgumentParser:
     "An argparse parser with one `--flag` per field of dataclass `cls`, documented by the field's comment."
     parser = argparse.ArgumentParser(prog=prog, description=inspect.getdoc(cls),
@@ -87,7 +87,7 @@ def _yaml(text: str) -> dict:
     import yaml
     return yaml.safe_load(text) or {}
 
-# %% ../nbs/10_cli.ipynb #a7917a4f
+# %% ../nbs/10_cli.ipynb #795105d2
 _TINY = {"tiny-gpt2": "gpt2", "tiny-llama": "llama"}
 
 @dataclass
@@ -180,7 +180,7 @@ class PipelineCommand:
     response_length: int = 16                # tokens sampled per response
     disable_tqdm: bool = False               # hide the progress bars
 
-# %% ../nbs/10_cli.ipynb #7f3fbcf9
+# %% ../nbs/10_cli.ipynb #c0275ccd
 def load_tokenizer_and_model(name: str, seed: int = 0):
     "(tokenizer, causal LM) for a 🤗 name/path, or a tiny model on the task's tokenizer for tiny-gpt2 / tiny-llama."
     if name in _TINY:
@@ -202,7 +202,7 @@ def _stage_config(command, config_class):
     names = {f.name for f in fields(config_class)}
     return config_class(**{k: v for k, v in dataclasses.asdict(command).items() if k in names})
 
-# %% ../nbs/10_cli.ipynb #a5511057
+# %% ../nbs/10_cli.ipynb #462521a3
 def run_sft(args: SFTCommand):
     "goose sft"
     tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
@@ -265,7 +265,7 @@ def run_eval(args: EvalCommand) -> dict:
     if args.output: Path(args.output).write_text(json.dumps({"metrics": metrics, "samples": records}, indent=1))
     return metrics
 
-# %% ../nbs/10_cli.ipynb #9aff108b
+# %% ../nbs/10_cli.ipynb #e8bf77f1
 def comparison_table(metrics: dict, title: str = "policy vs reference (held-out prompts)") -> Table:
     "A rich table of `evaluate_policy`'s metrics: reference and policy side by side, with win rates."
     table = Table(title=title)
@@ -277,7 +277,7 @@ def comparison_table(metrics: dict, title: str = "policy vs reference (held-out 
     table.add_row("KL to reference (nats)", "0", f"{metrics['eval/kl']:.2f}", "")
     return table
 
-# %% ../nbs/10_cli.ipynb #680e570c
+# %% ../nbs/10_cli.ipynb #20204381
 def plot_curves(history: list[dict], path: str | Path, keys=("objective/scores", "objective/kl", "objective/kl_coef")):
     "Save a PNG with one panel per metric of a training history (needs matplotlib)."
     import matplotlib
@@ -325,7 +325,7 @@ def run_pipeline(args: PipelineCommand) -> dict:
     console.print(f"done in {summary['seconds']} s; plot: {out / f'{args.algo}_curves.png'}; summary: {out / 'summary.json'}")
     return summary
 
-# %% ../nbs/10_cli.ipynb #3ef83dbb
+# %% ../nbs/10_cli.ipynb #ec78e88f
 _COMMANDS = {"sft": (SFTCommand, run_sft), "rm": (RMCommand, run_rm), "ppo": (PPOCommand, run_ppo),
              "rloo": (RLOOCommand, run_rloo), "eval": (EvalCommand, run_eval), "pipeline": (PipelineCommand, run_pipeline)}
 
@@ -343,6 +343,6 @@ def main(argv: list[str] | None = None):
     logging.getLogger("accelerate").setLevel(logging.ERROR)      # tied-weight notices on every checkpoint
     run(args)
 
-# %% ../nbs/10_cli.ipynb #2ba3befb
+# %% ../nbs/10_cli.ipynb #9bce896d
 #| eval: false
 if __name__ == "__main__": main()

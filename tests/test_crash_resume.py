@@ -13,20 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from instruct_goose import task_tokenizer, tiny_causal_lm
 
 GOOSE = str(Path(sys.executable).parent / "goose")
 STEPS = 10
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    "A tiny GPT-2 on the task's tokenizer, saved like a checkpoint from the Hub."
-    path = tmp_path_factory.mktemp("policy")
-    tokenizer = task_tokenizer()
-    tiny_causal_lm(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def command(algo, policy_dir, output_dir, *extra):

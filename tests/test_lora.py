@@ -11,20 +11,14 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from instruct_goose import (Agent, AdapterOffReference, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
-                            create_reference_model, load_task, logprobs_from_logits, response_logits, task_tokenizer,
-                            tiny_causal_lm)
+                            create_reference_model, load_task, response_logits, task_tokenizer)
 
 
 def reward(prompts, completions): return [len(c) / 10 for c in completions]
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    where = tmp_path_factory.mktemp("base")
-    tokenizer = task_tokenizer()
-    tiny_causal_lm(tokenizer, seed=0).save_pretrained(where)
-    tokenizer.save_pretrained(where)
-    return where
+@pytest.fixture
+def base_dir(policy_dir): return policy_dir       # the LoRA adapters' base model
 
 
 def lora(base_dir):

@@ -57,22 +57,20 @@ COMPARED = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss/p
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    "A tiny GPT-2, its tokenizer, and the task prompts."
-    where = tmp_path_factory.mktemp("policy")
-    tokenizer = task_tokenizer()
-    tiny_causal_lm(tokenizer, seed=0).save_pretrained(where)
-    tokenizer.save_pretrained(where)
+def setup_dir(policy_dir, tmp_path_factory):
+    "The tiny policy, the task prompts and the training script, in one directory."
+    where = tmp_path_factory.mktemp("setup")
+    shutil.copytree(policy_dir, where, dirs_exist_ok=True)
     prompts = load_task("prompts")["prompt"]
-    assert len({len(tokenizer(p)["input_ids"]) for p in prompts[:64]}) > 3          # prompts of many lengths
+    assert len({len(task_tokenizer()(p)["input_ids"]) for p in prompts[:64]}) > 3    # prompts of many lengths
     (where / "prompts.json").write_text(json.dumps(list(prompts)))
     (where / "train.py").write_text(SCRIPT)
     return where
 
 
-def _run(policy_dir, out, algo, processes, accumulation, resume=None):
+def _run(setup_dir, out, algo, processes, accumulation, resume=None):
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache"}
-    script = [str(policy_dir / "train.py"), algo, str(policy_dir), str(out), str(accumulation)] + ([resume] if resume else [])
+    script = [str(setup_dir / "train.py"), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
     if processes == 1: command = [sys.executable] + script
     else: command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(processes)] + script
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
@@ -92,9 +90,9 @@ def _assert_same(a, b, what, eps=1e-6):
 
 
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])
-def test_two_processes_equal_one(algo, policy_dir, tmp_path):
-    one = _run(policy_dir, tmp_path / "one", algo, processes=1, accumulation=2)
-    two = _run(policy_dir, tmp_path / "two", algo, processes=2, accumulation=1)
+def test_two_processes_equal_one(algo, setup_dir, tmp_path):
+    one = _run(setup_dir, tmp_path / "one", algo, processes=1, accumulation=2)
+    two = _run(setup_dir, tmp_path / "two", algo, processes=2, accumulation=1)
 
     rank1 = torch.load(tmp_path / "two" / "weights1.pt")
     for name, value in two[0].items(): assert torch.equal(rank1[name], value), name      # the processes agree
@@ -110,5 +108,5 @@ def test_two_processes_equal_one(algo, policy_dir, tmp_path):
 
     # the 2-process checkpoint of step 2, resumed by 1 process with 2 micro-batches, ends where the 2-process run did
     shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
-    resumed = _run(policy_dir, tmp_path / "resumed", algo, processes=1, accumulation=2, resume="latest")
+    resumed = _run(setup_dir, tmp_path / "resumed", algo, processes=1, accumulation=2, resume="latest")
     _assert_same(two, resumed, "2-process run vs its checkpoint resumed by 1 process")

@@ -10,7 +10,6 @@ from types import ModuleType, SimpleNamespace
 from unittest import mock
 
 import pytest
-import torch
 from torch import nn
 
 from instruct_goose import TrainLoop, TrainingConfig
