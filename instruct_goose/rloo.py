@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['RLOOConfig', 'RLOORollout', 'RLOOTrainer']
 
-# %% ../nbs/09_rloo.ipynb #27ad64a5
+# %% ../nbs/09_rloo.ipynb #c7520a5a
 from dataclasses import dataclass
 
 import torch
@@ -13,12 +13,12 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from .agent import disable_dropout, response_logits
-from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var, masked_whiten
+from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
 from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows, _trim_left_padding
 
-# %% ../nbs/09_rloo.ipynb #f78aaf09
+# %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
 class RLOOConfig(OnPolicyConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options; field names as in TRL's `RLOOConfig`."
@@ -36,7 +36,7 @@ class RLOOConfig(OnPolicyConfig):
                              "(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches)")
         if self.reward_clip_range is not None: check_number("reward_clip_range", self.reward_clip_range, low_open=True)
 
-# %% ../nbs/09_rloo.ipynb #9afbf717
+# %% ../nbs/09_rloo.ipynb #25d24ed7
 @dataclass
 class RLOORollout(_Rows):
     "k responses per prompt with everything RLOO computes once for them (all detached)."
@@ -51,7 +51,7 @@ class RLOORollout(_Rows):
     rlhf_reward: Tensor          # (batch,) R = score − β·Σ KL
     advantages: Tensor           # (batch,) per response, or (batch, resp) per token with `token_level_kl`
 
-# %% ../nbs/09_rloo.ipynb #117c9b28
+# %% ../nbs/09_rloo.ipynb #37d8d791
 class RLOOTrainer(OnPolicyTrainer):
     "RLOO: k samples per prompt, leave-one-out baselines, the clipped surrogate on sequence (or token) ratios; no critic."
     def __init__(
