@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['position_ids_from_mask', 'response_logits', 'token_logprobs', 'lm_nll', 'AgentOutput', 'ResponseStats',
-           'disable_dropout', 'eval_mode', 'generate_responses', 'Agent', 'AdapterOffReference',
-           'create_reference_model', 'ObjectiveTerms', 'AgentObjective']
+           'disable_dropout', 'eval_mode', 'own_generation_config', 'generate_responses', 'Agent',
+           'AdapterOffReference', 'create_reference_model', 'ObjectiveTerms', 'AgentObjective']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import copy, inspect
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
-from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PretrainedConfig
 
 from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
                                  truncate_after_stop, typecheck)
@@ -106,11 +106,20 @@ def _hidden_size(config) -> int:
     "Width of the last hidden state, read through the config for any model family."
     return config.get_text_config().hidden_size
 
+def _zero_drop_floats(obj):
+    "Set each float attribute of `obj` named like a drop rate (`dropout`, `hidden_dropout`, `resid_pdrop`, `layerdrop`…) to 0."
+    for name, value in list(vars(obj).items()):
+        if "drop" in name and isinstance(value, float) and not name.startswith("_"): setattr(obj, name, 0.0)
+
 def disable_dropout(model: nn.Module) -> nn.Module:
-    "Set every dropout probability in `model` to 0 (modules and attention dropout alike); returns `model`."
+    "Set every dropout probability in `model` to 0: `nn.Dropout` modules, float attributes (OPT's `dropout` and `layerdrop`, Falcon's `hidden_dropout`) and the config fields some families read in `forward`; returns `model`."
     for module in model.modules():
         if isinstance(module, nn.Dropout): module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float): module.attention_dropout = 0.0
+        _zero_drop_floats(module)
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            for sub in [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}))]:
+                if isinstance(sub, PretrainedConfig): _zero_drop_floats(sub)
     return model
 
 def _load(model, auto_class, **kwargs):
@@ -126,6 +135,16 @@ def eval_mode(*models: nn.Module):
     finally:
         for m, mode in zip(models, modes): m.train(mode)
 
+# %% ../nbs/03_agent.ipynb #a402eaa1
+@contextmanager
+def own_generation_config(model: nn.Module):
+    "Inside the block `model.generation_config` (a peft model's: its base's) is 🤗's default: none of a checkpoint's sampling options reach `generate`."
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = getattr(base, "generation_config", None)
+    base.generation_config = GenerationConfig()
+    try: yield
+    finally: base.generation_config = saved
+
 # %% ../nbs/03_agent.ipynb #aca1722a
 @torch.no_grad()
 @typecheck
@@ -137,16 +156,16 @@ def generate_responses(
     stop_token_ids: int | list[int],                      # id(s) that end a response, e.g. the EOS id
     pad_token_id: int,                                    # id written after each response's first stop token
     temperature: float = 1.0,                             # T: sample from softmax(z / T)
-    **generate_kwargs,                                    # passed on to the model's `generate`
+    **generate_kwargs,                                    # passed on to 🤗 `generate` (anything that changes the distribution, e.g. `sequence_bias`, makes sampling differ from scoring: the trainers pass none)
 ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
-    "Sample one response per prompt (no top-k/top-p filter), cut after its first stop token, pad to `max_new_tokens`."
+    "Sample one response per prompt from softmax(z / T) (the model's own `generation_config` ignored), cut after its first stop token, pad to `max_new_tokens`."
     _check_left_padded(query_attention_mask)
     check_number("max_new_tokens", max_new_tokens, low=1)
     config = GenerationConfig(do_sample=True, temperature=check_number("temperature", temperature, low_open=True),
                               top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                               eos_token_id=stop_token_ids)
-    with eval_mode(model):
-        out = model.generate(input_ids=query_ids, attention_mask=query_attention_mask, generation_config=config,
+    with eval_mode(model), own_generation_config(model):
+        out = model.generate(input_ids=query_ids, attention_mask=query_attention_mask.long(), generation_config=config,
                              **generate_kwargs)
     response = out[:, query_ids.shape[1]:]
     response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_token_id)  # all rows stopped early

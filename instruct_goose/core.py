@@ -4,13 +4,13 @@
 
 # %% auto #0
 __all__ = ['assert_tensor', 'ShapeError', 'typecheck', 'check_number', 'masked_sum', 'masked_mean', 'masked_var', 'masked_whiten',
-           'last_true_index', 'logprobs_from_logits', 'entropy_from_logits', 'truncate_after_stop']
+           'last_true_index', 'pad_to_side', 'logprobs_from_logits', 'entropy_from_logits', 'truncate_after_stop']
 
 # %% ../nbs/00_core.ipynb #27f526c8
 import functools, inspect, math
 from collections.abc import Sequence
 from types import UnionType
-from typing import Union, get_args, get_origin
+from typing import Literal, Union, get_args, get_origin
 
 import torch
 from torch import Tensor
@@ -188,6 +188,18 @@ def last_true_index(
     positions = torch.arange(mask.shape[-1], device=mask.device)
     return torch.where(mask, positions, -1).amax(-1)
 
+# %% ../nbs/00_core.ipynb #3b0cec7f
+@typecheck
+def pad_to_side(
+    ids: Int[Tensor, "batch seq"],                                   # token ids, padded on either side
+    mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],      # 1/True on real tokens
+    side: Literal["left", "right"],                                  # where the padding should go
+) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"]]:  # (ids, mask) re-padded
+    "Move each row's real tokens (in order) to the far side from `side`, the padding to `side`."
+    real_first = (mask.long() if side == "right" else 1 - mask.long())
+    order = torch.sort(real_first, dim=1, descending=True, stable=True).indices
+    return ids.gather(1, order), mask.gather(1, order)
+
 # %% ../nbs/00_core.ipynb #0d7b1f51
 def _float_rows(logits: Tensor, temperature: float):
     "Each batch row of `logits` as float32 divided by `temperature` (no copy for float32 at T=1)."
@@ -213,19 +225,22 @@ def entropy_from_logits(
     logits: Float[Tensor, "batch resp vocab"],  # model outputs
     temperature: float = 1.0,                   # the sampling temperature T
 ) -> Float[Tensor, "batch resp"]:               # entropy of softmax(logits / T) per position, float32
-    "Entropy of each position's next-token distribution in nats; -inf logits (banned tokens) are fine."
-    return torch.stack([torch.special.entr(row.softmax(-1)).sum(-1) for row in _float_rows(logits, temperature)])
+    "Entropy in nats as logsumexp(z) − Σ softmax(z)·z: value and gradient finite where a probability underflows or a logit is −inf."
+    def entropy(z):
+        z_finite = z.masked_fill(~torch.isfinite(z), 0.0)   # a −inf logit has probability 0: it adds nothing, and no 0·∞ to the gradient
+        return torch.logsumexp(z, -1) - (z.softmax(-1) * z_finite).sum(-1)
+    return torch.stack([entropy(row) for row in _float_rows(logits, temperature)])
 
 # %% ../nbs/00_core.ipynb #579d85f0
 @typecheck
 def truncate_after_stop(
     ids: Int[Tensor, "batch resp"],         # sampled response token ids
-    stop_token_ids: int | Sequence[int],    # id(s) that end a response, e.g. the EOS id
+    stop_token_ids: int | Sequence[int] | Int[Tensor, "..."],  # id(s) that end a response, e.g. the EOS id (a tensor too, as torchtune passes them)
     pad_token_id: int,                      # id written after the first stop token
 ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (new ids, True on real tokens)
     "Pad everything after each row's first stop token; return the new ids and the mask of real tokens."
-    stops = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
-    if not stops: raise ValueError("`stop_token_ids` is empty: give the id(s) that end a response, e.g. the EOS id")
-    is_stop = torch.isin(ids, torch.tensor(stops, device=ids.device))
+    stops = torch.as_tensor([stop_token_ids] if isinstance(stop_token_ids, int) else stop_token_ids, device=ids.device).flatten()
+    if not len(stops): raise ValueError("`stop_token_ids` is empty: give the id(s) that end a response, e.g. the EOS id")
+    is_stop = torch.isin(ids, stops)
     after_first_stop = (is_stop.cumsum(-1) - is_stop.long()) > 0
     return ids.masked_fill(after_first_stop, pad_token_id), ~after_first_stop
