@@ -1,12 +1,28 @@
 """Build the documentation site into _site/ without Quarto (which `nbdev_docs` needs): `python tools/docs.py`.
 
-1. nbdev processes the notebooks into _proc/, as `nbdev_proc_nbs` does: `#| hide` cells are dropped and each
-   `show_doc(...)` cell carries its API entry (signature, shapes, docstring) as Markdown.
+1. Every notebook is processed by nbdev's own processors (`FilterDefaults`, what `nbdev_proc_nbs` runs), with one
+   change: where nbdev executes only the cells `show_doc` needs (`exec_show_docs`), `exec_all` runs every code cell
+   in order in the same execnb shell, in nbs/ as `nbdev_test` does, one notebook per process (at most
+   `--workers` at a time). So the pages show what each chapter computes: printed tensors, rich tables (as tables),
+   matplotlib figures (as PNG files). A cell marked `#| eval: false` is not run (nor by `nbdev_test`); the page
+   says so, with the reason written after the marker (`#| eval: false  # needs a GPU`).
+   The processed, executed notebook is cached in build/docs-cache/ under a hash of the notebook, the library's
+   source and `EXEC_VERSION`, so a build only runs the notebooks that changed since the last one; the notebooks
+   in git stay output-free. A notebook that fails is reported with its cell and traceback, shown on its page as
+   a failure box (which `docs_check.py` rejects), never cached, and makes the build exit 1 once the site is built.
 2. `notebook_to_markdown` turns each processed notebook into a Markdown page under build/docs/docs/.
 3. MkDocs with the Material theme builds _site/ from those pages. KaTeX, taken from the npm registry, is copied
    into the site, so the equations render with no network; no font, script or style comes from a CDN.
+   _site/docs-manifest.json lists each page's notebook, group and build time, for `docs_check.py`.
+
+`--no-execute` runs only what nbdev runs (imports, exports, `show_doc`), for a quick look at the text.
 """
+import argparse
+import base64
 import configparser
+import hashlib
+import html
+import inspect
 import json
 import os
 import re
@@ -14,7 +30,10 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import yaml
 
@@ -23,6 +42,9 @@ BUILD = ROOT / "build" / "docs"    # generated mkdocs.yml and docs/*.md
 SITE = ROOT / "_site"
 STATIC = ROOT / "docs_src"         # hand-written files copied to the site's assets/
 KATEX = "0.16.47"
+CACHE = ROOT / "build" / "docs-cache"   # executed notebooks, by hash (build/ is git-ignored)
+EXEC_VERSION = "1"                  # bump when exec_all or the shell's formatters change what a notebook gives
+NB_TIMEOUT = 900                    # seconds one notebook may take before the build gives up on it
 
 # The navigation, in reading order: (notebook, title in the sidebar). The page file is the notebook's `output-file`.
 CHAPTERS = [
@@ -32,7 +54,7 @@ CHAPTERS = [
 ]
 TUTORIALS = [
     ("11_tutorial_pipeline", "InstructGPT's three stages"), ("12_tutorial_reward", "Training a reward model"),
-    ("13_tutorial_your_own", "Your own model, data and reward"),
+    ("13_tutorial_your_own", "Your own model, data and reward"), ("15_tutorial_rloo", "RLOO: no critic"),
 ]
 LAST = [("99_package", "The package")]
 
@@ -47,6 +69,157 @@ def doc_url() -> str:
     "Where nbdev thinks the docs live; its links to documented names start with this."
     cfg = settings()
     return cfg["doc_host"].rstrip("/") + cfg["doc_baseurl"].rstrip("/") + "/"
+
+
+# ---------------------------------------------------------------- executing a notebook (in its own process)
+
+def skip_reason(source: str) -> str | None:
+    "Why a cell is not run in the docs build: the comment after `#| eval: false`, or None if it runs."
+    m = re.search(r"^#\|\s*eval:\s*false\b[ \t]*(?:#[ \t]*(.*))?$", source, re.MULTILINE | re.IGNORECASE)
+    if not m: return None
+    return (m[1] or "").strip() or "marked `#| eval: false`, so neither the docs build nor `nbdev_test` runs it"
+
+
+def rich_table_markdown(table) -> str:
+    "A rich `Table` as a Markdown table (its title above it), so the page shows a real table, not box-drawing text."
+    from rich.text import Text
+    plain = lambda c: (c.plain if isinstance(c, Text) else Text.from_markup(str(c)).plain if isinstance(c, str) else str(c))
+    cell = lambda c: plain(c).replace("|", "\\|").replace("\n", "<br>") or " "
+    align = {"left": ":--", "center": ":-:", "right": "--:"}
+    cols = table.columns
+    rows = ["| " + " | ".join(cell(c.header) for c in cols) + " |",
+            "| " + " | ".join(align.get(c.justify, "---") for c in cols) + " |"]
+    rows += ["| " + " | ".join(cell(c) for c in row) + " |" for row in zip(*(list(c.cells) for c in cols))]
+    title = f"**{plain(table.title)}**\n{{ .table-title }}\n\n" if table.title else ""
+    return title + "\n".join(rows)
+
+
+def show_doc_markdown(renderer) -> str:
+    """nbdev's `show_doc` Markdown, with what its renderer gets wrong here put right: a class is shown as `class
+    Name(`, not `def Name(`; `**kwargs` is not `kwargs:VAR_KEYWORD`; a `Literal` keeps its values; module paths
+    are dropped from annotations (`PreTrainedModel`); and the source link gets its line when nbdev's is `#LNone`."""
+    md, sym = renderer._repr_markdown_(), renderer.sym
+    if inspect.isclass(sym): md = re.sub(r"^(```python\s*\n)(?:async )?def ", r"\1class ", md, count=1, flags=re.MULTILINE)
+    md = re.sub(r"\b(\w+):VAR_KEYWORD\b", r"**\1", md)
+    md = re.sub(r"\b(\w+):VAR_POSITIONAL\b", r"*\1", md)
+    for name, param in (renderer.sig.parameters.items() if renderer.sig else ()):
+        if get_origin(param.annotation) is Literal:
+            values = ", ".join(map(repr, get_args(param.annotation)))
+            md = re.sub(rf"(?<!\w){name}:Literal(?!\[)", lambda m: f"{name}:Literal[{values}]", md, count=1)
+    md = re.sub(r"\b[a-z_]\w*(?:\.[a-z_]\w*)+\.([A-Z]\w*)", r"\1", md)
+    if "#LNone)" in md:
+        try: line = f"#L{inspect.getsourcelines(inspect.unwrap(sym))[1]}"
+        except (TypeError, OSError): line = ""
+        md = md.replace("#LNone)", f"{line})")
+    return md
+
+
+def exec_all_processor():
+    "`exec_all`: nbdev's `exec_show_docs` processor, widened to run every code cell (made here: nbdev is imported late)."
+    from nbdev.processors import exec_show_docs
+
+    class exec_all(exec_show_docs):
+        "Run every code cell in one shell; skip `#| eval: false` cells (noting why) and stop at the first error."
+        def begin(self):
+            super().begin()
+            fmt = self.k.display_formatter.formatters["text/markdown"]
+            fmt.for_type_by_name("rich.table", "Table", rich_table_markdown)
+            fmt.for_type_by_name("nbdev.showdoc", "BasicMarkdownRenderer", show_doc_markdown)
+            self.nb.metadata["docs"] = {"error": None, "seconds": 0.0}
+            self.start = time.perf_counter()
+
+        def __call__(self, cell):
+            info = self.nb.metadata["docs"]
+            if cell.cell_type != "code" or not cell.source.strip() or "nbdev_export" + "(" in cell.source: return
+            if info["error"]: return
+            if cell.directives_.get("eval:", [""])[0].lower() == "false": return     # the page says why (docs_skip)
+            self.k.cell(cell)
+            if self.k.exc:
+                info["error"] = {"cell": cell.idx_, "source": cell.source,
+                                 "error": f"{type(self.k.exc).__name__}: {self.k.exc}"}
+
+        def end(self):
+            super().end()
+            self.nb.metadata["docs"]["seconds"] = round(time.perf_counter() - self.start, 1)
+
+    return exec_all
+
+
+def process_notebook(src: Path, dst: Path, execute: bool = True):
+    "What `nbdev_proc_nbs` does to one notebook, running every cell when `execute`; the result is written to `dst`."
+    from execnb.nbio import read_nb, write_nb
+    from nbdev.processors import FilterDefaults, exec_show_docs
+    exec_all = exec_all_processor()
+
+    class DocsFilter(FilterDefaults):
+        def base_procs(self):
+            return [exec_all if p is exec_show_docs and execute else p for p in super().base_procs()]
+
+    nb = read_nb(src)
+    for cell in nb.cells:                         # processing strips the `#|` lines: what the page needs goes to metadata
+        if cell.cell_type != "code": continue
+        if (reason := skip_reason(cell.source)): cell.metadata["docs_skip"] = reason
+        if re.search(r"^#\|\s*docs:\s*preview\s*$", cell.source, re.MULTILINE): cell.metadata["docs_preview"] = True
+    os.environ["IN_TEST"] = "1"                                                  # as nbdev_test and nbdev_proc_nbs do
+    os.chdir(src.parent)
+    DocsFilter()(nb)
+    write_nb(nb, dst)
+
+
+def notebook_key(path: Path) -> str:
+    "The cache key of a notebook's executed outputs: its bytes, the library's source, and the executor's version."
+    h = hashlib.sha256(f"{EXEC_VERSION}\n".encode())
+    for f in [path] + sorted((ROOT / settings()["lib_path"]).rglob("*.py")):
+        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def run_notebooks(names: list[str], workers: int, execute: bool = True) -> dict[str, dict]:
+    """Each notebook executed and processed, from the cache when its key is there: {name: {"path", "seconds",
+    "cached", "error"}}. Up to `workers` notebooks run at once, each in its own Python process."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = BUILD / "proc"
+    if tmp.exists(): shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    results, todo, running = {}, [], []
+    for name in names:
+        key = f"{name}-{notebook_key(ROOT / 'nbs' / f'{name}.ipynb')}" if execute else None
+        cached = CACHE / f"{key}.ipynb" if key else None
+        if cached and cached.exists():
+            results[name] = {"path": cached, "cached": True, **json.loads(cached.read_text(encoding="utf-8"))["metadata"]["docs"]}
+        else: todo.append((name, key))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
+    while todo or running:
+        while todo and len(running) < workers:
+            name, key = todo.pop(0)
+            out, log = tmp / f"{name}.ipynb", tmp / f"{name}.log"
+            cmd = [sys.executable, __file__, "--process", str(ROOT / "nbs" / f"{name}.ipynb"), str(out)]
+            if not execute: cmd.append("--no-execute")
+            with open(log, "w") as f: proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            running.append((name, key, out, log, proc, time.perf_counter()))
+        time.sleep(0.2)
+        for job in list(running):
+            name, key, out, log, proc, start = job
+            seconds = time.perf_counter() - start
+            if proc.poll() is None and seconds < NB_TIMEOUT: continue
+            if proc.poll() is None: proc.kill(); proc.wait()
+            running.remove(job)
+            if proc.returncode == 0 and out.exists():
+                info = json.loads(out.read_text(encoding="utf-8"))["metadata"].get("docs", {"error": None})
+                info["seconds"] = round(seconds, 1)
+            else:
+                tail = log.read_text(errors="replace")[-3000:]
+                info = {"error": {"cell": None, "source": "", "error": f"processing failed (exit {proc.returncode}, "
+                                  f"{seconds:.0f} s)\n{tail}"}, "seconds": round(seconds, 1)}
+            results[name] = {"path": out if out.exists() else None, "cached": False, **info}
+            if not info["error"] and key:
+                nb = json.loads(out.read_text(encoding="utf-8"))
+                nb["metadata"]["docs"] = info
+                for old in CACHE.glob(f"{name}-*.ipynb"): old.unlink()
+                (CACHE / f"{key}.ipynb").write_text(json.dumps(nb), encoding="utf-8")
+            state = "FAILED" if info["error"] else "ran"
+            print(f"docs: {name}.ipynb {state} in {seconds:.1f} s", flush=True)
+    return results
 
 
 # ---------------------------------------------------------------- one notebook -> one Markdown page
@@ -80,7 +253,7 @@ def outside_code(md: str, fn, in_code=None) -> str:
 def local_links(md: str, pages: set[str], url: str = "") -> str:
     "Links to a page of this site (`losses.html#ppoloss`, or nbdev's absolute doc links) point at its .md file."
     def fix(m): return f"]({m[1]}.md{m[2] or ''})" if m[1] in pages else m[0]
-    return re.sub(rf"\]\((?:{re.escape(url)})?([\w-]+)\.html(#[^)\s]*)?\)", fix, md)
+    return github_links(re.sub(rf"\]\((?:{re.escape(url)})?([\w-]+)\.html(#[^)\s]*)?\)", fix, md))
 
 
 def api_markdown(md: str, pages: set[str], url: str) -> str:
@@ -104,13 +277,40 @@ def unique_ids(md: str) -> str:
     return outside_code(md, lambda text: re.sub(r"\{ #(\S+) \.api \}[ \t]*$", number, text, flags=re.MULTILINE))
 
 
-def output_markdown(output: dict, pages: set[str], url: str) -> str:
-    data = output.get("data", {})
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def plain_text(text: str) -> str:
+    "Terminal text as a page shows it: no colour codes, and a line rewritten with `\r` (a progress bar) only as it ended."
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in ANSI.sub("", text).rstrip().split("\n"))
+
+
+def text_block(text: str, kind: str = "output") -> str:
+    "An output as a fenced text block with class `cell-output` (or `cell-stderr`), told apart from the code above it."
+    fence = "`" * max(3, max((len(m) for m in re.findall(r"`{3,}", text)), default=0) + 1)
+    return f"{fence}{{ .text .cell-{kind} }}\n{plain_text(text)}\n{fence}"
+
+
+def output_markdown(output: dict, pages: set[str], url: str, images: dict | None = None, stem: str = "page") -> str:
+    """One output of a code cell: Markdown as it is (show_doc entries, rich tables), images as PNG files (or data URIs
+    when `images` is None), HTML as HTML, text in a text block; an error in a failure box with its traceback."""
+    data, kind = output.get("data", {}), output.get("output_type")
     text = lambda v: "".join(v) if isinstance(v, list) else v
+    if kind == "error":
+        tb = plain_text("\n".join(output.get("traceback", [])) or f"{output.get('ename')}: {output.get('evalue')}")
+        return f'!!! failure "This cell raised {output.get("ename", "an error")} when the docs were built"\n\n' + indent(text_block(tb, "error"))
+    if kind == "stream":
+        return text_block(text(output["text"]), "stderr" if output.get("name") == "stderr" else "output")
     if "text/markdown" in data: return api_markdown(text(data["text/markdown"]).strip(), pages, url)
-    if "image/png" in data: return f"![](data:image/png;base64,{text(data['image/png']).strip()})"
-    if "text/plain" in data: return f"```text\n{text(data['text/plain']).rstrip()}\n```"
-    if output.get("output_type") == "stream": return f"```text\n{text(output['text']).rstrip()}\n```"
+    if "image/png" in data:
+        png, size = text(data["image/png"]).strip(), output.get("metadata", {}).get("image/png", {})
+        width = f'{{ width="{size["width"]}" }}' if "width" in size else ""
+        if images is None: return f"![](data:image/png;base64,{png}){width}"
+        name = f"{stem}-{len(images) + 1}.png"
+        images[name] = base64.b64decode(png)
+        return f"![figure {len(images)} of this page](images/{name}){width}"
+    if "text/html" in data: return f'<div class="cell-html" markdown="0">\n{text(data["text/html"]).strip()}\n</div>'
+    if "text/plain" in data: return text_block(text(data["text/plain"]))
     return ""
 
 
@@ -118,11 +318,22 @@ def indent(text: str) -> str:
     return "\n".join("    " + line if line else "" for line in text.splitlines())
 
 
-def notebook_to_markdown(nb: dict, pages: set[str] = frozenset(), url: str = "") -> str:
+def preview(cells: list[tuple[dict, list[str]]]) -> list[str]:
+    "The outputs of the cells marked `#| docs: preview`, shown again under the page's description: what the reader will get."
+    shown = [md for _, outs in cells for md in outs]
+    if not shown: return []
+    return ['!!! abstract "What you will get"\n\n' + indent("\n\n".join(shown)) + "\n\n"
+            + indent("*Made by the cells below, run when these docs were built.*")]
+
+
+def notebook_to_markdown(nb: dict, pages: set[str] = frozenset(), url: str = "", images: dict | None = None,
+                         stem: str = "page") -> str:
     """One processed notebook as a Markdown page: its front matter gives the title and description, markdown cells
     are kept, code cells become ```python blocks without their `#|` lines (`code-fold` ones in an open "Exported
-    source" box), `echo: false` cells show only their output, and show_doc output is kept as Markdown."""
-    meta, parts = {}, []
+    source" box) followed by their outputs, `echo: false` cells show only their output, show_doc output is kept as
+    Markdown, and a cell not run in the docs build says why. The outputs of `#| docs: preview` cells open the page
+    too, and the page ends with how long its notebook took to run."""
+    meta, parts, previews = {}, [], []
     for i, cell in enumerate(nb["cells"]):
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         if cell["cell_type"] == "raw":
@@ -140,49 +351,68 @@ def notebook_to_markdown(nb: dict, pages: set[str] = frozenset(), url: str = "")
                 summary = d.get("code-summary", "Code").replace('"', "'")
                 block = f'???{"+" if d["code-fold"] == "show" else ""} abstract "{summary}"\n\n{indent(block)}'
             parts.append(block)
+        if cell.get("metadata", {}).get("docs_skip"):
+            parts.append(f'!!! note "Not run when these docs were built"\n\n    {cell["metadata"]["docs_skip"]}')
         if d.get("output") != "false":
-            parts += [md for md in (output_markdown(o, pages, url) for o in cell.get("outputs", [])) if md]
+            outs = [md for md in (output_markdown(o, pages, url, images, stem) for o in cell.get("outputs", [])) if md]
+            parts += outs
+            if d.get("docs") == "preview" or cell.get("metadata", {}).get("docs_preview"): previews.append((cell, outs))
+    run = nb.get("metadata", {}).get("docs")
+    if run and not run.get("error") and run.get("seconds") is not None:
+        parts.append(f"---\n\n*The outputs on this page were computed when the docs were built: the notebook ran in "
+                     f"{run['seconds']:.0f} s.*\n{{ .docs-run }}")
     body = unique_ids("\n\n".join(parts))
     title = meta.get("title", "")
     head = yaml.safe_dump({k: meta[k] for k in ("title", "description") if k in meta}, allow_unicode=True, width=10**6)
     intro = [f"# {title}"] if title else []
     if meta.get("description"): intro.append(f"{meta['description']}\n{{ .page-description }}")
-    return f"---\n{head}---\n\n" + "\n\n".join(intro + [body]) + "\n"
+    return f"---\n{head}---\n\n" + "\n\n".join(intro + preview(previews) + [body]) + "\n"
 
 
 # ---------------------------------------------------------------- the site
-
-def proc_notebooks():
-    "What `nbdev_proc_nbs` does, without its attempt to install Quarto (sudo, curl, `pip install -e .` on PATH)."
-    from nbdev.serve import proc_nbs
-    proc_nbs(force=True)
-
 
 def nav_entries() -> list[tuple[str, str, str]]:
     "(notebook, nav title, group) for every notebook; ones missing from the lists above go after the chapters."
     known = {nb for nb, _ in CHAPTERS + TUTORIALS + LAST}
     extra = sorted(p.stem for p in (ROOT / "nbs").glob("*.ipynb") if p.stem not in known)
     for nb in extra: print(f"docs: {nb}.ipynb is not in tools/docs.py's navigation; added after the chapters")
-    return ([(nb, t, "") for nb, t in CHAPTERS] + [(nb, "", "") for nb in extra]
-            + [(nb, t, "Tutorials") for nb, t in TUTORIALS] + [(nb, t, "") for nb, t in LAST])
+    missing = [nb for nb, _ in CHAPTERS + TUTORIALS + LAST if not (ROOT / "nbs" / f"{nb}.ipynb").exists()]
+    for nb in missing: print(f"docs: {nb}.ipynb is in tools/docs.py's navigation but not in nbs/; left out")
+    entries = ([(nb, t, "") for nb, t in CHAPTERS] + [(nb, "", "") for nb in extra]
+               + [(nb, t, "Tutorials") for nb, t in TUTORIALS] + [(nb, t, "") for nb, t in LAST])
+    return [e for e in entries if e[0] not in missing]
 
 
-def write_pages(entries) -> list:
+def write_pages(entries, results: dict[str, dict]) -> tuple[list, dict]:
+    "The Markdown pages, their images and the navigation; also {page.html: what docs_check.py needs to know}."
     docs = BUILD / "docs"
     if docs.exists(): shutil.rmtree(docs)
-    docs.mkdir(parents=True)
-    notebooks = {nb: json.loads((ROOT / "_proc" / f"{nb}.ipynb").read_text(encoding="utf-8")) for nb, _, _ in entries}
+    (docs / "images").mkdir(parents=True)
+    notebooks = {nb: json.loads(results[nb]["path"].read_text(encoding="utf-8")) for nb, _, _ in entries if results[nb]["path"]}
     files = {nb: Path(front_matter("".join(n["cells"][0]["source"])).get("output-file", f"{nb}.html")).stem
              for nb, n in notebooks.items()}
-    pages, url, nav, groups = set(files.values()), doc_url(), [], {}
+    pages, url, nav, groups, manifest = set(files.values()), doc_url(), [], {}, {}
     for nb, title, group in entries:
-        (docs / f"{files[nb]}.md").write_text(notebook_to_markdown(notebooks[nb], pages, url), encoding="utf-8")
+        if nb not in notebooks: continue
+        images = {}
+        (docs / f"{files[nb]}.md").write_text(notebook_to_markdown(notebooks[nb], pages, url, images, files[nb]),
+                                              encoding="utf-8")
+        for name, png in images.items(): (docs / "images" / name).write_bytes(png)
+        run = results[nb]
+        manifest[f"{files[nb]}.html"] = {"notebook": f"nbs/{nb}.ipynb", "group": group, "seconds": run.get("seconds"),
+                                          "cached": run["cached"], "error": bool(run.get("error"))}
         entry = {title or front_matter("".join(notebooks[nb]["cells"][0]["source"])).get("title", nb): f"{files[nb]}.md"}
         if not group: nav.append(entry)
         else:
             if group not in groups: groups[group] = []; nav.append({group: groups[group]})
             groups[group].append(entry)
-    return nav
+    return nav, manifest
+
+
+def github_links(md: str) -> str:
+    "Links to files of the repository (`nbs/11_tutorial_pipeline.ipynb`, `examples/`) go to them on GitHub."
+    base = settings()["git_url"].rstrip("/") + "/blob/" + settings()["branch"] + "/"
+    return re.sub(r"\]\((?:\.\./)?((?:nbs|examples|configs|bench|tests|tools)/[^)\s]*)\)", lambda m: f"]({base}{m[1]})", md)
 
 
 def copy_assets():
@@ -236,11 +466,15 @@ def check_offline(site: Path = SITE) -> list[str]:
     return problems
 
 
-def build():
-    print("== docs: processing notebooks into _proc/", flush=True)
-    proc_notebooks()
+def build(workers: int = 2, execute: bool = True):
+    start = time.perf_counter()
+    entries = nav_entries()
+    print(f"== docs: processing {'and executing ' if execute else ''}{len(entries)} notebooks "
+          f"({workers} at a time; cache: {CACHE.relative_to(ROOT)}/)", flush=True)
+    results = run_notebooks([nb for nb, _, _ in entries], workers, execute)
+    ran = time.perf_counter() - start
     print("== docs: writing Markdown pages and mkdocs.yml into build/docs/", flush=True)
-    nav = write_pages(nav_entries())
+    nav, manifest = write_pages(entries, results)
     copy_assets()
     config = BUILD / "mkdocs.yml"
     config.write_text(yaml.safe_dump(mkdocs_config(nav), sort_keys=False, allow_unicode=True), encoding="utf-8")
@@ -252,8 +486,34 @@ def build():
     problems = check_offline()
     for p in problems: print("external asset:", p)
     if problems: sys.exit("docs: the built HTML loads something from outside the site")
+    total = time.perf_counter() - start
+    (SITE / "docs-manifest.json").write_text(json.dumps(
+        {"built": datetime.now(timezone.utc).isoformat(timespec="seconds"), "executed": execute,
+         "seconds": round(total, 1), "pages": manifest}, indent=1), encoding="utf-8")
     print(f"== docs: {len(list(SITE.glob('*.html')))} pages in _site/, no CDN or external asset in the HTML", flush=True)
+    print(f"\n{'notebook':<32} {'run (s)':>8}  state", flush=True)
+    for nb, _, _ in entries:
+        r = results[nb]
+        state = "FAILED" if r.get("error") else "cached" if r["cached"] else "ran"
+        print(f"{nb:<32} {r.get('seconds') or 0:>8.1f}  {state}", flush=True)
+    n_cached = sum(r["cached"] for r in results.values())
+    print(f"== docs: built in {total:.0f} s ({ran:.0f} s processing notebooks; {n_cached} of {len(results)} from the cache)")
+    failed = {nb: r["error"] for nb, r in results.items() if r.get("error")}
+    for nb, err in failed.items():
+        where = f"cell {err['cell']}" if err.get("cell") is not None else "processing"
+        print(f"\ndocs: {nb}.ipynb failed in {where}: {err['error'][:3000]}" + (f"\n--- the cell:\n{err['source']}" if err.get("source") else ""))
+    if failed: sys.exit(f"docs: {len(failed)} notebook(s) failed: {', '.join(failed)} (the site is built; their pages show the error)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("DOCS_WORKERS", 2)), help="notebooks run at once")
+    parser.add_argument("--no-execute", action="store_true", help="run only what nbdev runs for show_doc (no outputs)")
+    parser.add_argument("--process", nargs=2, metavar=("NOTEBOOK", "OUT"), help=argparse.SUPPRESS)   # one worker
+    args = parser.parse_args()
+    if args.process: process_notebook(Path(args.process[0]).resolve(), Path(args.process[1]).resolve(), not args.no_execute)
+    else: build(args.workers, not args.no_execute)
 
 
 if __name__ == "__main__":
-    build()
+    main()

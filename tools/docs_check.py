@@ -4,9 +4,15 @@ _site/ is served on 127.0.0.1 and every page is opened with Debian's /usr/bin/ch
 (never `playwright install`). Checks, one line each: no console error, failed request or request leaving the
 site on any page; the math is typeset by KaTeX with no raw `$`, `\\(` or `\\[` left in the text; the API entries
 of `Agent`, `AgentObjective`, `RLHFTrainer.compute_loss` and `PPOLoss` are shown with their jaxtyping shapes;
-every navigation and internal link resolves (HTTP 200, and the anchor exists). Screenshots of the overview and of
-the PPO loss go to _site/screenshots/. Exits 1 if any check fails.
+every navigation and internal link resolves (HTTP 200, and the anchor exists); every tutorial page shows at least
+one rendered image and one table (the count of images and tables is printed for every page); no page shows a
+Python traceback or a failed cell; every public name (the `__all__` of each instruct_goose module) has exactly one
+API entry on the site. Screenshots of the overview, of the PPO loss and of the top of the pipeline and RLOO
+tutorials (their curves and before/after table) go to _site/screenshots/. Exits 1 if any check fails.
 """
+import importlib
+import json
+import pkgutil
 import re
 import sys
 import threading
@@ -42,6 +48,23 @@ API_ENTRY = """(name) => { const id = name.toLowerCase(), h = document.getElemen
   if (!h) return null; let text = h.textContent, el = h.nextElementSibling;
   while (el && !(/^H[1-3]$/.test(el.tagName) && !el.id.startsWith(id + "."))) { text += "\\n" + el.textContent; el = el.nextElementSibling; }
   return text; }"""
+
+# Images that loaded and tables, in the page's content; whether the page shows an error or a traceback.
+OUTPUTS = """() => { const a = document.querySelector("article");
+  const imgs = [...a.querySelectorAll("img")];
+  return { images: imgs.filter(i => i.complete && i.naturalWidth > 0).length, broken: imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src.slice(-60)),
+    tables: a.querySelectorAll("table").length,
+    errors: a.querySelectorAll(".admonition.failure, .cell-error").length,
+    traceback: /Traceback \(most recent call last\)/.test(a.textContent),
+    api: [...a.querySelectorAll("h2.api, h3.api, h4.api")].map(h => h.textContent.replace(/\u00b6\s*$/, "").trim()) }; }"""
+# The top of a tutorial: its title down to the end of the "What you will get" box, with what the box holds.
+PREVIEW = """() => { const box = document.querySelector("article .admonition.abstract");
+  if (!box) return null; const h1 = document.querySelector("article h1");
+  const imgs = [...box.querySelectorAll("img")];
+  return { top: h1.getBoundingClientRect().top + scrollY, bottom: box.getBoundingClientRect().bottom + scrollY,
+    images: imgs.filter(i => i.complete && i.naturalWidth > 0).length, tables: box.querySelectorAll("table").length,
+    title: box.querySelector(".admonition-title").textContent }; }"""
+TUTORIAL_SHOTS = {"tutorial_pipeline.html": "tutorial-pipeline.png", "tutorial_rloo.html": "tutorial-rloo.png"}
 
 failures = []
 
@@ -115,6 +138,43 @@ def screenshot_ppo(page, path: Path):
     return box
 
 
+def screenshot_preview(page, path: Path) -> dict | None:
+    "The tutorial's title, description and its 'What you will get' box (curves and before/after table) in one view."
+    box = page.evaluate(PREVIEW)
+    if not box: return None
+    header = 64
+    page.set_viewport_size({"width": 1280, "height": max(900, int(box["bottom"] - box["top"]) + header + 48)})
+    page.evaluate(f"window.scrollTo(0, {box['top'] - header - 16})")
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(path))
+    page.set_viewport_size({"width": 1280, "height": 900})
+    return box
+
+
+def public_names() -> dict[str, str]:
+    "{name: module} for every name in the `__all__` of an instruct_goose module."
+    import instruct_goose
+    names = {}
+    for m in pkgutil.iter_modules(instruct_goose.__path__):
+        if m.name.startswith("_"): continue
+        for name in getattr(importlib.import_module(f"instruct_goose.{m.name}"), "__all__", []): names.setdefault(name, m.name)
+    return names
+
+
+def check_api_once(entries: dict[str, list[str]]):
+    "Every public name has exactly one API entry (heading) on the whole site."
+    where = {}
+    for html, names in entries.items():
+        for name in names: where.setdefault(name, []).append(html)
+    names = public_names()
+    missing = sorted(n for n in names if n not in where)
+    twice = {n: where[n] for n in names if len(where.get(n, [])) > 1}
+    detail = (f"{len(names)} public names, each with one API entry" if not (missing or twice) else
+              "; ".join([f"no entry for {', '.join(f'{n} ({names[n]})' for n in missing[:8])}"] * bool(missing)
+                        + [f"{n} documented {len(w)} times ({', '.join(w)})" for n, w in list(twice.items())[:8]]))
+    report("every public name documented once", not (missing or twice), detail)
+
+
 def main():
     global SITE
     if len(sys.argv) > 1: SITE = Path(sys.argv[1]).resolve()                   # another built site
@@ -122,7 +182,9 @@ def main():
     if not pages: sys.exit(f"no pages in {SITE}: run `make docs` first")
     (SITE / "screenshots").mkdir(exist_ok=True)
     server, base = serve(SITE)
-    links, ids, math_pages = {}, {}, 0
+    links, ids, math_pages, counts, api_entries = {}, {}, 0, {}, {}
+    manifest_file = SITE / "docs-manifest.json"
+    manifest = json.loads(manifest_file.read_text())["pages"] if manifest_file.exists() else {}
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
@@ -137,6 +199,19 @@ def main():
                 report(f"math {html}", ok, f"{math['typeset']}/{math['spans']} typeset by KaTeX, {math['errors']} errors"
                        + (f", raw TeX in the text: {raw[:3]}" if raw else ""))
                 for name in API.get(html, []): check_api(page, name, html)
+                out = page.evaluate(OUTPUTS)
+                counts[html], api_entries[html] = (out["images"], out["tables"]), out["api"]
+                report(f"outputs {html}", not out["errors"] and not out["traceback"] and not out["broken"],
+                       f"{out['images']} images, {out['tables']} tables" + (f", {out['errors']} failed cells" if out["errors"] else "")
+                       + (", a Python traceback" if out["traceback"] else "") + (f", broken images {out['broken'][:2]}" if out["broken"] else ""))
+                if manifest.get(html, {}).get("group") == "Tutorials":
+                    report(f"tutorial {html} shows a plot and a table", out["images"] >= 1 and out["tables"] >= 1,
+                           f"{out['images']} images, {out['tables']} tables")
+                if html in TUTORIAL_SHOTS:
+                    box = screenshot_preview(page, SITE / "screenshots" / TUTORIAL_SHOTS[html])
+                    report(f"screenshot {TUTORIAL_SHOTS[html]}", bool(box and box["images"] and box["tables"]),
+                           f"title down to '{box['title']}': {box['images']} plot(s), {box['tables']} table(s)" if box
+                           else "no 'What you will get' box on the page")
                 found = page.evaluate(LINKS)
                 ids[html] = set(found["ids"])
                 for kind in ("nav", "content"):
@@ -148,6 +223,16 @@ def main():
                     report("screenshot losses-ppo.png", "CLIP" in box["eq"], f"equation {box['eq'][:45]!r}… down to the PPOLoss signature")
             browser.close()
         report("screenshot index.png", (SITE / "screenshots" / "index.png").exists())
+        missing_shots = [h for h in TUTORIAL_SHOTS if h not in pages]
+        report("tutorial screenshots taken", not missing_shots, f"no page {', '.join(missing_shots)}" if missing_shots else
+               ", ".join(f"screenshots/{s}" for s in TUTORIAL_SHOTS.values()))
+        report("every page in the manifest", not manifest or set(manifest) <= set(pages),
+               "docs-manifest.json lists every page" if manifest else "no docs-manifest.json (built by an older tools/docs.py)")
+        check_api_once(api_entries)
+        print(f"\n{'page':<28} {'images':>6} {'tables':>6}  group")
+        for html, (n_img, n_tab) in counts.items():
+            print(f"{html:<28} {n_img:>6} {n_tab:>6}  {manifest.get(html, {}).get('group', '')}")
+        print()
         report("math is typeset somewhere", math_pages >= 10, f"KaTeX on {math_pages} of {len(pages)} pages")
         for kind in ("nav", "content"):
             bad = []
