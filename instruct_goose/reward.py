@@ -6,40 +6,72 @@
 __all__ = ['RewardModel', 'score_completions']
 
 # %% ../nbs/04_reward.ipynb #fcaea4cf
+import copy
+from fastcore.basics import patch
 from collections.abc import Callable, Sequence
+from numbers import Real
 from pathlib import Path
 
 import math
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
-from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from .agent import _hidden_size, _load, eval_mode, position_ids_from_mask
-from .core import last_true_index, typecheck
-from .data import encode_texts
+from .agent import _accepts, _hidden_size, _load, context_length, eval_mode, position_ids_from_mask
+from .core import last_true_index, pad_to_side, typecheck
 
-# %% ../nbs/04_reward.ipynb #d3b873d7
+# %% ../nbs/04_reward.ipynb #6dbdb243
+def _score_head(classifier: nn.Module) -> nn.Linear:
+    "The linear layer that produces a classifier's logits: the last `nn.Linear` with one output."
+    heads = [m for m in classifier.modules() if isinstance(m, nn.Linear) and m.out_features == 1]
+    if not heads: raise ValueError(f"{type(classifier).__name__} has no linear layer with one output to read a reward from")
+    return heads[-1]
+
+def _fresh_classifier(model: PreTrainedModel) -> PreTrainedModel:
+    "The family's 1-label sequence classifier around `model`'s trunk (shared, not copied), with a new N(0, 1/(d+1)) head."
+    config = copy.deepcopy(model.config)
+    config.num_labels = 1
+    with torch.device("meta"): classifier = AutoModelForSequenceClassification.from_config(config)
+    setattr(classifier, classifier.base_model_prefix, model.base_model)
+    trunk = next(model.base_model.parameters())
+    for name, child in classifier.named_children():
+        if name == classifier.base_model_prefix: continue
+        child.to_empty(device=trunk.device).to(trunk.dtype)
+        for layer in child.modules():
+            if isinstance(layer, nn.Linear):
+                nn.init.normal_(layer.weight, std=1 / math.sqrt(layer.in_features + 1))
+                if layer.bias is not None: nn.init.zeros_(layer.bias)
+    return classifier
+
+# %% ../nbs/04_reward.ipynb #1b406726
 class RewardModel(nn.Module):
-    "r_θ(x, y): a linear head on any 🤗 trunk, read at the last real token of each sequence; unbounded."
+    "r_θ(x, y): a 🤗 one-label sequence classifier on any backbone, read at the last real token (decoders) or through its own pooler (encoders); unbounded."
     def __init__(
         self,
-        model: PreTrainedModel | str,  # a 🤗 model (any family), or a name/path of a 1-label sequence classifier
+        model: PreTrainedModel | str,  # a 🤗 model (any family), or a name/path of a checkpoint (loaded as a 1-label sequence classifier)
         tokenizer=None,                # the reward model's own tokenizer, to score text (`score`)
         **from_pretrained_kwargs,      # passed to `from_pretrained` when a name is given
     ):
         super().__init__()
         model = _load(model, AutoModelForSequenceClassification, num_labels=1, **from_pretrained_kwargs)
-        head = getattr(model, "score", None)
-        if isinstance(head, nn.Linear) and head.out_features != 1:
-            raise ValueError(f"`model` has a score head with {head.out_features} labels; a reward model needs 1 (num_labels=1)")
-        if not isinstance(head, nn.Linear):
-            hidden = _hidden_size(model.config)
-            head = nn.Linear(hidden, 1)
-            nn.init.normal_(head.weight, std=1 / math.sqrt(hidden + 1))
-            nn.init.zeros_(head.bias)
-        self.backbone, self.head, self.tokenizer = model.base_model, head, tokenizer
+        if not type(model).__name__.endswith("ForSequenceClassification"): model = _fresh_classifier(model)
+        if model.config.num_labels != 1:
+            raise ValueError(f"`model` has a classifier with {model.config.num_labels} labels; a reward model needs 1 (num_labels=1)")
+        if tokenizer is not None and model.config.pad_token_id is None: model.config.pad_token_id = tokenizer.pad_token_id
+        self.model, self.tokenizer = model, tokenizer
+
+    @property
+    def reads_last_token(self) -> bool: return hasattr(self.model, "score")   # decoders' classifiers; encoders pool their first token
+
+    @property
+    def backbone(self) -> nn.Module: return self.model.base_model
+
+    @property
+    def head(self) -> nn.Linear: return _score_head(self.model)
+
+    @property
+    def config(self): return self.model.config
 
     @typecheck
     def forward(
@@ -47,65 +79,102 @@ class RewardModel(nn.Module):
         input_ids: Int[Tensor, "batch seq"],                                  # prompt + response token ids
         attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens, padding on either side
     ) -> Float[Tensor, "batch"]:                                              # one score per sequence, float32
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
         last = last_true_index(attention_mask.bool())
         empty = (last < 0).nonzero().flatten().tolist()
         if empty: raise ValueError(f"`attention_mask` rows {empty} have no real token: there is nothing to score")
-        return self.head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
+        if not self.reads_last_token:
+            ids, mask = pad_to_side(input_ids, attention_mask, "right")
+            return self.model(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
+        positions = {"position_ids": position_ids_from_mask(attention_mask)} if _accepts(self.backbone, "position_ids") else {}
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions).last_hidden_state
+        return self.model.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
 
-    def encode(self, texts: list[str], max_length: int | None = None):
-        "Tokenize `texts` with the reward model's own tokenizer, padded, as tensors on its device."
-        if self.tokenizer is None: raise ValueError("this RewardModel has no `tokenizer`: pass one to score text")
-        ids, mask = encode_texts(self.tokenizer, texts, max_length)
-        return ids.to(self.head.weight.device), mask.to(self.head.weight.device)
+# %% ../nbs/04_reward.ipynb #98857a17
+@patch
+def encode(
+    self: RewardModel,
+    texts: list[str],                 # whole texts (prompt + completion)
+    max_length: int | None = None,    # cut each text to this many tokens (None: refuse texts longer than the model's context)
+) -> tuple[Tensor, Tensor]:           # (ids, mask) on the model's device
+    "Tokenize `texts` with the reward model's own tokenizer and its special tokens, as it was trained to read them."
+    if self.tokenizer is None: raise ValueError("this RewardModel has no `tokenizer`: pass one to score text")
+    enc = self.tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt")
+    limit = context_length(self.model)
+    if limit is not None and enc.input_ids.shape[1] > limit:
+        long = (enc.attention_mask.sum(1) > limit).nonzero().flatten().tolist()
+        raise ValueError(f"texts {long[:5]} are longer than the reward model's context of {limit} tokens "
+                         f"(longest {enc.input_ids.shape[1]}): pass `max_length` to cut them, or shorten them")
+    device = self.head.weight.device
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
 
-    @torch.no_grad()
-    def normalize_(self, reference_scores: Tensor) -> "RewardModel":
-        "Fold a gain and bias into the head so that `reference_scores` (this model's scores on a reference set) get mean 0, std 1."
-        mean, std = reference_scores.float().mean(), reference_scores.float().std()
-        if not (torch.isfinite(std) and std > 0):
-            raise ValueError("`reference_scores` need at least two different finite values to normalise against")
-        self.head.weight.div_(std)
-        self.head.bias.sub_(mean).div_(std)
-        return self
+# %% ../nbs/04_reward.ipynb #2bdea53d
+@patch
+@torch.no_grad()
+def score(
+    self: RewardModel,
+    prompts: list[str],              # prompt texts
+    completions: list[str],          # completion texts, one per prompt
+    batch_size: int = 32,            # sequences per forward pass
+    max_length: int | None = None,   # cut each text to this many tokens (None: refuse texts longer than the context)
+) -> Float[Tensor, "batch"]:         # one score per (prompt, completion)
+    "Score text pairs, tokenized with the reward model's own tokenizer (never the policy's ids)."
+    if len(prompts) != len(completions):
+        raise ValueError(f"`prompts` has {len(prompts)} items but `completions` has {len(completions)}")
+    texts = [p + c for p, c in zip(prompts, completions)]
+    with eval_mode(self):
+        return torch.cat([self(*self.encode(texts[i:i + batch_size], max_length)) for i in range(0, len(texts), batch_size)])
 
-    @torch.no_grad()
-    def score(
-        self,
-        prompts: list[str],      # prompt texts
-        completions: list[str],  # completion texts, one per prompt
-        batch_size: int = 32,    # sequences per forward pass
-    ) -> Float[Tensor, "batch"]: # one score per (prompt, completion)
-        "Score text pairs, tokenized with the reward model's own tokenizer (never the policy's ids)."
-        if len(prompts) != len(completions):
-            raise ValueError(f"`prompts` has {len(prompts)} items but `completions` has {len(completions)}")
-        texts = [p + c for p, c in zip(prompts, completions)]
-        with eval_mode(self):
-            return torch.cat([self(*self.encode(texts[i:i + batch_size])) for i in range(0, len(texts), batch_size)])
+# %% ../nbs/04_reward.ipynb #3b450f63
+@patch
+@torch.no_grad()
+def normalize_(
+    self: RewardModel,
+    reference_scores: Tensor,   # this model's scores on a reference set
+) -> RewardModel:               # `self`, its head rescaled
+    "Fold a gain (and, where the head has a bias, a shift) into the head so `reference_scores` get std 1 (and mean 0)."
+    mean, std = reference_scores.float().mean(), reference_scores.float().std()
+    if not (torch.isfinite(std) and std > 0):
+        raise ValueError("`reference_scores` need at least two different finite values to normalise against")
+    head = self.head
+    head.weight.div_(std.to(head.weight.dtype))
+    if head.bias is not None: head.bias.sub_(mean.to(head.bias.dtype)).div_(std.to(head.bias.dtype))
+    return self
 
-    def save_pretrained(self, save_directory: str | Path, **kwargs):
-        "Save the trunk (🤗 format), the head and the tokenizer, if any, to `save_directory`."
-        save_directory = Path(save_directory)
-        self.backbone.save_pretrained(save_directory, **kwargs)
-        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, save_directory / "reward_head.safetensors")
-        if self.tokenizer is not None: self.tokenizer.save_pretrained(save_directory)
+# %% ../nbs/04_reward.ipynb #8b9b25bd
+@patch
+def save_pretrained(self: RewardModel, save_directory: str | Path, **kwargs):
+    "Save the classifier in 🤗 format (`AutoModelForSequenceClassification` reads it) and the tokenizer, if any."
+    self.model.save_pretrained(save_directory, **kwargs)
+    if self.tokenizer is not None: self.tokenizer.save_pretrained(save_directory)
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> "RewardModel":
-        "Load a `RewardModel` saved by `save_pretrained`, or a 1-label 🤗 sequence classifier."
-        path = Path(path)
-        tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
-        head = path / "reward_head.safetensors"
-        if not head.is_file(): return cls(str(path), tokenizer=tokenizer, **kwargs)
-        reward_model = cls(AutoModel.from_pretrained(path, **kwargs), tokenizer=tokenizer)
-        reward_model.head.load_state_dict(load_file(head))
-        return reward_model
+@patch(cls_method=True)
+def from_pretrained(cls: RewardModel, path: str | Path, **kwargs) -> RewardModel:
+    "Load a reward model saved by `save_pretrained`, or any 1-label 🤗 sequence classifier, with its tokenizer if it has one."
+    path = Path(path)
+    if (path / "reward_head.safetensors").is_file():
+        raise ValueError(f"{path} holds a reward model in instruct_goose's old format (trunk + reward_head.safetensors), "
+                         "whose head 🤗 cannot read: train it again to save it as a 🤗 sequence classifier")
+    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
+    return cls(str(path), tokenizer=tokenizer, **kwargs)
 
 # %% ../nbs/04_reward.ipynb #5d6aa5e7
 RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
 
 # %% ../nbs/04_reward.ipynb #8c9e8722
+def _as_scores(
+    raw,                     # what a reward function returned
+    name: str,               # the function, for messages
+    n: int,                  # how many completions it scored
+) -> Tensor:                 # float32 scores
+    "A reward function's output as a float32 tensor: a list, tuple, numpy array or tensor of n real numbers, else a clear error."
+    if raw is None: raise TypeError(f"{name} returned None instead of {n} scores")
+    if hasattr(raw, "tolist"): raw = raw.tolist()   # numpy arrays and tensors
+    if not isinstance(raw, (list, tuple)): raise TypeError(f"{name} returned {type(raw).__name__}, not a list of {n} scores")
+    if len(raw) != n: raise ValueError(f"{name} returned {len(raw)} scores for {n} completions")
+    bad = [i for i, x in enumerate(raw) if isinstance(x, bool) or not isinstance(x, Real)]
+    if bad: raise TypeError(f"{name} returned non-numbers at {bad}: {[raw[i] for i in bad][:3]}")
+    return torch.tensor([float(x) for x in raw], dtype=torch.float32)
+
 def score_completions(
     reward: "RewardModel | RewardFunction",  # a reward model with a tokenizer, or f(prompts, completions) -> scores
     prompts: list[str],                      # prompt texts
@@ -113,14 +182,10 @@ def score_completions(
 ) -> Float[Tensor, "batch"]:                 # one finite float32 score per completion
     "Score (prompt, completion) texts with a reward model or a reward function; refuse anything but one finite number each."
     if isinstance(reward, RewardModel):
-        name, scores = f"reward model `{type(reward.backbone).__name__}`", reward.score(prompts, completions).cpu()
+        name, scores = f"reward model `{type(reward.model).__name__}`", reward.score(prompts, completions).cpu()
     else:
-        name, raw = f"reward function `{getattr(reward, '__name__', type(reward).__name__)}`", reward(prompts, completions)
-        raw = raw.tolist() if isinstance(raw, Tensor) else list(raw)
-        if len(raw) != len(completions): raise ValueError(f"{name} returned {len(raw)} scores for {len(completions)} completions")
-        bad = [i for i, x in enumerate(raw) if isinstance(x, bool) or not isinstance(x, (int, float))]
-        if bad: raise TypeError(f"{name} returned non-numbers at {bad}: {[raw[i] for i in bad][:3]}")
-        scores = torch.tensor(raw, dtype=torch.float32)
+        name = f"reward function `{getattr(reward, '__name__', type(reward).__name__)}`"
+        scores = _as_scores(reward(prompts, completions), name, len(completions))
     nonfinite = (~torch.isfinite(scores)).nonzero().flatten().tolist()
     if nonfinite: raise ValueError(f"{name} returned NaN or inf at {nonfinite}")
     return scores
