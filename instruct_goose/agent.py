@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
+from fastcore.basics import patch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
@@ -311,14 +312,14 @@ def create_reference_model(
 # %% ../nbs/03_agent.ipynb #85fa80f9
 class ObjectiveTerms(NamedTuple):
     "InstructGPT's eq. 2 and its three parts (batch means)."
-    objective: Tensor  # reward − β·KL + γ·pretrain: to be maximised
+    objective: Tensor  # reward − β·KL + γ·pretrain: to be maximised; its gradient is eq. 2's policy gradient
     reward: Tensor     # mean r_θ(x, y)
     kl: Tensor         # mean log π_RL(y|x) − log π_SFT(y|x)
     pretrain: Tensor   # mean log-likelihood per token of the pretraining batch (0 without one)
 
 # %% ../nbs/03_agent.ipynb #7863c340
 class AgentObjective(nn.Module):
-    "InstructGPT's eq. 2 on a batch: reward − β·KL(π_RL‖π_SFT) + γ·pretraining log-likelihood (maximise it)."
+    "InstructGPT's eq. 2 on a batch: reward − β·KL(π_RL‖π_SFT) + γ·pretraining log-likelihood (maximise it; its gradient is the policy gradient)."
     def __init__(
         self,
         model: "Agent | PreTrainedModel",  # the RL policy π_RL (an `Agent` or a causal LM)
@@ -337,25 +338,30 @@ class AgentObjective(nn.Module):
         self,
         input_ids: Int[Tensor, "batch seq"],                  # prompt + response token ids
         attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens
-        response_mask: Bool[Tensor, "batch seq"],             # True on the response tokens
+        response_mask: Bool[Tensor, "batch seq"] | None = None,  # True on the response tokens; None: every real token after each row's first
         pretrain_input_ids: Int[Tensor, "pbatch pseq"] | None = None,           # a pretraining batch, if any
         pretrain_attention_mask: Int[Tensor, "pbatch pseq"] | Bool[Tensor, "pbatch pseq"] | None = None,
     ) -> Float[Tensor, ""]:                                   # the objective, to be maximised
         return self.terms(input_ids, attention_mask, response_mask, pretrain_input_ids, pretrain_attention_mask).objective
 
-    def terms(self, input_ids, attention_mask, response_mask, pretrain_input_ids=None,
-              pretrain_attention_mask=None) -> ObjectiveTerms:
-        "The objective and its parts (`ObjectiveTerms`); the arguments are those of `forward`."
-        if bool(response_mask[:, 0].any()):
-            raise ValueError("`response_mask` is True at position 0, but a response needs a prompt before it")
-        logp = masked_sum(token_logprobs(self.model, input_ids, attention_mask), response_mask, dim=1)
-        with torch.no_grad():
-            sft_logp = masked_sum(token_logprobs(self.sft_model, input_ids, attention_mask), response_mask, dim=1)
-            scores = self.reward_model(input_ids, attention_mask).float()
-        kl = logp - sft_logp
-        pretrain = torch.zeros_like(kl[0])
-        if pretrain_input_ids is not None:
-            if pretrain_attention_mask is None: pretrain_attention_mask = torch.ones_like(pretrain_input_ids)
-            pretrain = -lm_nll(self.model, pretrain_input_ids, pretrain_attention_mask)
-        objective = (scores - self.beta * kl).mean() + self.gamma * pretrain
-        return ObjectiveTerms(objective, scores.mean(), kl.mean(), pretrain)
+# %% ../nbs/03_agent.ipynb #754aef92
+@patch
+def terms(self: AgentObjective, input_ids, attention_mask, response_mask=None, pretrain_input_ids=None,
+          pretrain_attention_mask=None) -> ObjectiveTerms:
+    "The objective and its parts (`ObjectiveTerms`); the arguments are those of `forward`."
+    real = attention_mask.bool()
+    if response_mask is None: response_mask = real & F.pad(real[:, :-1], (1, 0))   # real, with a real token before it
+    if bool(response_mask[:, 0].any()):
+        raise ValueError("`response_mask` is True at position 0, but a response needs a prompt before it")
+    logp = masked_sum(token_logprobs(self.model, input_ids, attention_mask), response_mask, dim=1)
+    with torch.no_grad():
+        sft_logp = masked_sum(token_logprobs(self.sft_model, input_ids, attention_mask), response_mask, dim=1)
+        scores = self.reward_model(input_ids, attention_mask).float()
+    kl = logp - sft_logp
+    pretrain = torch.zeros_like(kl[0])
+    if pretrain_input_ids is not None:
+        if pretrain_attention_mask is None: pretrain_attention_mask = torch.ones_like(pretrain_input_ids)
+        pretrain = -lm_nll(self.model, pretrain_input_ids, pretrain_attention_mask)
+    score_function = ((scores - self.beta * kl).detach() * logp).mean()      # value 0 once the detached copy is subtracted
+    objective = (scores - self.beta * kl).mean() + self.gamma * pretrain + score_function - score_function.detach()
+    return ObjectiveTerms(objective, scores.mean(), kl.mean(), pretrain)
