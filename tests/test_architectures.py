@@ -1,0 +1,301 @@
+"""Issue 14: correct on the checkpoints users actually bring.
+
+Every check runs on a tiny model of each family, built from the family's own config class with its own defaults
+(tests/_families.py), saved, and loaded back with `from_pretrained` the way a user's checkpoint arrives: in eval mode,
+with its `generation_config.json` (a chat checkpoint's: sampling on, repetition penalty, top-k/top-p, temperature,
+no-repeat n-grams). The expected numbers need no reference implementation:
+
+- a PPO/RLOO step's first epoch scores the rollout with the very policy that sampled it: ratio 1, variance 0, approx-KL 0;
+- log π_old, as the library computes it, is the log-probability `generate` actually sampled from (its processed scores);
+- left padding and batching change nothing but float error;
+- a reward model scores like the 🤗 classifier it was built from, and what it saves loads back to the same scores,
+  with `RewardModel.from_pretrained` and with plain `AutoModelForSequenceClassification`.
+
+The whole SFT → RM → PPO → RLOO pipeline runs by default for two families (Llama: rotary/GQA, the shape of most
+current checkpoints; OPT: dropout held in float attributes); the others are marked `slow` (run them with `-m ""`).
+"""
+import copy
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from instruct_goose import (Agent, RewardConfig, RewardModel, RewardTrainer, RLHFConfig, RLHFTrainer, RLOOConfig,
+                            RLOOTrainer, SFTConfig, SFTTrainer, create_reference_model, encode_prompts, eval_mode, load_task,
+                            logprobs_from_logits, response_logits, task_tokenizer)
+
+from _families import BY_NAME, CAUSAL, ENCODERS, build_causal, build_classifier
+
+CAUSAL_NAMES = [f.name for f in CAUSAL]
+ENCODER_NAMES = [f.name for f in ENCODERS]
+PIPELINE_BY_DEFAULT = {"llama", "opt"}
+
+
+# ---------------------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def tokenizer(): return task_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer):
+    "checkpoint(kind, family) -> the directory of that tiny model, saved once per module with its tokenizer."
+    @functools.cache
+    def save(kind, name):
+        family = BY_NAME[name]
+        model = build_causal(family, tokenizer) if kind == "causal" else build_classifier(family, tokenizer)
+        path = tmp_path_factory.mktemp(f"{kind}-{name}")
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return path
+    return save
+
+
+@pytest.fixture
+def causal(checkpoint):
+    "causal(family) -> a fresh copy of the family's causal LM, loaded as a user's checkpoint is."
+    return lambda name: AutoModelForCausalLM.from_pretrained(checkpoint("causal", name))
+
+
+def length_reward(prompts, completions): return [len(c) / 10 for c in completions]
+
+
+def on_policy(tmp_path, **more):
+    "One rollout of 4 responses, one PPO epoch, one minibatch: the update's forward pass is the rollout's, repeated."
+    return dict(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=4, response_length=8,
+                max_prompt_length=32, num_ppo_epochs=1, num_mini_batches=1, disable_tqdm=True, num_sample_generations=0,
+                **more)
+
+
+PROMPTS = ["Review: The editing in this western", "Review: a", "Review: The picture we saw on sunday at the old cinema",
+           "Review: This second feature"]
+
+
+# ------------------------------------------------------------------------------ 1. the first-epoch ratio is exactly 1
+
+def assert_first_epoch_is_on_policy(row):
+    "The first epoch of the first step: π_θ = π_old, so the ratio is 1 (to float error), its variance and the approx KL 0."
+    assert row["val/ratio"] == pytest.approx(1.0, abs=1e-6), row
+    assert row["val/ratio_var"] == pytest.approx(0.0, abs=1e-10), row
+    assert row["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-10), row
+
+
+@pytest.mark.parametrize("family", CAUSAL_NAMES)
+def test_ppo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
+    agent = Agent(causal(family))
+    trainer = RLHFTrainer(agent, create_reference_model(agent), RLHFConfig(**on_policy(tmp_path)), tokenizer=tokenizer,
+                          reward_model=length_reward, train_dataset=load_task("prompts"))
+    trainer.train()
+    assert_first_epoch_is_on_policy(trainer.loop.state.history[0])
+
+
+@pytest.mark.parametrize("family", CAUSAL_NAMES)
+def test_rloo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
+    policy = causal(family)
+    trainer = RLOOTrainer(RLOOConfig(rloo_k=2, **on_policy(tmp_path)), tokenizer, policy, create_reference_model(policy),
+                          length_reward, load_task("prompts"))
+    trainer.train()
+    assert_first_epoch_is_on_policy(trainer.loop.state.history[0])
+
+
+# ---------------------------------------------------------------- 2. what is sampled is what is scored (log π_old)
+
+def capture_generate_scores(model) -> list:
+    "Make `model.generate` also keep its processed scores (the distribution each token was drawn from); returns the list they go to."
+    captured, generate = [], model.generate
+    def generate_and_keep_scores(*args, generation_config, **kwargs):
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.output_scores = generation_config.return_dict_in_generate = True
+        out = generate(*args, generation_config=generation_config, **kwargs)
+        captured.append(torch.stack(out.scores, 1))          # (batch, steps, vocab), after every logits processor
+        return out.sequences
+    model.generate = generate_and_keep_scores
+    return captured
+
+
+@pytest.mark.parametrize("family", CAUSAL_NAMES)
+def test_sampled_distribution_is_the_scored_one(family, causal, tokenizer):
+    "log softmax of `generate`'s processed scores at each sampled token = `Agent.response_stats` log π_old (T = 1, the default)."
+    agent = Agent(causal(family))
+    captured = capture_generate_scores(agent.model)
+    q, m = encode_prompts(tokenizer, PROMPTS)
+    torch.manual_seed(0)
+    r, rm = agent.generate(q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, temperature=1.0)
+    scores = captured[0].float()
+    steps = scores.shape[1]
+    sampled = F.log_softmax(scores, -1).gather(-1, r[:, :steps, None]).squeeze(-1)
+    ours = agent.response_stats(q, m, r, rm, temperature=1.0, entropy="skip").logprobs[:, :steps]
+    real = rm[:, :steps]
+    assert real.any()
+    gap = (sampled - ours).abs()[real].max().item()
+    assert gap <= 1e-4, (f"{family}: generate sampled from a distribution {gap:.3g} nats away from the one the library "
+                         f"scores (generation_config: {agent.model.generation_config.to_diff_dict()})")
+
+
+# ------------------------------------------------------------------------ 3. left padding and batching change nothing
+
+@pytest.mark.parametrize("family", CAUSAL_NAMES)
+def test_response_logprobs_do_not_depend_on_padding(family, causal, tokenizer):
+    "Each row of a left-padded batch of prompts (responses right-padded) gets the log-probs and values it gets alone."
+    agent = Agent(causal(family))
+    q, m = encode_prompts(tokenizer, PROMPTS)
+    lengths = [7, 3, 5, 1]
+    gen = torch.Generator().manual_seed(0)
+    r = torch.randint(3, len(tokenizer), (len(PROMPTS), max(lengths)), generator=gen)  # no pad/eos/unk ids
+    rm = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    r = r.masked_fill(~rm, tokenizer.pad_token_id)
+    batch = agent.response_stats(q, m, r, rm, entropy="skip")
+    for i, n in enumerate(lengths):
+        qi, mi = encode_prompts(tokenizer, PROMPTS[i:i + 1])
+        alone = agent.response_stats(qi, mi, r[i:i + 1, :n], rm[i:i + 1, :n], entropy="skip")
+        torch.testing.assert_close(batch.logprobs[i, :n], alone.logprobs[0], atol=1e-5, rtol=0, msg=f"{family} row {i} log-probs")
+        torch.testing.assert_close(batch.values[i, :n], alone.values[0], atol=1e-5, rtol=0, msg=f"{family} row {i} values")
+
+
+# ----------------------------------------------------------------------- 4. the whole pipeline on a tiny model
+
+def assert_finite_history(trainer, stage):
+    history = trainer.loop.state.history
+    assert history, f"{stage} logged nothing"
+    bad = {k: v for row in history for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+    assert not bad, f"{stage}: non-finite metrics {bad}"
+
+
+def assert_reloads_as_causal_lm(trained, path, tokenizer):
+    "The policy a trainer saved loads with plain `AutoModelForCausalLM` to the trained model's log-probabilities."
+    q, m = encode_prompts(tokenizer, PROMPTS)
+    r = torch.randint(3, len(tokenizer), (len(PROMPTS), 5), generator=torch.Generator().manual_seed(1))
+    rm = torch.ones_like(r, dtype=torch.bool)
+    reloaded = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad(), eval_mode(trained):
+        ours, theirs = (response_logits(model, q, m, r, rm)[0] for model in (trained, reloaded))
+    torch.testing.assert_close(logprobs_from_logits(theirs, r), logprobs_from_logits(ours, r), atol=1e-5, rtol=0)
+
+
+def pipeline_params():
+    return [name if name in PIPELINE_BY_DEFAULT else pytest.param(name, marks=pytest.mark.slow) for name in CAUSAL_NAMES]
+
+
+@pytest.mark.parametrize("family", pipeline_params())
+def test_pipeline_sft_rm_ppo_rloo(family, causal, tokenizer, tmp_path):
+    "SFT → reward model (from the SFT checkpoint, as InstructGPT) → PPO → RLOO, two steps each: finite, reference untouched."
+    stage = dict(max_steps=2, per_device_train_batch_size=4, max_length=64, disable_tqdm=True)
+    sft = SFTTrainer(causal(family), tokenizer, SFTConfig(output_dir=str(tmp_path / "sft"), **stage), load_task("sft"))
+    sft.train()
+    assert_finite_history(sft, "SFT")
+
+    reward_model = RewardModel(str(tmp_path / "sft"), tokenizer=tokenizer)
+    rm = RewardTrainer(reward_model, RewardConfig(output_dir=str(tmp_path / "rm"), **stage), load_task("preferences"))
+    rm.train()
+    assert_finite_history(rm, "reward model")
+
+    rl = dict(per_device_train_batch_size=4, total_episodes=8, response_length=8, max_prompt_length=32, disable_tqdm=True,
+              num_sample_generations=0, learning_rate=1e-3)
+    agent = Agent(AutoModelForCausalLM.from_pretrained(tmp_path / "sft"))
+    reference = create_reference_model(agent)
+    before = {k: v.clone() for k, v in reference.state_dict().items()}
+    ppo = RLHFTrainer(agent, reference, RLHFConfig(output_dir=str(tmp_path / "ppo"), num_ppo_epochs=2, **rl),
+                      tokenizer=tokenizer, reward_model=rm.reward_model, train_dataset=load_task("prompts"))
+    ppo.train()
+    assert len(ppo.loop.state.history) == 2
+    assert_finite_history(ppo, "PPO")
+    assert all(torch.equal(before[k], v) for k, v in ppo.ref_model.state_dict().items()), "PPO changed the reference model"
+    assert not any(p.requires_grad for p in ppo.ref_model.parameters())
+    assert ppo.loop.state.history[-1]["objective/kl"] != 0.0                   # the policy did move
+    assert_reloads_as_causal_lm(ppo.model.model, tmp_path / "ppo", tokenizer)
+
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+    rloo = RLOOTrainer(RLOOConfig(output_dir=str(tmp_path / "rloo"), rloo_k=2, num_ppo_epochs=2, **rl), tokenizer, policy,
+                       create_reference_model(policy), rm.reward_model, load_task("prompts"))
+    rloo.train()
+    assert len(rloo.loop.state.history) == 2
+    assert_finite_history(rloo, "RLOO")
+    assert_reloads_as_causal_lm(rloo.model, tmp_path / "rloo", tokenizer)
+
+
+# ------------------------------------------------------------- 5. reward models: the checkpoint's head, save → reload
+
+def reward_texts():
+    rows = load_task("preferences")[:6]
+    return rows["prompt"], [c if i % 2 else r for i, (c, r) in enumerate(zip(rows["chosen"], rows["rejected"]))]
+
+
+def hf_scores(model, reward_model, texts):
+    "The 🤗 classifier's own logits on `texts`, tokenized as the reward model tokenizes them (padded on the right)."
+    ids, mask = reward_model.encode(texts)
+    with torch.no_grad(): return model.eval()(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
+
+
+ALL_REWARD_BACKBONES = CAUSAL_NAMES + ENCODER_NAMES
+
+
+@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+def test_reward_model_keeps_the_checkpoint_head(family, checkpoint, tokenizer):
+    "RewardModel(path of a 1-label XForSequenceClassification) scores exactly as that classifier does."
+    path = checkpoint("classifier", family)
+    reward_model = RewardModel(str(path), tokenizer=tokenizer)
+    prompts, completions = reward_texts()
+    texts = [p + c for p, c in zip(prompts, completions)]
+    theirs = hf_scores(AutoModelForSequenceClassification.from_pretrained(path), reward_model, texts)
+    torch.testing.assert_close(reward_model.score(prompts, completions), theirs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+def test_reward_model_reloads_as_reward_model(family, checkpoint, tokenizer, tmp_path):
+    reward_model = RewardModel(str(checkpoint("classifier", family)), tokenizer=tokenizer)
+    prompts, completions = reward_texts()
+    reward_model.save_pretrained(tmp_path)
+    torch.testing.assert_close(RewardModel.from_pretrained(tmp_path).score(prompts, completions),
+                               reward_model.score(prompts, completions), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+def test_reward_model_reloads_as_plain_transformers_classifier(family, checkpoint, tokenizer, tmp_path):
+    "What `RewardModel.save_pretrained` writes is a 🤗 sequence classifier giving the reward model's scores."
+    reward_model = RewardModel(str(checkpoint("classifier", family)), tokenizer=tokenizer)
+    prompts, completions = reward_texts()
+    reward_model.save_pretrained(tmp_path)
+    plain = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    theirs = hf_scores(plain, reward_model, [p + c for p, c in zip(prompts, completions)])
+    torch.testing.assert_close(theirs, reward_model.score(prompts, completions), atol=1e-5, rtol=0)
+
+
+def hf_head_has_bias(path) -> bool:
+    "Whether the 🤗 classifier's output layer (the last 1-output Linear) has a bias: every causal family's `score` has none."
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
+    return head.bias is not None
+
+
+@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+def test_reward_model_normalize(family, checkpoint, tokenizer):
+    """`normalize_` on the reference set's own scores gives them std 1 whatever the head, and mean 0 where the head has a bias.
+
+    A 🤗 causal `XForSequenceClassification` has a bias-less `score` Linear, so a shift cannot be saved in a form plain
+    🤗 reloads to the same numbers (test_normalized_reward_model_reloads_as_plain_transformers_classifier); there the
+    head is only scaled: the scores are `before / std`, their mean kept (a constant in the score does not change RLOO's
+    leave-one-out advantages, and PPO's value function absorbs it)."""
+    path = checkpoint("classifier", family)
+    reward_model = RewardModel(str(path), tokenizer=tokenizer)
+    prompts, completions = reward_texts()
+    before = reward_model.score(prompts, completions)
+    reward_model.normalize_(before)
+    after = reward_model.score(prompts, completions)
+    assert after.std().item() == pytest.approx(1.0, abs=1e-5)
+    expected = (before - before.mean()) / before.std() if hf_head_has_bias(path) else before / before.std()
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+def test_normalized_reward_model_reloads_as_plain_transformers_classifier(family, checkpoint, tokenizer, tmp_path):
+    "After `normalize_` (what `RewardTrainer` does by default) the saved model still loads in 🤗 to the normalised scores."
+    reward_model = RewardModel(str(checkpoint("classifier", family)), tokenizer=tokenizer)
+    prompts, completions = reward_texts()
+    reward_model.normalize_(reward_model.score(prompts, completions))
+    reward_model.save_pretrained(tmp_path)
+    plain = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    theirs = hf_scores(plain, reward_model, [p + c for p, c in zip(prompts, completions)])
+    torch.testing.assert_close(theirs, reward_model.score(prompts, completions), atol=1e-5, rtol=0)
