@@ -114,7 +114,8 @@ def encode_sft(
     eos = tokenizer.eos_token_id
     heads = [[] for _ in completions] if prompts is None else tokenizer(prompts, add_special_tokens=False).input_ids
     tails = [t + [eos] for t in tokenizer(completions, add_special_tokens=False).input_ids]
-    if prompts is None: heads, tails = [t[:1] for t in tails], [t[1:] for t in tails]  # the first token is predicted by nothing
+    # the first token of a row is predicted by nothing: with no prompt (plain text, or an empty one) it is the context
+    heads, tails = zip(*[(h, t) if h else (t[:1], t[1:]) for h, t in zip(heads, tails)])
     rows = [(h + t)[:max_length] for h, t in zip(heads, tails)]
     ids, mask = pad_rows(rows, _pad_token_id(tokenizer), "right")
     loss_mask = torch.zeros_like(mask, dtype=torch.bool)
