@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['train_tokenizer', 'tiny_causal_lm', 'pad_rows', 'encode_prompts', 'encode_texts', 'encode_sft', 'as_dataset',
-           'task_path', 'load_task', 'task_tokenizer', 'gold_score']
+           'read_dataset', 'task_path', 'load_task', 'task_tokenizer', 'gold_score']
 
 # %% ../nbs/02_data.ipynb #a71e1854
 import functools
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from datasets import Dataset, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
@@ -132,8 +132,40 @@ def as_dataset(
     if isinstance(data, list): data = Dataset.from_list(data) if data else None
     if data is None or len(data) == 0: raise ValueError(f"`{name}` is empty")
     if not any(set(cols) <= set(data.column_names) for cols in columns):
-        raise ValueError(f"`{name}` needs the columns {' or '.join(map(str, columns))}; it has {data.column_names}")
+        chat = " (chat-shaped rows: render them to text first, e.g. with the tokenizer's chat template)" if "messages" in data.column_names else ""
+        raise ValueError(f"`{name}` needs the columns {' or '.join(map(str, columns))}; it has {data.column_names}{chat}")
     return data
+
+# %% ../nbs/02_data.ipynb #b544bbcf
+_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+def _read_source(source: str, split: str) -> Dataset:
+    path = Path(source).expanduser()
+    if path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+        data = load_from_disk(str(path))
+        if isinstance(data, DatasetDict):
+            if split not in data: raise ValueError(f"{source!r} has the splits {list(data)}, not {split!r}")
+            data = data[split]
+        return data
+    if path.is_file() and path.suffix.lower() in _FORMATS:
+        return load_dataset(_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+    if path.suffix.lower() in _FORMATS or source.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"{source!r} does not exist")
+    try: return load_dataset(source, split=split)   # a folder of data files, or a 🤗 Hub name
+    except Exception as e:
+        raise FileNotFoundError(f"{source!r} is no local .json/.jsonl/.csv/.parquet file or saved dataset, and loading it "
+                                f"by name failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+def read_dataset(
+    source: str,                             # a .json/.jsonl/.csv/.parquet file, a `save_to_disk` folder, or a 🤗 Hub name
+    split: str = "train",                    # the split of a Hub dataset or a saved `DatasetDict`
+    columns: dict[str, str] | None = None,   # columns to rename, {old: new}, e.g. {"question": "prompt"}
+) -> Dataset:                                # the rows, columns renamed
+    "A 🤗 `Dataset` from a local file or folder or the Hub, columns renamed; a missing path or column is an error naming it."
+    data = _read_source(source, split)
+    missing = sorted(set(columns or {}) - set(data.column_names))
+    if missing: raise ValueError(f"{source!r} has no column {', '.join(map(repr, missing))} to rename (it has {data.column_names})")
+    return data.rename_columns(columns) if columns else data
 
 # %% ../nbs/02_data.ipynb #c5bbaca0
 _TASK_FILES = ("sft", "preferences", "prompts", "pretrain")
