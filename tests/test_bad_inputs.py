@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from instruct_goose import (Agent, PPOLoss, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, RewardModel, ShapeError,
+from instruct_goose import (Agent, PPOLoss, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, RewardConfig, RewardModel,
+                            RewardTrainer, SFTConfig, SFTTrainer, ShapeError,
                             TrainLoop, TrainingConfig, compute_gae, compute_rewards, create_reference_model,
                             encode_prompts, masked_mean, rloo_advantages, score_completions, train_tokenizer,
                             tiny_causal_lm)
@@ -64,8 +65,8 @@ def test_reward_function_returning_booleans_is_refused():
 
 def test_nan_score_from_reward_model(tokenizer):
     reward_model = RewardModel(tiny_causal_lm(tokenizer, seed=2), tokenizer=tokenizer)
-    with torch.no_grad(): reward_model.head.bias.fill_(float("nan"))
-    with pytest.raises(ValueError, match=r"reward model `GPT2Model` returned NaN or inf at \[0\]"):
+    with torch.no_grad(): reward_model.head.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"reward model `GPT2ForSequenceClassification` returned NaN or inf at \[0\]"):
         score_completions(reward_model, ["the goose"], [" says honk"])
 
 
@@ -210,16 +211,80 @@ def test_ppo_loss_entropy_required():
 # --- checkpoints and output -------------------------------------------------------------------------------------
 
 def test_resume_from_nothing(tmp_path):
-    loop = TrainLoop(TrainingConfig(output_dir=str(tmp_path), resume_from_checkpoint=str(tmp_path / "checkpoint-7")))
     with pytest.raises(ValueError, match="`resume_from_checkpoint`=.*checkpoint-7' names no checkpoint"):
-        loop.maybe_resume()
+        TrainLoop(TrainingConfig(output_dir=str(tmp_path), resume_from_checkpoint=str(tmp_path / "checkpoint-7")))
 
 
 def test_resume_from_an_incompatible_checkpoint(model, tokenizer, tmp_path):
     ppo_trainer(model, tokenizer, tmp_path).train()
     other = ppo_trainer(model, tokenizer, tmp_path, resume_from_checkpoint="latest", cliprange=0.3)
-    with pytest.raises(ValueError, match="different config .*cliprange: checkpoint 0.2, now 0.3"):
+    with pytest.raises(ValueError, match="change what its steps meant .*cliprange: checkpoint 0.2, now 0.3"):
         other.train()
+
+
+def test_resume_may_extend_the_run(model, tokenizer, tmp_path):
+    ppo_trainer(model, tokenizer, tmp_path, save_steps=1).train()
+    longer = ppo_trainer(model, tokenizer, tmp_path, resume_from_checkpoint="latest", total_episodes=8)
+    longer.train()
+    assert [row["step"] for row in longer.loop.state.history] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "ppo").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_new_run_into_a_directory_with_checkpoints(model, tokenizer, tmp_path):
+    ppo_trainer(model, tokenizer, tmp_path).train()
+    with pytest.raises(ValueError, match="holds another run's checkpoints \\(checkpoint-1\\): resume it with "
+                                         "resume_from_checkpoint='latest', or set overwrite_output_dir=True"):
+        ppo_trainer(model, tokenizer, tmp_path).train()
+    assert (tmp_path / "ppo" / "checkpoint-1").is_dir()                  # nothing deleted
+    ppo_trainer(model, tokenizer, tmp_path, overwrite_output_dir=True).train()
+
+
+def test_model_only_checkpoints_are_small_and_not_resumable(model, tokenizer, tmp_path):
+    ppo_trainer(model, tokenizer, tmp_path, save_only_model=True, save_total_limit=1, total_episodes=8, save_steps=1).train()
+    (checkpoint,) = (tmp_path / "ppo").glob("checkpoint-*")
+    assert checkpoint.name == "checkpoint-2" and not list(checkpoint.glob("optimizer*"))
+    with pytest.raises(ValueError, match="holds the model only"):
+        ppo_trainer(model, tokenizer, tmp_path, resume_from_checkpoint="latest").train()
+
+
+def test_tracker_not_installed_is_refused_when_configured():
+    with pytest.raises(ValueError, match="`report_to`='swanlab', but swanlab is not installed"):
+        RLHFConfig(report_to="swanlab")
+
+
+def test_numbers_given_as_text():
+    config = RLHFConfig(learning_rate="1e-3", total_episodes="64", missing_eos_penalty="1")
+    assert (config.learning_rate, config.total_episodes, config.missing_eos_penalty) == (0.001, 64, 1.0)
+    with pytest.raises(ValueError, match="`kl_coef` must be a number, got 'high'"):
+        RLHFConfig(kl_coef="high")
+
+
+def test_sft_prompt_filling_max_length_is_reported_not_trained(model, tokenizer, tmp_path):
+    rows = [{"prompt": "honk " * 40, "completion": " a"}] + [{"prompt": "the goose", "completion": " says honk"}] * 4
+    with pytest.warns(UserWarning, match="1 of 5 prompts fill max_length \\(16\\) tokens"):
+        trainer = SFTTrainer(copy.deepcopy(model), tokenizer, SFTConfig(output_dir=str(tmp_path), max_length=16), rows)
+    assert len(trainer.train_dataset) == 4
+
+
+def test_sft_max_length_beyond_the_context_is_cut(model, tokenizer, tmp_path):
+    with pytest.warns(UserWarning, match="`max_length` \\(256\\) is longer than the model's context \\(64 tokens\\)"):
+        trainer = SFTTrainer(copy.deepcopy(model), tokenizer, SFTConfig(output_dir=str(tmp_path), max_length=256),
+                             [{"text": "honk " * 100}] * 2)
+    ids, _, _ = trainer.encode(trainer.train_dataset[:2])[0]
+    assert ids.shape[1] == 64
+
+
+def test_reward_training_max_length_beyond_the_context_is_cut(model, tokenizer, tmp_path):
+    pairs = [{"prompt": "honk " * 100, "chosen": " good", "rejected": " bad"}, {"prompt": "a", "chosen": " good", "rejected": " bad"}]
+    with pytest.warns(UserWarning, match="is longer than the model's context \\(64 tokens\\)"):
+        trainer = RewardTrainer(RewardModel(copy.deepcopy(model), tokenizer=tokenizer), RewardConfig(output_dir=str(tmp_path)), pairs)
+    assert len(trainer.train_dataset) == 1 and trainer.max_length == 64   # the pair whose prompt fills 64 tokens is left out
+
+
+def test_evaluate_returns_numbers(model, tokenizer, tmp_path):
+    rows = [{"prompt": "the goose", "completion": " says honk"}] * 2
+    trainer = SFTTrainer(copy.deepcopy(model), tokenizer, SFTConfig(output_dir=str(tmp_path), max_length=32), rows, rows)
+    assert type(trainer.evaluate()["eval/loss"]) is float
 
 
 def test_unwritable_output_dir_fails_before_training(model, tokenizer, tmp_path):
