@@ -44,12 +44,15 @@ test: check-export
 demo: $(STAMP)
 	$(BIN)/goose pipeline --output_dir runs/demo
 
-# The documentation site, built without Quarto (tools/docs.py: nbdev's processed notebooks -> MkDocs -> _site/,
+# The documentation site, built without Quarto (tools/docs.py: nbdev's processors run every notebook -> MkDocs -> _site/,
 # KaTeX from npm bundled so it works offline), then checked page by page in Debian's headless Chromium.
+# Executed notebooks are cached in build/docs-cache/ by a hash of the notebook and the library, so a rebuild runs only
+# what changed (cold: every chapter and tutorial, several minutes on 2 cores). DOCS_ARGS=--no-execute skips running them.
 .PHONY: docs docs-check
+docs: export OMP_NUM_THREADS := 1
 docs: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[docs]"
-	$(BIN)/python tools/docs.py
+	$(BIN)/python tools/docs.py $(DOCS_ARGS)
 
 docs-check: docs
 	@command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)

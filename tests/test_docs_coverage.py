@@ -1,4 +1,4 @@
-"Every public name of every module is documented with `show_doc` in some notebook."
+"Every public name of every module is documented with `show_doc` in exactly one notebook cell (docs_check.py checks the built site)."
 import importlib
 import json
 import re
@@ -12,12 +12,18 @@ NBS = Path(__file__).resolve().parents[1] / "nbs"
 SHOW_DOC = re.compile(r"^show_doc\(([\w.]+)", re.MULTILINE)
 
 
-def documented() -> set[str]:
-    names = set()
-    for path in NBS.glob("*.ipynb"):
+def show_doc_cells() -> dict[str, list[str]]:
+    "{name: [notebook, ...]}, one entry per show_doc(name) call in the notebooks."
+    where = {}
+    for path in sorted(NBS.glob("*.ipynb")):
         for cell in json.loads(path.read_text())["cells"]:
-            if cell["cell_type"] == "code": names.update(SHOW_DOC.findall("".join(cell["source"])))
-    return names
+            if cell["cell_type"] == "code":
+                for name in SHOW_DOC.findall("".join(cell["source"])): where.setdefault(name, []).append(path.name)
+    return where
+
+
+def documented() -> set[str]:
+    return set(show_doc_cells())
 
 
 def public_modules():
@@ -29,6 +35,13 @@ def test_every_public_name_has_show_doc(module):
     names = importlib.import_module(f"instruct_goose.{module}").__all__
     missing = sorted(set(names) - documented())
     assert not missing, f"instruct_goose.{module}: no show_doc(...) cell for {missing}"
+
+
+@pytest.mark.parametrize("module", public_modules())
+def test_no_public_name_is_documented_twice(module):
+    where = show_doc_cells()
+    twice = {n: where[n] for n in importlib.import_module(f"instruct_goose.{module}").__all__ if len(where.get(n, [])) > 1}
+    assert not twice, f"instruct_goose.{module}: documented more than once (one API entry per name): {twice}"
 
 
 def test_package_exports_every_module():

@@ -170,30 +170,30 @@ def notebook_key(path: Path) -> str:
     "The cache key of a notebook's executed outputs: its bytes, the library's source, and the executor's version."
     h = hashlib.sha256(f"{EXEC_VERSION}\n".encode())
     for f in [path] + sorted((ROOT / settings()["lib_path"]).rglob("*.py")):
-        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+        h.update(str(f.relative_to(ROOT) if f.is_relative_to(ROOT) else f.name).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
-def run_notebooks(names: list[str], workers: int, execute: bool = True) -> dict[str, dict]:
-    """Each notebook executed and processed, from the cache when its key is there: {name: {"path", "seconds",
-    "cached", "error"}}. Up to `workers` notebooks run at once, each in its own Python process."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = BUILD / "proc"
+def run_notebooks(names: list[str], workers: int, execute: bool = True, nbs: Path = ROOT / "nbs", cache: Path = CACHE,
+                  tmp: Path = BUILD / "proc") -> dict[str, dict]:
+    """Each notebook of `nbs` executed and processed, from the cache when its key is there: {name: {"path",
+    "seconds", "cached", "error"}}. Up to `workers` notebooks run at once, each in its own Python process."""
+    cache.mkdir(parents=True, exist_ok=True)
     if tmp.exists(): shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     results, todo, running = {}, [], []
     for name in names:
-        key = f"{name}-{notebook_key(ROOT / 'nbs' / f'{name}.ipynb')}" if execute else None
-        cached = CACHE / f"{key}.ipynb" if key else None
+        key = f"{name}-{notebook_key(nbs / f'{name}.ipynb')}" if execute else None
+        cached = cache / f"{key}.ipynb" if key else None
         if cached and cached.exists():
             results[name] = {"path": cached, "cached": True, **json.loads(cached.read_text(encoding="utf-8"))["metadata"]["docs"]}
         else: todo.append((name, key))
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}   # as `make test` runs them
     while todo or running:
         while todo and len(running) < workers:
             name, key = todo.pop(0)
             out, log = tmp / f"{name}.ipynb", tmp / f"{name}.log"
-            cmd = [sys.executable, __file__, "--process", str(ROOT / "nbs" / f"{name}.ipynb"), str(out)]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--process", str(nbs / f"{name}.ipynb"), str(out)]
             if not execute: cmd.append("--no-execute")
             with open(log, "w") as f: proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
             running.append((name, key, out, log, proc, time.perf_counter()))
@@ -215,8 +215,8 @@ def run_notebooks(names: list[str], workers: int, execute: bool = True) -> dict[
             if not info["error"] and key:
                 nb = json.loads(out.read_text(encoding="utf-8"))
                 nb["metadata"]["docs"] = info
-                for old in CACHE.glob(f"{name}-*.ipynb"): old.unlink()
-                (CACHE / f"{key}.ipynb").write_text(json.dumps(nb), encoding="utf-8")
+                for old in cache.glob(f"{name}-*.ipynb"): old.unlink()
+                (cache / f"{key}.ipynb").write_text(json.dumps(nb), encoding="utf-8")
             state = "FAILED" if info["error"] else "ran"
             print(f"docs: {name}.ipynb {state} in {seconds:.1f} s", flush=True)
     return results
@@ -278,17 +278,20 @@ def unique_ids(md: str) -> str:
 
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+PROGRESS = re.compile(r"\d+%\|.*\|\s*\d+/\d+\s*\[")              # a tqdm bar: `Filter: 100%|####| 550/550 [00:00<...]`
 
 
 def plain_text(text: str) -> str:
-    "Terminal text as a page shows it: no colour codes, and a line rewritten with `\r` (a progress bar) only as it ended."
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in ANSI.sub("", text).rstrip().split("\n"))
+    "Terminal text as a page shows it: no colour codes, a line rewritten with `\r` only as it ended, no progress bars."
+    lines = (line.rsplit("\r", 1)[-1] for line in ANSI.sub("", text).rstrip().split("\n"))
+    return "\n".join(line for line in lines if not PROGRESS.search(line)).strip("\n")
 
 
 def text_block(text: str, kind: str = "output") -> str:
     "An output as a fenced text block with class `cell-output` (or `cell-stderr`), told apart from the code above it."
+    if not (text := plain_text(text)): return ""
     fence = "`" * max(3, max((len(m) for m in re.findall(r"`{3,}", text)), default=0) + 1)
-    return f"{fence}{{ .text .cell-{kind} }}\n{plain_text(text)}\n{fence}"
+    return f"{fence}{{ .text .cell-{kind} }}\n{text}\n{fence}"
 
 
 def output_markdown(output: dict, pages: set[str], url: str, images: dict | None = None, stem: str = "page") -> str:
@@ -501,7 +504,8 @@ def build(workers: int = 2, execute: bool = True):
     failed = {nb: r["error"] for nb, r in results.items() if r.get("error")}
     for nb, err in failed.items():
         where = f"cell {err['cell']}" if err.get("cell") is not None else "processing"
-        print(f"\ndocs: {nb}.ipynb failed in {where}: {err['error'][:3000]}" + (f"\n--- the cell:\n{err['source']}" if err.get("source") else ""))
+        source = "".join(err.get("source") or "")
+        print(f"\ndocs: {nb}.ipynb failed in {where}: {err['error'][:3000]}" + (f"\n--- the cell:\n{source}" if source else ""))
     if failed: sys.exit(f"docs: {len(failed)} notebook(s) failed: {', '.join(failed)} (the site is built; their pages show the error)")
 
 
