@@ -16,7 +16,7 @@ from .agent import disable_dropout, response_logits
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
-from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows, _trim_left_padding
+from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows, _trim_left_padding, frozen_reference
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
@@ -59,12 +59,13 @@ class RLOOTrainer(OnPolicyTrainer):
         config: RLOOConfig,                  # hyper-parameters
         tokenizer,                           # the policy's tokenizer
         policy: PreTrainedModel,             # the causal LM to train (no value head)
-        ref_policy: PreTrainedModel,         # π_ref, the SFT model (frozen here)
+        ref_policy: PreTrainedModel | None,  # π_ref, the SFT model (frozen here); None: a frozen copy of the policy (LoRA: its adapter-off base)
         reward_model,                        # a `RewardModel` with its tokenizer, or f(prompts, completions) -> scores
         train_dataset,                       # prompts: a Dataset or list of dicts with a "prompt" column
     ):
         super().__init__(config, tokenizer, reward_model, train_dataset)
-        self.model, self.ref_model = disable_dropout(policy), ref_policy.eval().requires_grad_(False)
+        self.model = disable_dropout(policy)
+        self.ref_model = frozen_reference(self.model, ref_policy)
         self.samples_per_prompt = config.rloo_k
 
     @torch.no_grad()
@@ -75,8 +76,9 @@ class RLOOTrainer(OnPolicyTrainer):
         if c.normalize_reward: scores = self.whiten(scores, every(scores))       # over all processes' rows
         if c.reward_clip_range is not None: scores = scores.clamp(-c.reward_clip_range, c.reward_clip_range)
         rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, mask, c.kl_coef, c.kl_estimator)
+        if c.whiten_rewards and c.token_level_kl: rewards = self.whiten(rewards, mask, shift_mean=False)  # per token, as PPO
         rlhf_reward = rewards.sum(1)
-        if c.whiten_rewards: rlhf_reward = self.whiten(rlhf_reward, every(rlhf_reward), shift_mean=False)
+        if c.whiten_rewards and not c.token_level_kl: rlhf_reward = self.whiten(rlhf_reward, every(rlhf_reward), shift_mean=False)
         advantages = rloo_advantages(rlhf_reward, c.rloo_k)
         if c.token_level_kl:
             returns_to_go, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
@@ -135,18 +137,21 @@ class RLOOTrainer(OnPolicyTrainer):
         policy.train()                               # dropout is off; train mode lets gradient checkpointing work
         for epoch in range(c.num_ppo_epochs):
             for micro_batches in self.minibatches(len(rollout)):
-                for rows in micro_batches:
+                counts = [rollout.response_mask[rows].sum() if c.token_level_kl else torch.tensor(len(rows)) for rows in micro_batches]
+                weights = self.token_weights(counts, loop)     # a mean over the minibatch's tokens (sequences), however it is cut
+                for i, rows in enumerate(micro_batches):
                     part = rollout[rows]
                     with loop.accelerator.autocast():
                         logits, _ = response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids,
                                                     part.response_mask)
-                        loss = self.loss(part, logits)
+                        loss = self.loss(part, logits) * weights[i]
                     loop.backward(loss)
-                    for k, v in self.stats.items(): sums[k] = sums.get(k, 0) + v
+                    stats = {k: v * weights[i] for k, v in self.stats.items()}
+                    for k, v in stats.items(): sums[k] = sums.get(k, 0) + v
                     count += 1
                 loop.average_gradients(policy)      # the policy is called through `response_logits`, not DDP's forward
-                loop.optimizer_step(policy, self.stats)
-        return {k: v / count for k, v in sums.items()}
+                grad_norm = loop.optimizer_step(policy, stats)
+        return {**{k: v / count for k, v in sums.items()}, "grad_norm": grad_norm}
 
     def rollout_stats(self, rollout: RLOORollout) -> dict:
         "The rollout's objective statistics under TRL's RLOO names."
