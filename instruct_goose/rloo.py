@@ -16,7 +16,7 @@ from .agent import disable_dropout, response_logits
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
-from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows, _trim_left_padding, frozen_reference
+from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows, _micro_batch_weights, _trim_left_padding, frozen_reference
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
@@ -138,7 +138,7 @@ class RLOOTrainer(OnPolicyTrainer):
         for epoch in range(c.num_ppo_epochs):
             for micro_batches in self.minibatches(len(rollout)):
                 counts = [rollout.response_mask[rows].sum() if c.token_level_kl else torch.tensor(len(rows)) for rows in micro_batches]
-                weights = self.token_weights(counts, loop)     # a mean over the minibatch's tokens (sequences), however it is cut
+                weights = _micro_batch_weights(counts, loop)   # a mean over the minibatch's tokens (sequences), however it is cut
                 for i, rows in enumerate(micro_batches):
                     part = rollout[rows]
                     with loop.accelerator.autocast():

@@ -142,6 +142,14 @@ def frozen_reference(
                          "pass ref_model=None (a frozen copy is made) or create_reference_model(model)")
     return ref_model.eval().requires_grad_(False)
 
+def _micro_batch_weights(
+    counts: list[Tensor],    # real tokens (or sequences) in each micro-batch of this process's minibatch
+    loop: TrainLoop,         # the loop: `loss_scale` = G·P/N over all micro-batches and processes
+) -> list[Tensor]:           # n_i·G·P/N: times a micro-batch's mean, its share of the minibatch's mean
+    "Weights that turn each micro-batch's token mean into its share of the token mean over the whole minibatch (`TrainLoop.loss_scale`)."
+    scale = loop.loss_scale(counts)
+    return [n * scale for n in counts]
+
 # %% ../nbs/08_trainer.ipynb #c42f48e6
 class OnPolicyTrainer:
     "What the on-policy trainers (PPO, RLOO) share: the config, tokenizer, reward, prompts and KL controller; `train` is below."
@@ -448,10 +456,10 @@ def update(
     agent.train()                                  # dropout is off; train mode lets gradient checkpointing work
     for epoch in range(c.num_ppo_epochs):
         for m, micro_batches in enumerate(self.minibatches(len(rollout))):
-            weights = self.token_weights([rollout.response_mask[rows].sum() for rows in micro_batches], loop)
+            weights = _micro_batch_weights([rollout.response_mask[rows].sum() for rows in micro_batches], loop)
             if c.ptx_coef > 0:
                 ptx_batches = [self.ptx_batch(self.micro_batch_index(epoch, m, i), loop.device) for i in range(len(micro_batches))]
-                ptx_weights = self.token_weights([loss_mask.sum() for _, _, loss_mask in ptx_batches], loop)
+                ptx_weights = _micro_batch_weights([loss_mask.sum() for _, _, loss_mask in ptx_batches], loop)
             for i, rows in enumerate(micro_batches):
                 part = rollout[rows]
                 with loop.accelerator.autocast():
@@ -487,17 +495,6 @@ def ptx_batch(
     rows = batch_indices(len(data), min(c.per_device_train_batch_size, len(data)), draw, c.seed + 1)
     return tuple(t.to(device) for t in encode_sft(self.tokenizer, None, data[rows]["text"], c.max_prompt_length + c.response_length))
 
-
-# %% ../nbs/08_trainer.ipynb #e673bfd1
-@patch
-def token_weights(
-    self: OnPolicyTrainer,
-    counts: list[Tensor],    # real tokens (or sequences) in each micro-batch of this process's minibatch
-    loop: TrainLoop,         # the loop, for the process count and the sum over processes
-) -> list[Tensor]:           # one weight per micro-batch
-    "n_i · micro-batches · processes / N: a micro-batch's token mean times its weight, summed by gradient accumulation (÷ micro-batches) and process averaging (÷ processes), is the token mean over the whole minibatch."
-    total = loop.accelerator.reduce(torch.stack(counts).sum().float(), reduction="sum").clamp(min=1)
-    return [n * len(counts) * loop.accelerator.num_processes / total for n in counts]
 
 # %% ../nbs/08_trainer.ipynb #15bd5fd0
 @torch.no_grad()
