@@ -16,7 +16,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
-import torch
+import datasets, torch
 from accelerate.utils import set_seed
 from rich.console import Console
 from torch import nn
@@ -131,7 +131,7 @@ class RMCommand(RewardConfig):
     per_device_train_batch_size: int = 32    # pairs per micro-batch
     max_steps: int = 100                     # optimizer steps in all; 0: from `num_train_epochs`
 
-# %% ../nbs/10_cli.ipynb #53fb4e67
+# %% ../nbs/10_cli.ipynb #2cf0d440
 @dataclass
 class OnPolicyCommand(OnPolicyConfig):
     "What `goose ppo` and `goose rloo` share: where the policy, reward and prompts come from, and laptop-sized defaults."
@@ -170,7 +170,7 @@ class RLOOCommand(OnPolicyCommand, RLOOConfig):
     output_dir: str = "runs/rloo"            # where the policy, tokenizer and checkpoints go
     rloo_k: int = 4                          # responses sampled per prompt (≥ 2)
 
-# %% ../nbs/10_cli.ipynb #207ea9f6
+# %% ../nbs/10_cli.ipynb #76f82999
 @dataclass
 class EvalCommand:
     "goose eval: a trained policy against its reference on held-out prompts (reward, gold, win rates, KL)."
@@ -254,7 +254,7 @@ def set_threads(model: nn.Module) -> int:
     if "OMP_NUM_THREADS" not in os.environ and sum(p.numel() for p in model.parameters()) < 50_000_000: torch.set_num_threads(1)
     return torch.get_num_threads()
 
-# %% ../nbs/10_cli.ipynb #159921bd
+# %% ../nbs/10_cli.ipynb #61a75785
 def import_function(spec: str, flag: str):
     "The function `module:function` names (the module found on `sys.path`, the current directory included)."
     module_name, _, function_name = spec.partition(":")
@@ -287,7 +287,7 @@ def reward_from(args) -> "RewardModel | WeightedReward | callable":
     if not Path(args.reward_model).is_dir(): raise UsageError(f"--reward_model {args.reward_model!r} does not exist (train one with goose rm)")
     return RewardModel.from_pretrained(args.reward_model)
 
-# %% ../nbs/10_cli.ipynb #18a9be75
+# %% ../nbs/10_cli.ipynb #4e8bb2e6
 def _stage_config(command, config_class):
     "The stage config inside a command: the fields the two have in common."
     names = {f.name for f in fields(config_class)}
@@ -325,7 +325,7 @@ def run_rm(args: RMCommand):
     if trainer.eval_dataset is not None: console.print({k: round(v, 4) for k, v in trainer.evaluate().items()})
     return reward_model
 
-# %% ../nbs/10_cli.ipynb #c7e42cb6
+# %% ../nbs/10_cli.ipynb #74c0e89d
 def policy_and_reference(
     sft_model: nn.Module,        # the model RL starts from
     args: OnPolicyCommand,       # its `lora_*` fields
@@ -366,7 +366,7 @@ def run_rloo(args: RLOOCommand):
     trainer.train()
     return trainer
 
-# %% ../nbs/10_cli.ipynb #64fefd77
+# %% ../nbs/10_cli.ipynb #70913cf8
 def run_eval(args: EvalCommand) -> dict:
     "goose eval"
     console = Console()
@@ -436,7 +436,7 @@ def run_plot(args: PlotCommand) -> Path:
     Console().print(f"plot: {path}")
     return path
 
-# %% ../nbs/10_cli.ipynb #a05d28da
+# %% ../nbs/10_cli.ipynb #9b513936
 def run_pipeline(args: PipelineCommand) -> dict:
     "goose pipeline"
     out, start = Path(args.output_dir), time.perf_counter()
@@ -484,7 +484,7 @@ def resume_command(argv: list[str]) -> str:
         elif not arg.startswith("--resume_from_checkpoint="): kept.append(arg)
     return shlex.join(["goose", *kept, "--resume_from_checkpoint", "latest"])
 
-# %% ../nbs/10_cli.ipynb #b7dbdaaf
+# %% ../nbs/10_cli.ipynb #01a741cc
 def main(argv: list[str] | None = None):
     "The `goose` console script: `goose <command> [--flags]`; `goose <command> --help` documents every flag."
     argv = sys.argv[1:] if argv is None else argv
@@ -499,6 +499,7 @@ def main(argv: list[str] | None = None):
     config_class, run = _COMMANDS[command]
     args = parse_config(config_class, rest, prog=f"goose {command}")
     transformers_logging.disable_progress_bar()                  # 🤗's per-file load/save bars; ours stay
+    datasets.disable_progress_bars()                             # and 🤗 datasets' "Generating train split" bars
     logging.getLogger("accelerate").setLevel(logging.ERROR)      # tied-weight notices on every checkpoint
     try: run(args)
     except TrainingInterrupted as e:

@@ -1,16 +1,20 @@
 "`goose` end to end: the console script, a short pipeline on the built-in task, and what it writes and logs."
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 GOOSE = str(Path(sys.executable).parent / "goose")
 
 
 def goose(*args, cwd=None):
-    return subprocess.run([GOOSE, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run([GOOSE, *args], capture_output=True, text=True, cwd=cwd, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_every_command_has_help():
@@ -44,3 +48,103 @@ def test_short_pipeline_trains_evaluates_and_reports(tmp_path, algo):
     assert "samples at step" in result.stdout and "policy vs reference" in result.stdout
     history = json.loads((out / "eval.json").read_text())
     assert len(history["samples"]) == 64
+
+
+# --- a run you can watch: metrics.jsonl and goose plot -------------------------------------------------------------
+
+def test_ppo_metrics_jsonl_holds_every_metric_of_every_logged_step(policy_dir, tmp_path):
+    out = tmp_path / "ppo"
+    result = goose("ppo", "--policy", str(policy_dir), "--reward_model", "gold", "--output_dir", str(out),
+                   "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--total_episodes", "48",
+                   "--response_length", "8", "--logging_steps", "1", "--num_sample_generations", "0", "--disable_tqdm")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    history = torch.load(out / "checkpoint-3" / "custom_checkpoint_0.pkl", weights_only=False)["history"]
+    assert rows == history and [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["episode"] for row in rows] == [16, 32, 48]
+    expected = {"objective/kl", "objective/scores", "objective/rlhf_reward", "objective/entropy", "policy/clipfrac_avg",
+                "policy/approxkl_avg", "loss/policy_avg", "loss/value_avg", "val/ratio", "lr", "eps", "val/num_eos_tokens"}
+    assert all(expected <= set(row) for row in rows), set(rows[0])
+    assert result.stdout.count("step 1/3 episode=16") == 1                # no bar: each logged step printed as a line
+    plot = goose("plot", str(out))
+    assert plot.returncode == 0, plot.stderr
+    assert (out / "curves.png").stat().st_size > 10_000
+
+
+# --- your own data ------------------------------------------------------------------------------------------------
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_own_data_never_mixes_in_the_task(policy_dir, tmp_path):
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"q": "The film", "chosen": " was good.", "rejected": " was bad."}] * 8)
+    rm = goose("rm", "--model", str(policy_dir), "--dataset", pairs, "--columns", "q:prompt", "--output_dir", str(tmp_path / "rm"),
+               "--per_device_train_batch_size", "4", "--max_steps", "2", "--disable_tqdm")
+    assert rm.returncode == 0, rm.stderr[-3000:]
+    assert "held-out pairs for eval/accuracy: none (your own --dataset" in rm.stdout
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "The film"}] * 16)
+    (tmp_path / "my_rewards.py").write_text("def length(prompts, completions): return [len(c) / 10 for c in completions]\n"
+                                            "def one(prompts, completions): return [1.0] * len(completions)\n")
+    ppo = goose("ppo", "--policy", str(policy_dir), "--dataset", prompts, "--reward_funcs", "my_rewards:length,my_rewards:one",
+                "--reward_weights", "1,0.5", "--ptx_coef", "0.5", "--output_dir", str(tmp_path / "ppo"), "--total_episodes", "16",
+                "--per_device_train_batch_size", "8",
+                "--response_length", "4", "--num_sample_generations", "0", "--disable_tqdm", cwd=tmp_path)
+    assert ppo.returncode == 0, ppo.stderr[-3000:]
+    assert "PPO-ptx pretraining texts: none (your own --dataset" in ppo.stdout
+    assert "loss/ptx_avg" not in json.loads((tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_same_command_same_reward_model(policy_dir, tmp_path):
+    "config.seed seeds the fresh reward head: two runs of the same command give the same weights."
+    for name in ("a", "b"):
+        result = goose("rm", "--model", str(policy_dir), "--output_dir", str(tmp_path / name), "--max_steps", "1",
+                       "--eval_dataset", "none", "--disable_tqdm")
+        assert result.returncode == 0, result.stderr[-3000:]
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- mistakes end in one line, exit 2 -----------------------------------------------------------------------------
+
+def one_line_error(result, *words):
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr[-2000:]
+    assert all(w in result.stderr for w in words), result.stderr
+
+
+def test_mistakes_end_in_one_line(policy_dir, tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "The film"}] * 4)
+    (tmp_path / "lr.yaml").write_text("learning_rate: 1e-3\nmax_steps: 1\n")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "checkpoint-5").mkdir()
+    sft = ["sft", "--model", str(policy_dir), "--disable_tqdm"]
+    one_line_error(goose("trian"), "unknown command 'trian'")
+    one_line_error(goose("sft", "--dataset", str(tmp_path / "missing.jsonl")), "--dataset", "missing.jsonl' does not exist")
+    one_line_error(goose("ppo", "--policy", str(tmp_path / "nothing"), "--reward_model", "gold"), "--policy", "nothing")
+    one_line_error(goose("ppo", "--policy", str(policy_dir), "--reward_model", str(tmp_path / "no_rm")), "--reward_model")
+    one_line_error(goose(*sft, "--dataset", bad, "--output_dir", str(tmp_path / "s1")), "`train_dataset` needs the columns")
+    one_line_error(goose(*sft, "--resume_from_checkpoint", "latest", "--output_dir", str(tmp_path / "s2")), "names no checkpoint")
+    one_line_error(goose(*sft, "--output_dir", str(tmp_path / "old")), "holds another run's checkpoints (checkpoint-5)")
+    one_line_error(goose("sft", "--learning_rate", "fast"), "--learning_rate", "invalid float value")
+    one_line_error(goose("ppo", "--reward_funcs", "nomodule:f", "--policy", str(policy_dir)), "--reward_funcs", "nomodule")
+    ok = goose(*sft, "--config", str(tmp_path / "lr.yaml"), "--output_dir", str(tmp_path / "s3"))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads((tmp_path / "s3" / "checkpoint-1" / "training_config.json").read_text())["learning_rate"] == 0.001
+
+
+def test_version_and_bare_flags():
+    result = goose("--version")
+    assert result.returncode == 0 and result.stdout.startswith("goose (instruct_goose) ")
+
+
+def test_tiny_models_get_one_torch_thread(tmp_path):
+    code = ("import os, torch; os.environ.pop('OMP_NUM_THREADS', None); torch.set_num_threads(2); "
+            "from instruct_goose.cli import set_threads; from instruct_goose import tiny_causal_lm, task_tokenizer; "
+            "print(set_threads(tiny_causal_lm(task_tokenizer())))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip() == "1"
+    env["OMP_NUM_THREADS"] = "2"
+    code = code.replace("os.environ.pop('OMP_NUM_THREADS', None); ", "")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip() == "2"
