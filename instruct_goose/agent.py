@@ -4,12 +4,12 @@
 
 # %% auto #0
 __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'response_logits', 'token_logprobs', 'lm_nll',
-           'AgentOutput', 'ResponseStats', 'disable_dropout', 'eval_mode', 'own_generation_config',
-           'generate_responses', 'Agent', 'AdapterOffReference', 'create_reference_model', 'ObjectiveTerms',
-           'AgentObjective']
+           'AgentOutput', 'ResponseStats', 'dropout_as_configured', 'disable_dropout', 'eval_mode',
+           'own_generation_config', 'generate_responses', 'Agent', 'AdapterOffReference', 'create_reference_model',
+           'ObjectiveTerms', 'AgentObjective']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
-import copy, inspect
+import copy, inspect, weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -119,10 +119,32 @@ def _hidden_size(config) -> int:
     "Width of the last hidden state, read through the config for any model family."
     return config.get_text_config().hidden_size
 
+_configured_dropout: dict[int, tuple] = {}   # id(config) -> (a weak reference to it, its drop rates before `disable_dropout`)
+
+def _drop_rates(config) -> dict:
+    "The drop rates `config` had before `disable_dropout` zeroed them (configs are unhashable, so they are found by id)."
+    ref, rates = _configured_dropout.get(id(config), (lambda: None, {}))
+    return rates if ref() is config else {}
+
 def _zero_drop_floats(obj):
-    "Set each float attribute of `obj` named like a drop rate (`dropout`, `hidden_dropout`, `resid_pdrop`, `layerdrop`…) to 0."
-    for name, value in list(vars(obj).items()):
-        if "drop" in name and isinstance(value, float) and not name.startswith("_"): setattr(obj, name, 0.0)
+    "Set each float attribute of `obj` named like a drop rate (`dropout`, `hidden_dropout`, `resid_pdrop`, `layerdrop`…) to 0; a config's old values are kept."
+    rates = {name: value for name, value in vars(obj).items()
+             if "drop" in name and isinstance(value, float) and not name.startswith("_") and value != 0.0}
+    if isinstance(obj, PretrainedConfig): _configured_dropout[id(obj)] = (weakref.ref(obj), {**_drop_rates(obj), **rates})
+    for name in rates: setattr(obj, name, 0.0)
+
+@contextmanager
+def dropout_as_configured(model: nn.Module):
+    "Inside the block the configs in `model` carry their drop rates from before `disable_dropout`: a saved checkpoint keeps its user's dropout for later fine-tuning."
+    configs = {id(m.config): m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)}
+    subs = [s for cfg in configs.values() for s in [cfg, *(getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", {}))]]
+    saved = [(cfg, _drop_rates(cfg)) for cfg in subs if isinstance(cfg, PretrainedConfig)]
+    for cfg, rates in saved:
+        for name, value in rates.items(): setattr(cfg, name, value)
+    try: yield model
+    finally:
+        for cfg, rates in saved:
+            for name in rates: setattr(cfg, name, 0.0)
 
 def disable_dropout(model: nn.Module) -> nn.Module:
     "Set every dropout probability in `model` to 0: `nn.Dropout` modules, float attributes (OPT's `dropout` and `layerdrop`, Falcon's `hidden_dropout`) and the config fields some families read in `forward`; returns `model`."
@@ -256,9 +278,10 @@ class Agent(nn.Module):
     def save_pretrained(self, save_directory: str | Path, **kwargs):
         "Save the policy (🤗 format), the value head and any separate critic to `save_directory`."
         save_directory = Path(save_directory)
-        self.model.save_pretrained(save_directory, **kwargs)
+        with dropout_as_configured(self.model): self.model.save_pretrained(save_directory, **kwargs)
         save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, save_directory / "value_head.safetensors")
-        if self.value_model is not None: self.value_model.save_pretrained(save_directory / "value_model", **kwargs)
+        if self.value_model is not None:
+            with dropout_as_configured(self.value_model): self.value_model.save_pretrained(save_directory / "value_model", **kwargs)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> "Agent":
