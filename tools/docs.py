@@ -15,7 +15,8 @@
    into the site, so the equations render with no network; no font, script or style comes from a CDN.
    _site/docs-manifest.json lists each page's notebook, group and build time, for `docs_check.py`.
 
-`--no-execute` runs only what nbdev runs (imports, exports, `show_doc`), for a quick look at the text.
+`--no-execute` runs only what nbdev runs (imports, exports, `show_doc`), for a quick look at the text; `--stale-ok`
+takes each notebook's last cached run even if the notebook or the library changed since (to work on the rendering).
 """
 import argparse
 import base64
@@ -175,9 +176,10 @@ def notebook_key(path: Path) -> str:
 
 
 def run_notebooks(names: list[str], workers: int, execute: bool = True, nbs: Path = ROOT / "nbs", cache: Path = CACHE,
-                  tmp: Path = BUILD / "proc") -> dict[str, dict]:
+                  tmp: Path = BUILD / "proc", stale_ok: bool = False) -> dict[str, dict]:
     """Each notebook of `nbs` executed and processed, from the cache when its key is there: {name: {"path",
-    "seconds", "cached", "error"}}. Up to `workers` notebooks run at once, each in its own Python process."""
+    "seconds", "cached", "error"}}. Up to `workers` notebooks run at once, each in its own Python process.
+    `stale_ok` takes a notebook's last cached run even when the notebook or the library changed since."""
     cache.mkdir(parents=True, exist_ok=True)
     if tmp.exists(): shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -185,8 +187,12 @@ def run_notebooks(names: list[str], workers: int, execute: bool = True, nbs: Pat
     for name in names:
         key = f"{name}-{notebook_key(nbs / f'{name}.ipynb')}" if execute else None
         cached = cache / f"{key}.ipynb" if key else None
+        if cached and not cached.exists() and stale_ok and (old := sorted(cache.glob(f"{name}-*.ipynb"))):
+            print(f"docs: {name}.ipynb changed (or the library did) since its cached run; --stale-ok takes that run")
+            cached = old[-1]
         if cached and cached.exists():
-            results[name] = {"path": cached, "cached": True, **json.loads(cached.read_text(encoding="utf-8"))["metadata"]["docs"]}
+            results[name] = {"path": cached, "cached": True, "stale": not cached.stem.endswith(key),
+                             **json.loads(cached.read_text(encoding="utf-8"))["metadata"]["docs"]}
         else: todo.append((name, key))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}   # as `make test` runs them
     while todo or running:
@@ -469,12 +475,12 @@ def check_offline(site: Path = SITE) -> list[str]:
     return problems
 
 
-def build(workers: int = 2, execute: bool = True):
+def build(workers: int = 2, execute: bool = True, stale_ok: bool = False):
     start = time.perf_counter()
     entries = nav_entries()
     print(f"== docs: processing {'and executing ' if execute else ''}{len(entries)} notebooks "
           f"({workers} at a time; cache: {CACHE.relative_to(ROOT)}/)", flush=True)
-    results = run_notebooks([nb for nb, _, _ in entries], workers, execute)
+    results = run_notebooks([nb for nb, _, _ in entries], workers, execute, stale_ok=stale_ok)
     ran = time.perf_counter() - start
     print("== docs: writing Markdown pages and mkdocs.yml into build/docs/", flush=True)
     nav, manifest = write_pages(entries, results)
@@ -497,7 +503,7 @@ def build(workers: int = 2, execute: bool = True):
     print(f"\n{'notebook':<32} {'run (s)':>8}  state", flush=True)
     for nb, _, _ in entries:
         r = results[nb]
-        state = "FAILED" if r.get("error") else "cached" if r["cached"] else "ran"
+        state = "FAILED" if r.get("error") else "stale cache" if r.get("stale") else "cached" if r["cached"] else "ran"
         print(f"{nb:<32} {r.get('seconds') or 0:>8.1f}  {state}", flush=True)
     n_cached = sum(r["cached"] for r in results.values())
     print(f"== docs: built in {total:.0f} s ({ran:.0f} s processing notebooks; {n_cached} of {len(results)} from the cache)")
@@ -513,10 +519,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=int(os.environ.get("DOCS_WORKERS", 2)), help="notebooks run at once")
     parser.add_argument("--no-execute", action="store_true", help="run only what nbdev runs for show_doc (no outputs)")
+    parser.add_argument("--stale-ok", action="store_true", help="take each notebook's last cached run even if it changed since")
     parser.add_argument("--process", nargs=2, metavar=("NOTEBOOK", "OUT"), help=argparse.SUPPRESS)   # one worker
     args = parser.parse_args()
     if args.process: process_notebook(Path(args.process[0]).resolve(), Path(args.process[1]).resolve(), not args.no_execute)
-    else: build(args.workers, not args.no_execute)
+    else: build(args.workers, not args.no_execute, args.stale_ok)
 
 
 if __name__ == "__main__":

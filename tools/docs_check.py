@@ -30,6 +30,7 @@ CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 API = {"agent.html": ["Agent", "AgentObjective"], "trainer.html": ["RLHFTrainer.compute_loss"], "losses.html": ["PPOLoss"]}
+CLASSES = {"Agent", "AgentObjective", "PPOLoss"}                 # their entries read `class Name(`, not `def Name(`
 SHAPE = re.compile(r"\b(?:Float|Int|Bool|Shaped|Num)\[Tensor, '[^']*'\]")
 RAW_MATH = re.compile(r"\$\$|\$[^\s$][^$\n]*\$|\\\(|\\\[")
 
@@ -118,8 +119,11 @@ def check_api(page, name: str, html: str):
     text = page.evaluate(API_ENTRY, name)
     shapes = sorted(dict.fromkeys(SHAPE.findall(text or "")), key=lambda s: not s.startswith("Float"))
     visible = text is not None and page.locator(f'[id="{name.lower()}"]').is_visible()
-    report(f"api {html} {name}", visible and bool(shapes),
-           f"shown with {', '.join(shapes[:2])}" if visible and shapes else "no visible entry" if not visible else "no shape annotation")
+    kind = "class" if name in CLASSES else "def"
+    as_kind = bool(text) and re.search(rf"\b{kind} {re.escape(name.split('.')[-1])}\(", text) is not None
+    report(f"api {html} {name}", visible and bool(shapes) and as_kind,
+           f"`{kind} {name.split('.')[-1]}(` shown with {', '.join(shapes[:2])}" if visible and shapes and as_kind
+           else "no visible entry" if not visible else "no shape annotation" if not shapes else f"not shown as `{kind} {name}(`")
 
 
 def screenshot_ppo(page, path: Path):
