@@ -284,7 +284,7 @@ def unique_ids(md: str) -> str:
 
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-PROGRESS = re.compile(r"\d+%\|.*\|\s*\d+/\d+\s*\[")              # a tqdm bar: `Filter: 100%|####| 550/550 [00:00<...]`
+PROGRESS = re.compile(r"\[\d+:\d+(?:<[^,\]]*)?, [^\]]*\]\s*$")   # tqdm's `[00:00<00:00, 80.6it/s]`, `[00:00, 2346 examples/s]`
 
 
 def plain_text(text: str) -> str:
