@@ -380,7 +380,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     "The on-policy loop: rollout, `update` (K epochs of minibatch steps), KL control, logs, sample tables, checkpoints."
     c = self.config
     self.check_ready()
-    self.loop = loop = TrainLoop(c)
+    self.loop = loop = TrainLoop(c, self.tokenizer)
     if loop.accelerator.distributed_type == DistributedType.FSDP:
         raise NotImplementedError("the on-policy trainers call the agent's methods, not its FSDP-wrapped forward, so FSDP would "
                                   "leave some weights sharded: use DeepSpeed ZeRO-2/3 (configs/) for PPO and RLOO; FSDP works for SFT and the reward model")
@@ -394,6 +394,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     for frozen in (self.ref_model, self.reward_model):
         if isinstance(frozen, nn.Module): frozen.to("cpu" if c.offload_models else loop.device)
     loop.maybe_resume()
+    loop.stop_on_signals()                       # Ctrl-C / SIGTERM: finish the step, checkpoint, save, exit
     progress = loop.progress_bar(steps, type(self).__name__.removesuffix("Trainer").lower())
     sample_every = max(1, steps // c.num_sample_generations) if c.num_sample_generations else 0
     prompts_per_step = c.rollout_size // self.samples_per_prompt * procs
@@ -415,13 +416,11 @@ def train(self: OnPolicyTrainer) -> nn.Module:
                       "lr": loop.lr, "episode": loop.state.step * c.rollout_size * procs}, progress)
         if sample_every and (loop.state.step % sample_every == 0 or last):
             loop.sample_table(f"samples at step {loop.state.step}", samples.prompts, samples.completions, samples.scores)
-        if c.save_steps and loop.state.step % c.save_steps == 0 and not last: loop.save_checkpoint()
+        loop.end_step(last)
     progress.close()
     loop.save_checkpoint()
     self.model = model
-    if loop.accelerator.is_main_process:
-        model.save_pretrained(c.output_dir)
-        self.tokenizer.save_pretrained(c.output_dir)
+    loop.save_model(model)
     loop.end()
     return model
 
