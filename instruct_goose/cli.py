@@ -45,6 +45,7 @@ def field_help(cls) -> dict[str, str]:
             if m := _FIELD_COMMENT.match(line): docs[m[1]] = m[2].strip()
     return docs
 
+# %% ../nbs/10_cli.ipynb #6e52c394
 def _parser_for(tp):
     "(argparse type, choices) for a field annotation."
     if get_origin(tp) in (Union, UnionType): tp = next(a for a in get_args(tp) if a is not type(None))
@@ -52,11 +53,13 @@ def _parser_for(tp):
     if tp is bool: return _boolean, None
     return tp, None
 
+# %% ../nbs/10_cli.ipynb #d3d7d1f1
 def _boolean(text: str) -> bool:
     if text.lower() in ("true", "1", "yes"): return True
     if text.lower() in ("false", "0", "no"): return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
+# %% ../nbs/10_cli.ipynb #a75a5ec8
 def _none_or(parse):
     return lambda text: None if text.lower() == "none" else parse(text)
 
@@ -67,6 +70,7 @@ class _Parser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
+# %% ../nbs/10_cli.ipynb #094d3f1f
 def build_parser(cls, prog: str) -> argparse.ArgumentParser:
     "An argparse parser with one `--flag` per field of dataclass `cls`, documented by the field's comment; booleans may be bare."
     parser = _Parser(prog=prog, description=inspect.getdoc(cls), formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -80,6 +84,7 @@ def build_parser(cls, prog: str) -> argparse.ArgumentParser:
                             default=argparse.SUPPRESS, help=f"{docs.get(f.name, '')} (default: {f.default!r})")
     return parser
 
+# %% ../nbs/10_cli.ipynb #138ec281
 def _settings_file(parser, path: str) -> dict:
     "The settings of a YAML or JSON file, or a one-line parser error."
     if not Path(path).is_file(): parser.error(f"argument --config: {path!r} does not exist")
@@ -89,6 +94,7 @@ def _settings_file(parser, path: str) -> dict:
     if not isinstance(settings, dict): parser.error(f"argument --config: {path!r} must hold a mapping of settings")
     return settings
 
+# %% ../nbs/10_cli.ipynb #034fdc92
 def parse_config(cls, argv: list[str], prog: str):
     "An instance of dataclass `cls` from defaults, an optional --config file and flags; errors exit with status 2."
     parser = build_parser(cls, prog)
@@ -99,6 +105,7 @@ def parse_config(cls, argv: list[str], prog: str):
     try: return cls(**{**settings, **given})
     except (ValueError, TypeError) as e: parser.error(str(e))
 
+# %% ../nbs/10_cli.ipynb #71405916
 def _yaml(text: str) -> dict:
     import yaml
     try: return yaml.safe_load(text) or {}
@@ -119,6 +126,7 @@ class SFTCommand(SFTConfig):
     max_steps: int = 300                     # optimizer steps in all; 0: from `num_train_epochs`
     warmup_steps: int = 20                   # optimizer steps of linear warm-up
 
+# %% ../nbs/10_cli.ipynb #e20b4ecd
 @dataclass
 class RMCommand(RewardConfig):
     "goose rm: train a reward model on preference pairs (prompt, chosen, rejected)."
@@ -158,12 +166,14 @@ class OnPolicyCommand(OnPolicyConfig):
         check_number("lora_r", self.lora_r)
         check_number("lora_alpha", self.lora_alpha, low_open=True)
 
+# %% ../nbs/10_cli.ipynb #3732530b
 @dataclass
 class PPOCommand(OnPolicyCommand, RLHFConfig):
     "goose ppo: PPO-ptx against a reward model, with a KL penalty to the starting (SFT) policy."
     pretrain_dataset: str = "auto"           # PPO-ptx texts ("text" column): a file/folder/Hub name, "task", "none", or "auto" (the task's when --dataset is task, else none)
     output_dir: str = "runs/ppo"             # where the agent, tokenizer and checkpoints go
 
+# %% ../nbs/10_cli.ipynb #fa37d185
 @dataclass
 class RLOOCommand(OnPolicyCommand, RLOOConfig):
     "goose rloo: RLOO (k responses per prompt, leave-one-out baselines, no critic) against a reward model."
@@ -189,6 +199,7 @@ class EvalCommand:
 
     def __post_init__(self): coerce_numbers(self)
 
+# %% ../nbs/10_cli.ipynb #1fb5c464
 @dataclass
 class PipelineCommand:
     "goose pipeline: SFT -> reward model -> PPO-ptx -> eval on the built-in task, with plots and a before/after table."
@@ -212,6 +223,7 @@ class PipelineCommand:
 
     def __post_init__(self): coerce_numbers(self)
 
+# %% ../nbs/10_cli.ipynb #6a5da74a
 @dataclass
 class PlotCommand:
     "goose plot: draw a run's standard curves (score, KL, RLHF reward, entropy, clip fraction, or its losses) from metrics.jsonl."
@@ -223,6 +235,7 @@ class PlotCommand:
 class UsageError(ValueError):
     "A mistake in what the user asked for (a missing path, a bad name): `goose` prints it as one line and exits with status 2."
 
+# %% ../nbs/10_cli.ipynb #8082d8b4
 def load_tokenizer_and_model(name: str, seed: int = 0, flag: str = "--model"):
     "(tokenizer, causal LM) for a 🤗 name/path, or a tiny model on the task's tokenizer for tiny-gpt2 / tiny-llama."
     if name in _TINY:
@@ -233,8 +246,10 @@ def load_tokenizer_and_model(name: str, seed: int = 0, flag: str = "--model"):
     except OSError as e:
         raise UsageError(f"{flag} {name!r}: no model there ({_first_line(e)})") from None
 
+# %% ../nbs/10_cli.ipynb #ae3e6776
 def _first_line(e: Exception) -> str: return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
+# %% ../nbs/10_cli.ipynb #85e3989c
 def _columns(text: str | None) -> dict | None:
     "`--columns old:new,old2:new2` as a dict."
     if not text: return None
@@ -242,6 +257,7 @@ def _columns(text: str | None) -> dict | None:
     if any(len(p) != 2 or not all(p) for p in pairs): raise UsageError(f"--columns {text!r}: expected old:new pairs separated by commas")
     return dict(pairs)
 
+# %% ../nbs/10_cli.ipynb #14e2c9ed
 def load_data(name: str | None, task_part: str, split: str = "train", columns: str | None = None, flag: str = "--dataset"):
     "A dataset: the built-in task's `task_part` for 'task', None for none, else `read_dataset` (file, folder or Hub name)."
     if name is None or name == "none": return None
@@ -249,6 +265,7 @@ def load_data(name: str | None, task_part: str, split: str = "train", columns: s
     try: return read_dataset(name, split, _columns(columns))
     except (FileNotFoundError, ValueError) as e: raise UsageError(f"{flag}: {e}") from None
 
+# %% ../nbs/10_cli.ipynb #d8b048b3
 def set_threads(model: nn.Module) -> int:
     "One intra-op torch thread for a model under 50 M parameters, unless `OMP_NUM_THREADS` is set; returns the thread count."
     if "OMP_NUM_THREADS" not in os.environ and sum(p.numel() for p in model.parameters()) < 50_000_000: torch.set_num_threads(1)
@@ -265,6 +282,7 @@ def import_function(spec: str, flag: str):
     if not callable(function): raise UsageError(f"{flag} {spec!r} is not a function")
     return function
 
+# %% ../nbs/10_cli.ipynb #eefd2032
 class WeightedReward:
     "The weighted sum of reward functions, each checked by `score_completions` (so a bad one is named)."
     def __init__(self, functions: list, weights: list[float]):
@@ -274,6 +292,7 @@ class WeightedReward:
     def __call__(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
         return sum(w * score_completions(f, prompts, completions) for f, w in zip(self.functions, self.weights))
 
+# %% ../nbs/10_cli.ipynb #eae9ee85
 def reward_from(args) -> "RewardModel | WeightedReward | callable":
     "The reward a command names: its `--reward_funcs` (weighted), the task's gold scorer, or a saved reward model."
     if args.reward_funcs:
@@ -293,6 +312,7 @@ def _stage_config(command, config_class):
     names = {f.name for f in fields(config_class)}
     return config_class(**{k: v for k, v in dataclasses.asdict(command).items() if k in names})
 
+# %% ../nbs/10_cli.ipynb #cbccace1
 def _auto(value: str, dataset: str, task_value: str, what: str, console: Console) -> str:
     "Resolve an 'auto' setting: the task's `task_value` when the prompts are the task's, else 'none'; say which."
     if value != "auto": return value
@@ -311,6 +331,7 @@ def run_sft(args: SFTCommand):
     eval_set = load_task("sft").select(range(64)) if args.dataset == "task" else None
     return SFTTrainer(model, tokenizer, _stage_config(args, SFTConfig), data, eval_set).train()
 
+# %% ../nbs/10_cli.ipynb #b3dc9196
 def run_rm(args: RMCommand):
     "goose rm"
     console = Console()
@@ -337,6 +358,7 @@ def policy_and_reference(
     policy = get_peft_model(sft_model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets))
     return policy, create_reference_model(policy)
 
+# %% ../nbs/10_cli.ipynb #3b3c7a1b
 def run_ppo(args: PPOCommand):
     "goose ppo"
     set_seed(args.seed)
@@ -356,6 +378,7 @@ def run_ppo(args: PPOCommand):
     trainer.train()
     return trainer
 
+# %% ../nbs/10_cli.ipynb #a35d12ec
 def run_rloo(args: RLOOCommand):
     "goose rloo"
     set_seed(args.seed)
@@ -405,6 +428,7 @@ def _curve_keys(rows: list[dict]) -> list[str]:
     keys = [k for k in STANDARD_CURVES if k in present]
     return keys or sorted(k for k in present if k.startswith(("loss/", "eval/", "reward/")))
 
+# %% ../nbs/10_cli.ipynb #26df27ba
 def plot_metrics(
     run_dir: str | Path,              # a run's output_dir (with metrics.jsonl), or a list of logged rows
     path: str | Path | None = None,   # the PNG to write (default: run_dir/curves.png)
@@ -430,6 +454,7 @@ def plot_metrics(
     plt.close(fig)
     return path
 
+# %% ../nbs/10_cli.ipynb #9850bee4
 def run_plot(args: PlotCommand) -> Path:
     "goose plot"
     path = plot_metrics(args.run_dir, args.output, args.keys.split(",") if args.keys else None)
@@ -475,6 +500,7 @@ def _usage() -> str:
     return (f"usage: goose {{{' | '.join(_COMMANDS)}}} [--help] [--config FILE] [--FIELD VALUE ...]\n       goose --version\n\n"
             + "\n".join(f"  {n:<9} {inspect.getdoc(c).split(': ', 1)[1]}" for n, (c, _) in _COMMANDS.items()))
 
+# %% ../nbs/10_cli.ipynb #2b03a0a3
 def resume_command(argv: list[str]) -> str:
     "The shell command that resumes the run `goose argv` was: the same flags with `--resume_from_checkpoint latest`."
     kept, skip = [], False

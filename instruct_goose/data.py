@@ -67,6 +67,7 @@ def _pad_token_id(tokenizer) -> int:
                          "e.g. tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's embeddings)")
     return tokenizer.pad_token_id
 
+# %% ../nbs/02_data.ipynb #a1560692
 def pad_rows(
     rows: list[list[int]],                # token ids, one list per sequence
     pad_token_id: int,                    # id to pad with
@@ -92,6 +93,7 @@ def encode_prompts(
     if max_length is not None: rows = [r[-max_length:] for r in rows]
     return pad_rows(rows, _pad_token_id(tokenizer), "left")
 
+# %% ../nbs/02_data.ipynb #544d30f0
 def encode_texts(
     tokenizer,                       # any tokenizer
     texts: list[str],                # whole texts
@@ -102,6 +104,7 @@ def encode_texts(
     if any(len(r) == 0 for r in rows): raise ValueError("`texts` contains an empty text")
     return pad_rows(rows, _pad_token_id(tokenizer), "right")
 
+# %% ../nbs/02_data.ipynb #74270214
 def encode_sft(
     tokenizer,                       # the policy's tokenizer
     prompts: list[str] | None,       # prompts, or None for plain text
@@ -156,6 +159,7 @@ def _read_source(source: str, split: str) -> Dataset:
         raise FileNotFoundError(f"{source!r} is no local .json/.jsonl/.csv/.parquet file or saved dataset, and loading it "
                                 f"by name failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
+# %% ../nbs/02_data.ipynb #e0508529
 def read_dataset(
     source: str,                             # a .json/.jsonl/.csv/.parquet file, a `save_to_disk` folder, or a 🤗 Hub name
     split: str = "train",                    # the split of a Hub dataset or a saved `DatasetDict`
@@ -175,6 +179,7 @@ def task_path(name: str) -> Path:
     if name not in _TASK_FILES: raise ValueError(f"`name` must be one of {_TASK_FILES}, got {name!r}")
     return Path(str(files("instruct_goose") / "task_data" / f"{name}.jsonl"))
 
+# %% ../nbs/02_data.ipynb #f05cb422
 def load_task(
     name: Literal["sft", "preferences", "prompts", "pretrain"],  # which part of the task
     split: Literal["train", "eval"] = "train",                   # which split (the SFT corpus has only train)
@@ -185,6 +190,7 @@ def load_task(
     # in memory: several processes filtering at once must not race to write the same cache file
     return dataset.filter(lambda row: row["split"] == split, keep_in_memory=True).remove_columns("split")
 
+# %% ../nbs/02_data.ipynb #27059c7c
 @functools.lru_cache
 def task_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     "A tokenizer trained on the task's SFT and pretraining text (deterministic, cached)."
@@ -192,6 +198,7 @@ def task_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     corpus = [p + c for p, c in zip(sft["prompt"], sft["completion"])] + list(pretrain["text"])
     return train_tokenizer(corpus, vocab_size=vocab_size)
 
+# %% ../nbs/02_data.ipynb #9e90f773
 def gold_score(
     prompts: list[str],       # the openings (not scored)
     completions: list[str],   # the continuations to judge
@@ -203,5 +210,6 @@ def gold_score(
     analyzer = _vader(SentimentIntensityAnalyzer)
     return [analyzer.polarity_scores(c)["compound"] for c in completions]
 
+# %% ../nbs/02_data.ipynb #9957a8b0
 @functools.lru_cache
 def _vader(analyzer_class): return analyzer_class()

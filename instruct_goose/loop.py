@@ -72,6 +72,7 @@ def _number_types(annotation) -> set:
     args = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
     return {a for a in args if a in (int, float)}
 
+# %% ../nbs/05_loop.ipynb #140586d5
 def coerce_numbers(config) -> None:
     "Turn text given for a dataclass's int or float fields (`'1e-3'`, `'8'`) into numbers, in place; refuse other text by name."
     for f in fields(config):
@@ -84,6 +85,7 @@ def coerce_numbers(config) -> None:
             number = int(number)
         setattr(config, f.name, number)
 
+# %% ../nbs/05_loop.ipynb #a1ea7ac2
 def check_tracker(
     name: str,   # a `report_to` value
 ) -> str:        # `name`, if Accelerate knows it and it is installed
@@ -141,11 +143,13 @@ def _check_writable(output_dir: str | Path):
     except OSError as e:
         raise ValueError(f"`output_dir` {str(output_dir)!r} cannot be written ({e.strerror}): choose another directory") from e
 
+# %% ../nbs/05_loop.ipynb #5c9d9506
 def fresh_accelerator(**kwargs) -> Accelerator:
     "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several)."
     AcceleratorState._reset_state(reset_partial_state=False)
     return Accelerator(**kwargs)
 
+# %% ../nbs/05_loop.ipynb #fe101938
 def enable_gradient_checkpointing(
     model: nn.Module,        # a 🤗 model, or a module holding some (an `Agent`, a `RewardModel`, a peft model)
 ) -> nn.Module:              # `model`
@@ -218,6 +222,7 @@ def checkpoint_to_resume(self: TrainLoop) -> Path | None:
     if saved: self._check_compatible(saved)
     return path
 
+# %% ../nbs/05_loop.ipynb #f55887bf
 @patch
 def maybe_resume(self: TrainLoop) -> bool:
     "Restore everything from the checkpoint found by `checkpoint_to_resume`, if any; returns whether it did."
@@ -227,6 +232,7 @@ def maybe_resume(self: TrainLoop) -> bool:
         self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.state.history))
     return True
 
+# %% ../nbs/05_loop.ipynb #c856095d
 TrainLoop._may_differ = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "save_steps",
                          "save_total_limit", "save_only_model", "report_to", "disable_tqdm", "num_sample_generations",
                          "gradient_checkpointing", "offload_models", "eval_steps",
@@ -274,12 +280,14 @@ def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) 
     self.prepared = model
     return model
 
+# %% ../nbs/05_loop.ipynb #8eba0be7
 @patch
 def backward(self: TrainLoop, loss: Tensor):
     "Accumulate the gradient of a micro-batch's `loss`; Accelerate divides it by `gradient_accumulation_steps` (DeepSpeed: the engine does, and steps at the last micro-batch)."
     with self.accelerator.accumulate(self.prepared):
         self.accelerator.backward(loss)
 
+# %% ../nbs/05_loop.ipynb #c33c7f5f
 @patch
 def loss_scale(
     self: TrainLoop,
@@ -308,6 +316,7 @@ def _deepspeed_gathered(engine):
             if coordinator is not None and not coordinator.is_invalid_trace(): coordinator._invalidate_trace()
             offload._register_deepspeed_module(offload.module)
 
+# %% ../nbs/05_loop.ipynb #9cd56767
 @patch
 @contextmanager
 def gathered_for_generation(self: TrainLoop):
@@ -318,6 +327,7 @@ def gathered_for_generation(self: TrainLoop):
         return
     with _deepspeed_gathered(self.prepared): yield   # else the engine's hooks re-gather and re-partition every layer at every decoding step
 
+# %% ../nbs/05_loop.ipynb #4b403e1c
 @patch
 def average_gradients(self: TrainLoop, model: nn.Module):
     "Average each gradient over DDP processes: for models whose backward did not run through their DDP-wrapped `forward` (DeepSpeed and FSDP reduce gradients themselves)."
@@ -343,6 +353,7 @@ def optimizer_step(self: TrainLoop, model: nn.Module, stats: dict | None = None)
     self.optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
+# %% ../nbs/05_loop.ipynb #673ce71c
 @patch
 def _nonfinite(self: TrainLoop, grad_norm: Tensor, stats: dict):
     "Stop (or, with `skip_nonfinite`, skip the step) on a NaN/inf gradient, naming the step and the non-finite quantities."
@@ -353,6 +364,7 @@ def _nonfinite(self: TrainLoop, grad_norm: Tensor, stats: dict):
     self.skipped_steps += 1
     warnings.warn(where + ": the batch was skipped")
 
+# %% ../nbs/05_loop.ipynb #cf6b1d72
 @patch(as_prop=True)
 def lr(self: TrainLoop) -> float: return self.scheduler.get_last_lr()[0]
 
@@ -361,6 +373,7 @@ def _plain(value):
     "A metric as a Python number (tensors and numpy scalars are read once, here)."
     return value.item() if hasattr(value, "item") else value
 
+# %% ../nbs/05_loop.ipynb #03a2143e
 @patch
 def log(self: TrainLoop, metrics: dict, progress=None):
     "Record `metrics` at the current step: history, `metrics.jsonl`, tracker, progress bar, and a printed line when no bar is shown."
@@ -377,12 +390,14 @@ def log(self: TrainLoop, metrics: dict, progress=None):
         tqdm.write(f"step {row['step']}{total} " + " ".join(f"{k}={v:.4g}" for k, v in row.items()
                                                               if k != "step" and isinstance(v, (int, float))), file=sys.stdout)
 
+# %% ../nbs/05_loop.ipynb #3e7f0050
 @patch
 def progress_bar(self: TrainLoop, total: int, desc: str):
     "A tqdm bar over the steps, starting at the current (possibly resumed) step."
     return tqdm(total=total, initial=self.state.step, desc=desc, disable=self.config.disable_tqdm
                 or not self.accelerator.is_main_process, dynamic_ncols=True)
 
+# %% ../nbs/05_loop.ipynb #6b75513b
 def read_metrics(
     run_dir: str | Path,   # a run's `output_dir`
 ) -> list[dict]:           # one dict per logged step
@@ -413,6 +428,7 @@ def save_checkpoint(self: TrainLoop) -> Path:
     acc.wait_for_everyone()
     return final
 
+# %% ../nbs/05_loop.ipynb #39635e48
 @patch
 def _save_weights(self: TrainLoop, path: Path):
     "The model's weights and the loop's state only (`save_only_model`)."
@@ -423,6 +439,7 @@ def _save_weights(self: TrainLoop, path: Path):
         else: self.accelerator.save_model(model, path)
         (path / "train_state.json").write_text(json.dumps(self.state.state_dict()))
 
+# %% ../nbs/05_loop.ipynb #7c2e626f
 @patch
 def _prune_checkpoints(self: TrainLoop):
     limit = self.config.save_total_limit
@@ -430,6 +447,7 @@ def _prune_checkpoints(self: TrainLoop):
     found = sorted((int(m[1]), p) for p in Path(self.config.output_dir).glob("checkpoint-*") if (m := _CHECKPOINT.match(p.name)))
     for _, path in found[:-limit]: shutil.rmtree(path)
 
+# %% ../nbs/05_loop.ipynb #efc23964
 @patch
 def save_model(self: TrainLoop, model: nn.Module | None = None):
     "Save `model` (default: the prepared one, unwrapped) in 🤗 format, and the loop's tokenizer if any, to `output_dir`."
@@ -447,12 +465,14 @@ class TrainingInterrupted(KeyboardInterrupt):
         super().__init__(f"{signal_name}: stopped after step {checkpoint.name.split('-')[-1]}; checkpoint {checkpoint} "
                          f"and the model in {checkpoint.parent} are saved. Resume with resume_from_checkpoint='latest'")
 
+# %% ../nbs/05_loop.ipynb #d9f29cf4
 @patch
 def stop_on_signals(self: TrainLoop):
     "From now until `end`, SIGINT and SIGTERM stop training at the end of the current step (see `end_step`)."
     if threading.current_thread() is not threading.main_thread(): return   # Python delivers signals to the main thread only
     self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
+# %% ../nbs/05_loop.ipynb #18b4dae2
 @patch
 def _on_signal(self: TrainLoop, signum, frame):
     self.stop_signal = signal.Signals(signum).name
@@ -460,6 +480,7 @@ def _on_signal(self: TrainLoop, signum, frame):
     print(f"\n{self.stop_signal}: finishing step {self.state.step + 1}, then saving a checkpoint and the model "
           "(send it again to stop at once)", file=sys.stderr, flush=True)
 
+# %% ../nbs/05_loop.ipynb #5220379e
 @patch
 def _restore_signals(self: TrainLoop):
     for s, handler in getattr(self, "_previous_handlers", {}).items(): signal.signal(s, handler)
@@ -480,6 +501,7 @@ def end_step(
         raise TrainingInterrupted(self.stop_signal or "a signal on another process", checkpoint)
     if c.save_steps and self.state.step % c.save_steps == 0 and not last: self.save_checkpoint()
 
+# %% ../nbs/05_loop.ipynb #4b5f2c8a
 @patch
 def _stop_requested(self: TrainLoop) -> bool:
     "Whether any process received a stop signal (one small all-reduce per step with several processes)."
@@ -498,6 +520,7 @@ def sample_table(self: TrainLoop, title: str, queries: list[str], responses: lis
     if self.accelerator.is_main_process: self.console.print(table)
     return table
 
+# %% ../nbs/05_loop.ipynb #68a39eb7
 @patch
 def end(self: TrainLoop):
     "Close the trackers and give SIGINT/SIGTERM back to their previous handlers."

@@ -43,11 +43,13 @@ class StageConfig(TrainingConfig):
         per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps * num_processes
         return max(1, math.ceil(self.num_train_epochs * (n_examples // per_step)))
 
+# %% ../nbs/06_sft.ipynb #628dbd05
 @dataclass
 class SFTConfig(StageConfig):
     "Supervised fine-tuning."
     learning_rate: float = 2e-5     # peak learning rate of AdamW
 
+# %% ../nbs/06_sft.ipynb #d44bf8a5
 @dataclass
 class RewardConfig(StageConfig):
     "Reward-model training on preference pairs."
@@ -66,6 +68,7 @@ def fit_to_context(
     warnings.warn(f"`max_length` ({max_length}) is longer than the model's context ({limit} tokens): sequences are cut at {limit}")
     return limit
 
+# %% ../nbs/06_sft.ipynb #3640a0b0
 def drop_long_prompts(
     dataset: Dataset,         # rows with a "prompt" column (others are returned as they are)
     tokenizer,                # the tokenizer that will encode them
@@ -102,22 +105,28 @@ class SFTTrainer:
         self.train_dataset = rows(train_dataset, "train_dataset")
         self.eval_dataset = None if eval_dataset is None else rows(eval_dataset, "eval_dataset")
 
-    def encode(self, rows: dict) -> tuple[tuple[Tensor, Tensor, Tensor], int]:
-        "((ids, mask, loss_mask), number of loss tokens) for a batch of rows (dict of column lists)."
-        prompts = rows.get("prompt")
-        ids, mask, loss_mask = encode_sft(self.tokenizer, prompts, rows["completion"] if prompts else rows["text"], self.max_length)
-        return (ids, mask, loss_mask), int(loss_mask.sum())
+# %% ../nbs/06_sft.ipynb #2f427c3e
+@patch
+def encode(self: SFTTrainer, rows: dict) -> tuple[tuple[Tensor, Tensor, Tensor], int]:
+    "((ids, mask, loss_mask), number of loss tokens) for a batch of rows (dict of column lists)."
+    prompts = rows.get("prompt")
+    ids, mask, loss_mask = encode_sft(self.tokenizer, prompts, rows["completion"] if prompts else rows["text"], self.max_length)
+    return (ids, mask, loss_mask), int(loss_mask.sum())
 
-    def nll_sum(self, model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-        "Σ −log π(x_t | x_<t) over the loss tokens of an encoded batch (`encode`): the SFT loss before the minibatch mean."
-        device = next(model.parameters()).device
-        ids, mask, loss_mask = (t.to(device) for t in batch)
-        return -masked_sum(token_logprobs(model, ids, mask), loss_mask)
+# %% ../nbs/06_sft.ipynb #b4f6635d
+@patch
+def nll_sum(self: SFTTrainer, model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    "Σ −log π(x_t | x_<t) over the loss tokens of an encoded batch (`encode`): the SFT loss before the minibatch mean."
+    device = next(model.parameters()).device
+    ids, mask, loss_mask = (t.to(device) for t in batch)
+    return -masked_sum(token_logprobs(model, ids, mask), loss_mask)
 
-    def batch_loss(self, model: nn.Module, rows: dict) -> Tensor:
-        "Mean NLL of the completion tokens of a batch of rows."
-        batch, n_tokens = self.encode(rows)
-        return self.nll_sum(model, batch) / n_tokens
+# %% ../nbs/06_sft.ipynb #1c9f878c
+@patch
+def batch_loss(self: SFTTrainer, model: nn.Module, rows: dict) -> Tensor:
+    "Mean NLL of the completion tokens of a batch of rows."
+    batch, n_tokens = self.encode(rows)
+    return self.nll_sum(model, batch) / n_tokens
 
 # %% ../nbs/06_sft.ipynb #3e620b5f
 @patch
@@ -132,6 +141,7 @@ def evaluate(self: SFTTrainer, model: nn.Module | None = None, dataset=None, bat
             total, n_tokens = total + self.nll_sum(model, batch).item(), n_tokens + n
     return {"eval/loss": total / n_tokens}
 
+# %% ../nbs/06_sft.ipynb #9d93dcd1
 @patch
 def train(self: SFTTrainer) -> PreTrainedModel:
     "Fine-tune, log `loss/sft` (and `eval/loss`), checkpoint, and save the model and tokenizer to `output_dir`."
@@ -165,19 +175,23 @@ class RewardTrainer:
         self.train_dataset = rows(train_dataset, "train_dataset")
         self.eval_dataset = None if eval_dataset is None else rows(eval_dataset, "eval_dataset")
 
-    def pair_scores(self, model: nn.Module, rows: dict) -> tuple[Tensor, Tensor]:
-        "Scores of the chosen and the rejected completions of a batch of rows, in one forward pass."
-        texts = [p + c for p, c in zip(rows["prompt"], rows["chosen"])] + [p + r for p, r in zip(rows["prompt"], rows["rejected"])]
-        ids, mask = self.reward_model.encode(texts, self.max_length)
-        scores = model(ids, mask)
-        return scores[:len(rows["prompt"])], scores[len(rows["prompt"]):]
+# %% ../nbs/06_sft.ipynb #67a9f0f0
+@patch
+def pair_scores(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Tensor, Tensor]:
+    "Scores of the chosen and the rejected completions of a batch of rows, in one forward pass."
+    texts = [p + c for p, c in zip(rows["prompt"], rows["chosen"])] + [p + r for p, r in zip(rows["prompt"], rows["rejected"])]
+    ids, mask = self.reward_model.encode(texts, self.max_length)
+    scores = model(ids, mask)
+    return scores[:len(rows["prompt"])], scores[len(rows["prompt"]):]
 
-    def pair_loss_sum(self, model: nn.Module, rows: dict) -> tuple[Tensor, dict]:
-        "(Σ of the pairs' Bradley–Terry losses, {accuracy, margin}) for a batch of rows: the loss before the minibatch mean."
-        chosen, rejected = self.pair_scores(model, rows)
-        loss = self.loss_fn(chosen, rejected)
-        return loss * len(chosen), {"reward/accuracy": pairwise_accuracy(chosen, rejected).detach(),
-                                    "reward/margin": (chosen - rejected).mean().detach()}
+# %% ../nbs/06_sft.ipynb #7e7093b7
+@patch
+def pair_loss_sum(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Tensor, dict]:
+    "(Σ of the pairs' Bradley–Terry losses, {accuracy, margin}) for a batch of rows: the loss before the minibatch mean."
+    chosen, rejected = self.pair_scores(model, rows)
+    loss = self.loss_fn(chosen, rejected)
+    return loss * len(chosen), {"reward/accuracy": pairwise_accuracy(chosen, rejected).detach(),
+                                "reward/margin": (chosen - rejected).mean().detach()}
 
 # %% ../nbs/06_sft.ipynb #6e1ea6d7
 @patch
@@ -190,6 +204,7 @@ def evaluate(self: RewardTrainer, model: nn.Module | None = None, dataset=None, 
     chosen, rejected = torch.cat([c for c, _ in pairs]), torch.cat([r for _, r in pairs])
     return {"eval/loss": self.loss_fn(chosen, rejected).item(), "eval/accuracy": pairwise_accuracy(chosen, rejected).item()}
 
+# %% ../nbs/06_sft.ipynb #f779c18c
 @patch
 def train(self: RewardTrainer) -> RewardModel:
     "Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir`."
