@@ -44,14 +44,15 @@ SITE = ROOT / "_site"
 STATIC = ROOT / "docs_src"         # hand-written files copied to the site's assets/
 KATEX = "0.16.47"
 CACHE = ROOT / "build" / "docs-cache"   # executed notebooks, by hash (build/ is git-ignored)
-EXEC_VERSION = "1"                  # bump when exec_all or the shell's formatters change what a notebook gives
+EXEC_VERSION = "2"                  # bump when exec_all or the shell's formatters change what a notebook gives
 NB_TIMEOUT = 900                    # seconds one notebook may take before the build gives up on it
 
 # The navigation, in reading order: (notebook, title in the sidebar). The page file is the notebook's `output-file`.
 CHAPTERS = [
     ("index", "Overview"), ("00_core", "Core"), ("01_losses", "Losses"), ("02_data", "Data"),
     ("03_agent", "Agent"), ("04_reward", "Reward"), ("05_loop", "Loop"), ("06_sft", "SFT and reward modelling"),
-    ("08_trainer", "Trainer (PPO)"), ("09_rloo", "RLOO"), ("10_cli", "CLI"), ("14_scaling", "Scaling up"),
+    ("07_rollout", "Rollout"), ("08_trainer", "Trainer (PPO)"), ("09_rloo", "RLOO"), ("09c_dpo", "DPO"), ("10_cli", "CLI"),
+    ("14_scaling", "Scaling up"),
 ]
 TUTORIALS = [
     ("11_tutorial_pipeline", "InstructGPT's three stages"), ("12_tutorial_reward", "Training a reward model"),
@@ -98,7 +99,8 @@ def rich_table_markdown(table) -> str:
 def show_doc_markdown(renderer) -> str:
     """nbdev's `show_doc` Markdown, with what its renderer gets wrong here put right: a class is shown as `class
     Name(`, not `def Name(`; `**kwargs` is not `kwargs:VAR_KEYWORD`; a `Literal` keeps its values; module paths
-    are dropped from annotations (`PreTrainedModel`); and the source link gets its line when nbdev's is `#LNone`."""
+    are dropped from annotations (`PreTrainedModel`); a `@patch` method under a decorator such as `@contextmanager` is
+    headed `Class.name`, as nbdev's links expect; and the source link gets its line when nbdev's is `#LNone`."""
     md, sym = renderer._repr_markdown_(), renderer.sym
     if inspect.isclass(sym): md = re.sub(r"^(```python\s*\n)(?:async )?def ", r"\1class ", md, count=1, flags=re.MULTILINE)
     md = re.sub(r"\b(\w+):VAR_KEYWORD\b", r"**\1", md)
@@ -108,6 +110,11 @@ def show_doc_markdown(renderer) -> str:
             values = ", ".join(map(repr, get_args(param.annotation)))
             md = re.sub(rf"(?<!\w){name}:Literal(?!\[)", lambda m: f"{name}:Literal[{values}]", md, count=1)
     md = re.sub(r"\b[a-z_]\w*(?:\.[a-z_]\w*)+\.([A-Z]\w*)", r"\1", md)
+    md = re.sub(r"\(\n\s*\n\)", "()", md)                                              # no parameters but `self`
+    params = list(renderer.sig.parameters.values()) if renderer.sig else []
+    if "." not in renderer.nm and params and params[0].name == "self" and inspect.isclass(params[0].annotation):
+        owner = params[0].annotation.__name__                     # a @patch method nbdev names without its class
+        md = re.sub(rf"^(#+) {re.escape(renderer.nm)}[ \t]*$", rf"\1 {owner}.{renderer.nm}", md, count=1, flags=re.MULTILINE)
     if "#LNone)" in md:
         try: line = f"#L{inspect.getsourcelines(inspect.unwrap(sym))[1]}"
         except (TypeError, OSError): line = ""
@@ -146,15 +153,41 @@ def exec_all_processor():
     return exec_all
 
 
+def add_show_docs_once():
+    """nbdev 2.4's `add_show_docs` adds a `show_doc` cell after each exported definition that has none, but it compares a
+    `@patch` method's bare name with the `Class.name` of an explicit `show_doc`, so such a method got two entries. This
+    one compares the names nbdev itself gives (`showdoc_nm`). It uses nbdev's private helpers, here only."""
+    from nbdev.showdoc import showdoc_nm
+    from nbdev.processors import Processor, _def_types, _get_nm, _show_docs, _want_doc, cell_lang, mk_cell
+    from fastcore.foundation import L
+    from fastcore.basics import concat
+
+    class add_show_docs(Processor):
+        def begin(self):
+            nb = self.nb
+            exports = L(cell for cell in nb.cells if _want_doc(cell))
+            shown = {_get_nm(t) for t in _show_docs(L(nb.cells).map(lambda c: c.parsed_()).concat())}
+            for cell in reversed(exports):
+                if cell_lang(cell) != "python": raise ValueError(f"{cell.metadata.language} can't export:\n{cell.source}")
+                trees = cell.parsed_() or []
+                names = [showdoc_nm(o) for o in concat(trees) if isinstance(o, _def_types) and (o.name[0] != "_" or o.name[:2] == "__")]
+                for name in [n for n in names if n not in shown]:
+                    new_cell = mk_cell(f"show_doc({name})")
+                    new_cell.has_sd = True
+                    nb.cells.insert(cell.idx_ + 1, new_cell)
+            nb.has_docs_ = shown or exports
+
+    return add_show_docs
+
+
 def process_notebook(src: Path, dst: Path, execute: bool = True):
     "What `nbdev_proc_nbs` does to one notebook, running every cell when `execute`; the result is written to `dst`."
     from execnb.nbio import read_nb, write_nb
-    from nbdev.processors import FilterDefaults, exec_show_docs
-    exec_all = exec_all_processor()
+    from nbdev.processors import FilterDefaults, add_show_docs, exec_show_docs
+    replace = {add_show_docs: add_show_docs_once(), **({exec_show_docs: exec_all_processor()} if execute else {})}
 
     class DocsFilter(FilterDefaults):
-        def base_procs(self):
-            return [exec_all if p is exec_show_docs and execute else p for p in super().base_procs()]
+        def base_procs(self): return [replace.get(p, p) for p in super().base_procs()]
 
     nb = read_nb(src)
     for cell in nb.cells:                         # processing strips the `#|` lines: what the page needs goes to metadata
