@@ -9,6 +9,8 @@ __all__ = ['RLOOConfig', 'RLOORollout', 'RLOOTrainer']
 from dataclasses import dataclass
 
 import torch
+from accelerate import Accelerator
+from fastcore.basics import patch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
@@ -16,7 +18,8 @@ from .agent import disable_dropout, response_logits
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
-from .trainer import OnPolicyConfig, OnPolicyTrainer, Samples, _chunks, _Rows, _micro_batch_weights, _trim_left_padding, frozen_reference
+from .rollout import RowBatch, Samples, logprobs_in_chunks
+from .trainer import OnPolicyConfig, OnPolicyTrainer, frozen_reference
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
@@ -38,7 +41,7 @@ class RLOOConfig(OnPolicyConfig):
 
 # %% ../nbs/09_rloo.ipynb #25d24ed7
 @dataclass
-class RLOORollout(_Rows):
+class RLOORollout(RowBatch):
     "k responses per prompt with everything RLOO computes once for them (all detached)."
     query_ids: Tensor            # (batch, query) prompts, left-padded, each repeated k times
     query_attention_mask: Tensor # (batch, query)
@@ -69,89 +72,28 @@ class RLOOTrainer(OnPolicyTrainer):
         self.samples_per_prompt = config.rloo_k
 
     @torch.no_grad()
-    def advantages(self, scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> tuple:
-        "(scores, kl, non_score_reward, rlhf_reward, advantages) for k·B responses laid out as `rloo_advantages` expects."
-        c = self.config
-        every = lambda x: torch.ones_like(x, dtype=torch.bool)
-        if c.normalize_reward: scores = self.whiten(scores, every(scores))       # over all processes' rows
-        if c.reward_clip_range is not None: scores = scores.clamp(-c.reward_clip_range, c.reward_clip_range)
-        rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, mask, c.kl_coef, c.kl_estimator)
-        if c.whiten_rewards and c.token_level_kl: rewards = self.whiten(rewards, mask, shift_mean=False)  # per token, as PPO
-        rlhf_reward = rewards.sum(1)
-        if c.whiten_rewards and not c.token_level_kl: rlhf_reward = self.whiten(rlhf_reward, every(rlhf_reward), shift_mean=False)
-        advantages = rloo_advantages(rlhf_reward, c.rloo_k)
-        if c.token_level_kl:
-            returns_to_go, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
-            advantages = torch.where(mask, returns_to_go - (rlhf_reward - advantages)[:, None], 0.0)
-        if c.normalize_advantage:
-            advantages = self.whiten(advantages, mask if c.token_level_kl else every(advantages))
-        return scores, kl, non_score_reward, rlhf_reward, advantages
-
-    @torch.no_grad()
-    def sample_rollout(
-        self,
-        policy: nn.Module,       # the causal LM that samples
-        prompts: list[str],      # this process's prompts for the step
-        seed: int | None = None, # the step's sampling seed (see `sample_and_score`)
-        first_row: int = 0,      # the global index of this process's first response
-    ) -> tuple[RLOORollout, Samples]:
+    def sample_rollout(self, policy: nn.Module, prompts: list[str], seed: int | None = None, first_row: int = 0,
+                       loop: TrainLoop | None = None) -> tuple[RLOORollout, Samples]:
         "Sample k responses per prompt in one batched call, score them, and compute log-probabilities and advantages."
         c = self.config
-        x = self.sample_and_score(policy, [p for p in prompts for _ in range(c.rloo_k)], seed, first_row)
-        pieces = _chunks(len(x.prompts), c.local_rollout_forward_batch_size)
-        def logprobs_of(model):
-            return torch.cat([logprobs_from_logits(response_logits(model, *_trim_left_padding(x.query_ids[s], x.query_attention_mask[s]),
-                                                                   x.response_ids[s], x.response_mask[s])[0],
-                                                   x.response_ids[s], c.temperature) for s in pieces])
-        logprobs = logprobs_of(policy)
-        with self.on_device(self.ref_model) as ref: ref_logprobs = logprobs_of(ref)
-        scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, x.response_mask)
+        x = self.sample_and_score(policy, [p for p in prompts for _ in range(c.rloo_k)], seed, first_row, loop)
+        inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
+        logprobs = logprobs_in_chunks(policy, *inputs)
+        with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
+        scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, x.response_mask,
+                                                                         None if loop is None else loop.accelerator)
         return RLOORollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, scores, logprobs, kl,
                            non_score, rlhf_reward, advantages), x
 
-    def loss(self, part: RLOORollout, logits: Tensor) -> Tensor:
-        "The clipped surrogate on sequence-level ratios (per-token with `token_level_kl`); statistics in `stats`."
-        c, mask = self.config, part.response_mask
-        logprobs = logprobs_from_logits(logits, part.response_ids, c.temperature)
-        if c.token_level_kl:
-            loss, ratios, clipfrac = policy_loss(part.logprobs, logprobs, part.advantages, mask, c.cliprange)
-            ratio_mask = mask
-        else:
-            old, new = masked_sum(part.logprobs, mask, dim=1)[:, None], masked_sum(logprobs, mask, dim=1)[:, None]
-            ratio_mask = torch.ones_like(old, dtype=torch.bool)
-            loss, ratios, clipfrac = policy_loss(old, new, part.advantages[:, None], ratio_mask, c.cliprange)
-        self.stats = {
-            "policy/approxkl_avg": 0.5 * masked_mean((logprobs.detach() - part.logprobs) ** 2, mask),
-            "policy/clipfrac_avg": clipfrac.detach(),
-            "loss/policy_avg": loss.detach(),
-            "val/clipfrac_avg": torch.zeros_like(clipfrac),   # TRL logs it for RLOO too; there is no value function
-            "policy/entropy_avg": masked_mean(entropy_from_logits(logits.detach(), c.temperature), mask),
-            "val/ratio": masked_mean(ratios.detach(), ratio_mask),
-            "val/ratio_var": masked_var(ratios.detach(), ratio_mask),
-        }
-        return loss
+    def loss_units(self, part: RLOORollout, draw: int) -> dict[str, Tensor]:
+        "The surrogate is a mean over sequences (over tokens with `token_level_kl`)."
+        return {"policy": part.response_mask.sum() if self.config.token_level_kl else torch.tensor(len(part))}
 
-    def update(self, policy: nn.Module, rollout: RLOORollout, loop: TrainLoop) -> dict:
-        "`num_ppo_epochs` × `num_mini_batches` optimizer steps on one rollout, with gradient accumulation."
-        c, sums, count = self.config, {}, 0
-        policy.train()                               # dropout is off; train mode lets gradient checkpointing work
-        for epoch in range(c.num_ppo_epochs):
-            for micro_batches in self.minibatches(len(rollout)):
-                counts = [rollout.response_mask[rows].sum() if c.token_level_kl else torch.tensor(len(rows)) for rows in micro_batches]
-                weights = _micro_batch_weights(counts, loop)   # a mean over the minibatch's tokens (sequences), however it is cut
-                for i, rows in enumerate(micro_batches):
-                    part = rollout[rows]
-                    with loop.accelerator.autocast():
-                        logits, _ = response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids,
-                                                    part.response_mask)
-                        loss = self.loss(part, logits) * weights[i]
-                    loop.backward(loss)
-                    stats = {k: v * weights[i] for k, v in self.stats.items()}
-                    for k, v in stats.items(): sums[k] = sums.get(k, 0) + v
-                    count += 1
-                loop.average_gradients(policy)      # the policy is called through `response_logits`, not DDP's forward
-                grad_norm = loop.optimizer_step(policy, stats)
-        return {**{k: v / count for k, v in sums.items()}, "grad_norm": grad_norm}
+    def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy."
+        logits, _ = response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)
+        loss, stats = self.loss(part, logits)
+        return {"policy": loss}, stats
 
     def rollout_stats(self, rollout: RLOORollout) -> dict:
         "The rollout's objective statistics under TRL's RLOO names."
@@ -161,3 +103,58 @@ class RLOOTrainer(OnPolicyTrainer):
                 "objective/non_score_reward": seq_non_score.mean(),
                 "objective/rlhf_reward": rollout.rlhf_reward.mean(),
                 "objective/scores": rollout.scores.mean()}
+
+# %% ../nbs/09_rloo.ipynb #737cce86
+@patch
+@torch.no_grad()
+def advantages(
+    self: RLOOTrainer,
+    scores: Tensor,                          # (batch,) the responses' scores
+    logprobs: Tensor,                        # (batch, resp) log π_old
+    ref_logprobs: Tensor,                    # (batch, resp) log π_ref
+    mask: Tensor,                            # (batch, resp) True on real tokens
+    accelerator: Accelerator | None = None,  # the run's accelerator, for whitening over all processes (None: one process)
+) -> tuple:                                  # (scores, kl, non_score_reward, rlhf_reward, advantages)
+    "Rewards and leave-one-out advantages for k·B responses laid out as `rloo_advantages` expects."
+    c = self.config
+    every = lambda x: torch.ones_like(x, dtype=torch.bool)
+    whiten = lambda x, m, shift_mean=True: self.whiten(x, m, shift_mean, accelerator)   # over all processes' rows
+    if c.normalize_reward: scores = whiten(scores, every(scores))
+    if c.reward_clip_range is not None: scores = scores.clamp(-c.reward_clip_range, c.reward_clip_range)
+    rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, mask, c.kl_coef, c.kl_estimator)
+    if c.whiten_rewards and c.token_level_kl: rewards = whiten(rewards, mask, shift_mean=False)  # per token, as PPO
+    rlhf_reward = rewards.sum(1)
+    if c.whiten_rewards and not c.token_level_kl: rlhf_reward = whiten(rlhf_reward, every(rlhf_reward), shift_mean=False)
+    advantages = rloo_advantages(rlhf_reward, c.rloo_k)
+    if c.token_level_kl:
+        returns_to_go, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
+        advantages = torch.where(mask, returns_to_go - (rlhf_reward - advantages)[:, None], 0.0)
+    if c.normalize_advantage: advantages = whiten(advantages, mask if c.token_level_kl else every(advantages))
+    return scores, kl, non_score_reward, rlhf_reward, advantages
+
+# %% ../nbs/09_rloo.ipynb #825c7125
+@patch
+def loss(
+    self: RLOOTrainer,
+    part: RLOORollout,       # a micro-batch of the rollout
+    logits: Tensor,          # (batch, resp, vocab) the policy's logits at the response positions, with gradients
+) -> tuple[Tensor, dict[str, Tensor]]:  # (the loss, its statistics under TRL's names)
+    "The clipped surrogate on sequence-level ratios (per-token with `token_level_kl`)."
+    c, mask = self.config, part.response_mask
+    logprobs = logprobs_from_logits(logits, part.response_ids, c.temperature)
+    if c.token_level_kl:
+        loss, ratios, clipfrac = policy_loss(part.logprobs, logprobs, part.advantages, mask, c.cliprange)
+        ratio_mask = mask
+    else:
+        old, new = masked_sum(part.logprobs, mask, dim=1)[:, None], masked_sum(logprobs, mask, dim=1)[:, None]
+        ratio_mask = torch.ones_like(old, dtype=torch.bool)
+        loss, ratios, clipfrac = policy_loss(old, new, part.advantages[:, None], ratio_mask, c.cliprange)
+    return loss, {
+        "policy/approxkl_avg": 0.5 * masked_mean((logprobs.detach() - part.logprobs) ** 2, mask),
+        "policy/clipfrac_avg": clipfrac.detach(),
+        "loss/policy_avg": loss.detach(),
+        "val/clipfrac_avg": torch.zeros_like(clipfrac),   # TRL logs it for RLOO too; there is no value function
+        "policy/entropy_avg": masked_mean(entropy_from_logits(logits.detach(), c.temperature), mask),
+        "val/ratio": masked_mean(ratios.detach(), ratio_mask),
+        "val/ratio_var": masked_var(ratios.detach(), ratio_mask),
+    }

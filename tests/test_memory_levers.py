@@ -9,7 +9,6 @@
 """
 import copy
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -95,14 +94,13 @@ class Recorder(nn.Module):
 def test_on_device_moves_only_when_offloading(offload, tokenizer):
     trainer = RLOOTrainer(RLOOConfig(offload_models=offload, output_dir="/tmp/goose-offload-test"), tokenizer,
                           tiny_causal_lm(tokenizer), tiny_causal_lm(tokenizer), reward, [{"prompt": "x"}])
-    trainer.loop = SimpleNamespace(device="cuda:7")              # a stand-in: only the device's name is used
-    model = Recorder()
-    with trainer.on_device(model): assert model.moves == (["cuda:7"] if offload else [])
+    model = Recorder()                                            # only the device's name is used
+    with trainer.on_device(model, "cuda:7"): assert model.moves == (["cuda:7"] if offload else [])
     assert model.moves == (["cuda:7", "cpu"] if offload else [])
     with pytest.raises(RuntimeError, match="boom"):                # back on the CPU even when the block fails
-        with trainer.on_device(model): raise RuntimeError("boom")
+        with trainer.on_device(model, "cuda:7"): raise RuntimeError("boom")
     assert model.moves[-1:] == (["cpu"] if offload else [])
-    with trainer.on_device(reward) as same: assert same is reward  # a reward function is not a module: left alone
+    with trainer.on_device(reward, "cuda:7") as same: assert same is reward  # a reward function is not a module: left alone
 
 
 def test_rollout_chunking_does_not_change_the_rollout(tokenizer, tmp_path):

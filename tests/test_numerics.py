@@ -27,11 +27,11 @@ def test_bf16_autocast_keeps_logprobs_float32_and_the_first_ratio_exactly_one(tm
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = trainer.model.model(input_ids=torch.cat([q, r], 1)).logits
         stats = trainer.model.response_stats(q, m, r, rm)
-        loss = trainer.compute_loss(q, m, r, rm, torch.tensor([1.0, 0.0, -1.0]))
+        loss, loss_stats = trainer.compute_loss(q, m, r, rm, torch.tensor([1.0, 0.0, -1.0]), return_stats=True)
     assert logits.dtype == torch.bfloat16                                   # the model really ran in bf16
     assert stats.logprobs.dtype == stats.values.dtype == stats.entropy.dtype == torch.float32
-    assert trainer.stats["val/ratio"].item() == 1.0 and trainer.stats["val/ratio_var"].item() == 0.0
-    assert trainer.stats["policy/clipfrac_avg"].item() == 0.0
+    assert loss_stats["val/ratio"].item() == 1.0 and loss_stats["val/ratio_var"].item() == 0.0
+    assert loss_stats["policy/clipfrac_avg"].item() == 0.0
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
 
