@@ -47,6 +47,7 @@ class OnPolicyConfig(TrainingConfig):
     num_ppo_epochs: int = 4                # passes over each rollout
     num_mini_batches: int = 1              # minibatches per pass; a rollout has per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches responses per process
     total_episodes: int = 1024             # responses to sample in all (all processes)
+    max_steps: int = 0                     # training steps in all (HF's name; one step = one rollout and its updates); 0: from `total_episodes`
     max_prompt_length: int = 64            # prompts are cut to their last this many tokens
     local_rollout_forward_batch_size: int = 64  # rows per forward pass when sampling and scoring a rollout (a memory lever)
     offload_models: bool = False           # keep the reference and reward models on the CPU, moving each to the accelerator only while it runs
@@ -59,7 +60,7 @@ class OnPolicyConfig(TrainingConfig):
         for name in ("response_length", "num_ppo_epochs", "num_mini_batches", "total_episodes", "max_prompt_length",
                      "local_rollout_forward_batch_size"):
             check_number(name, getattr(self, name), low=1)
-        check_number("num_sample_generations", self.num_sample_generations)
+        for name in ("num_sample_generations", "max_steps"): check_number(name, getattr(self, name))
         if self.stop_token not in (None, "eos"): raise ValueError(f"`stop_token` must be 'eos' or None; got {self.stop_token!r}")
         if self.missing_eos_penalty is not None: check_number("missing_eos_penalty", self.missing_eos_penalty)
         if self.kl_estimator not in get_args(KLEstimator):
@@ -144,6 +145,7 @@ class OnPolicyTrainer:
         self.kl_ctl: KLController = FixedKLController(config.kl_coef)
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
+    progress_keys: tuple = ("objective/scores", "objective/kl", "objective/kl_coef")  # metrics shown on the progress bar
 
     # What each algorithm supplies (the rest of the loop is shared):
     def sample_rollout(self, model: nn.Module, prompts: list[str], seed: int | None = None, first_row: int = 0,
@@ -390,7 +392,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
         raise NotImplementedError("the on-policy trainers call the agent's methods, not its FSDP-wrapped forward, so FSDP would "
                                   "leave some weights sharded: use DeepSpeed ZeRO-2/3 (configs/) for PPO and RLOO; FSDP works for SFT and the reward model")
     procs, rank = loop.accelerator.num_processes, loop.accelerator.process_index
-    steps = c.total_episodes // (c.rollout_size * procs)
+    steps = c.max_steps or c.total_episodes // (c.rollout_size * procs)
     if steps == 0: raise ValueError(f"`total_episodes`={c.total_episodes} is less than one rollout ({c.rollout_size * procs} responses)")
     model = self.setup(loop, steps)
     progress = loop.progress_bar(steps, type(self).__name__.removesuffix("Trainer").lower())
@@ -406,7 +408,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
         stats = {**self.rollout_stats(rollout), **self.update(model, rollout, loop)}
         stats = {k: loop.accelerator.reduce(v, reduction="mean") for k, v in stats.items()}
         # 3. the KL controller, then logs, sample tables and checkpoints
-        self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
+        if "objective/kl" in stats: self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
         loop.state.step += 1
         progress.update(1)
         self.report(loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress)
@@ -428,7 +430,7 @@ def setup(
     "Optimizer and schedule, frozen models on their device, KL controller in the checkpoints, resume, Ctrl-C handling."
     c = self.config
     loop.register(self.kl_ctl)
-    loop.progress_keys = ("objective/scores", "objective/kl", "objective/kl_coef")
+    loop.progress_keys = self.progress_keys
     model = loop.accelerator.unwrap_model(loop.setup_optimizer(self.model, steps * c.num_ppo_epochs * c.num_mini_batches))
     for frozen in (self.ref_model, self.reward_model):
         if isinstance(frozen, nn.Module): frozen.to("cpu" if c.offload_models else loop.device)
