@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMCommand', 'OnPolicyCommand', 'PPOCommand',
-           'RLOOCommand', 'EvalCommand', 'PipelineCommand', 'PlotCommand', 'UsageError', 'load_tokenizer_and_model',
-           'load_data', 'set_threads', 'import_function', 'WeightedReward', 'reward_from', 'run_sft', 'run_rm',
-           'policy_and_reference', 'run_ppo', 'run_rloo', 'run_eval', 'comparison_table', 'plot_metrics', 'run_plot',
-           'run_pipeline', 'resume_command', 'main']
+           'RLOOCommand', 'DPOCommand', 'EvalCommand', 'PipelineCommand', 'PlotCommand', 'UsageError',
+           'load_tokenizer_and_model', 'load_data', 'set_threads', 'import_function', 'WeightedReward', 'reward_from',
+           'run_sft', 'run_rm', 'policy_and_reference', 'run_ppo', 'run_rloo', 'run_dpo', 'run_eval',
+           'comparison_table', 'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
 
 # %% ../nbs/10_cli.ipynb #91472c31
 import argparse, copy, dataclasses, importlib, inspect, json, logging, os, re, shlex, sys, time
@@ -31,6 +31,7 @@ from .loop import TrainingInterrupted, coerce_numbers, read_metrics
 from .reward import RewardModel, score_completions
 from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from .rloo import RLOOConfig, RLOOTrainer
+from .dpo import DPOConfig, DPOTrainer
 from .trainer import OnPolicyConfig, RLHFConfig, RLHFTrainer, evaluate_policy
 
 # %% ../nbs/10_cli.ipynb #007801a0
@@ -180,6 +181,20 @@ class RLOOCommand(OnPolicyCommand, RLOOConfig):
     output_dir: str = "runs/rloo"            # where the policy, tokenizer and checkpoints go
     rloo_k: int = 4                          # responses sampled per prompt (≥ 2)
 
+# %% ../nbs/10_cli.ipynb #8f0ed551
+@dataclass
+class DPOCommand(DPOConfig):
+    "goose dpo: direct preference optimisation of the SFT model on preference pairs (no reward model, no sampling)."
+    model: str = "runs/sft"                  # the model to start from (usually the SFT model; also the frozen reference)
+    dataset: str = "task"                    # pairs: "task", or a file/folder/Hub name with prompt/chosen/rejected (or chosen/rejected: implicit prompt)
+    columns: str | None = None               # rename the dataset's columns, e.g. "question:prompt,good:chosen,bad:rejected"
+    eval_dataset: str = "auto"               # held-out pairs: a file/folder/Hub name, "task", "none", or "auto" (the task's when --dataset is task, else none)
+    output_dir: str = "runs/dpo"             # where the policy, tokenizer and checkpoints go
+    learning_rate: float = 1e-3              # peak learning rate of AdamW
+    per_device_train_batch_size: int = 32    # pairs per micro-batch
+    max_steps: int = 60                      # optimizer steps in all; 0: from `num_train_epochs`
+    warmup_steps: int = 5                    # optimizer steps of linear warm-up
+
 # %% ../nbs/10_cli.ipynb #76f82999
 @dataclass
 class EvalCommand:
@@ -202,10 +217,10 @@ class EvalCommand:
 # %% ../nbs/10_cli.ipynb #1fb5c464
 @dataclass
 class PipelineCommand:
-    "goose pipeline: SFT -> reward model -> PPO-ptx -> eval on the built-in task, with plots and a before/after table."
+    "goose pipeline: SFT -> reward model -> PPO-ptx (or RLOO; or SFT -> DPO) -> eval on the built-in task, with plots and a before/after table."
     output_dir: str = "runs/pipeline"        # each stage writes to a subdirectory of this
     model: str = "tiny-gpt2"                 # tiny-gpt2, tiny-llama, or a 🤗 causal LM name/path to start from
-    algo: Literal["ppo", "rloo"] = "ppo"     # the RL algorithm: PPO-ptx (with a value head) or RLOO (no critic)
+    algo: Literal["ppo", "rloo", "dpo"] = "ppo"  # PPO-ptx (with a value head), RLOO (no critic), or DPO (offline, on the pairs; no reward model)
     seed: int = 0                            # seeds every stage
     sft_steps: int = 300                     # SFT optimizer steps
     sft_learning_rate: float = 3e-3          # SFT peak learning rate
@@ -218,6 +233,9 @@ class PipelineCommand:
     kl_target: float = 4.0                   # KL per response (nats) the adaptive controller aims for
     ptx_coef: float = 0.2                    # γ: weight of the pretraining term (PPO-ptx; 0 for plain PPO)
     response_length: int = 16                # tokens sampled per response
+    dpo_steps: int = 60                      # DPO optimizer steps (--algo dpo)
+    dpo_learning_rate: float = 1e-3          # DPO peak learning rate (--algo dpo)
+    dpo_beta: float = 0.1                    # DPO's β: the implicit reward's scale, PPO's KL weight in the objective DPO solves (--algo dpo)
     overwrite_output_dir: bool = False       # run again into an output_dir that holds an earlier run's stages, replacing them
     disable_tqdm: bool = False               # hide the progress bars
 
@@ -389,6 +407,20 @@ def run_rloo(args: RLOOCommand):
     trainer.train()
     return trainer
 
+# %% ../nbs/10_cli.ipynb #f3eb3e16
+def run_dpo(args: DPOCommand):
+    "goose dpo"
+    set_seed(args.seed)
+    data = load_data(args.dataset, "preferences", columns=args.columns)
+    eval_source = _auto(args.eval_dataset, args.dataset, "task", "held-out pairs for eval/rewards/accuracies", Console())
+    eval_data = load_data(eval_source, "preferences", "eval", args.columns, "--eval_dataset")
+    tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
+    set_threads(model)
+    trainer = DPOTrainer(model, args=_stage_config(args, DPOConfig), processing_class=tokenizer, train_dataset=data,
+                         eval_dataset=eval_data)
+    trainer.train()
+    return trainer
+
 # %% ../nbs/10_cli.ipynb #70913cf8
 def run_eval(args: EvalCommand) -> dict:
     "goose eval"
@@ -461,15 +493,9 @@ def run_plot(args: PlotCommand) -> Path:
     Console().print(f"plot: {path}")
     return path
 
-# %% ../nbs/10_cli.ipynb #9b513936
-def run_pipeline(args: PipelineCommand) -> dict:
-    "goose pipeline"
-    out, start = Path(args.output_dir), time.perf_counter()
-    common = dict(seed=args.seed, disable_tqdm=args.disable_tqdm, overwrite_output_dir=args.overwrite_output_dir)
-    console = Console()
-    console.rule("1/4 supervised fine-tuning")
-    run_sft(SFTCommand(model=args.model, output_dir=str(out / "sft"), max_steps=args.sft_steps,
-                       learning_rate=args.sft_learning_rate, **common))
+# %% ../nbs/10_cli.ipynb #20d51251
+def _pipeline_rl(args: PipelineCommand, out: Path, common: dict, console: Console):
+    "The pipeline's reward-model and RL stages (PPO-ptx or RLOO), and the RL curves."
     console.rule("2/4 reward model")
     run_rm(RMCommand(model=str(out / "sft"), output_dir=str(out / "rm"), max_steps=args.rm_steps,
                      learning_rate=args.rm_learning_rate, **common))
@@ -483,8 +509,29 @@ def run_pipeline(args: PipelineCommand) -> dict:
         console.rule("3/4 RLOO")
         run_rloo(RLOOCommand(**rl))
     plot_metrics(out / args.algo, out / f"{args.algo}_curves.png")
-    console.rule("4/4 evaluation")
-    metrics = run_eval(EvalCommand(policy=str(out / args.algo), reference=str(out / "sft"), reward_model=str(out / "rm"),
+
+# %% ../nbs/10_cli.ipynb #90fb6ef6
+def _pipeline_dpo(args: PipelineCommand, out: Path, common: dict, console: Console):
+    "The pipeline's DPO stage, on the task's pairs from the SFT model, and its curves."
+    console.rule("2/3 DPO")
+    run_dpo(DPOCommand(model=str(out / "sft"), output_dir=str(out / "dpo"), max_steps=args.dpo_steps,
+                       learning_rate=args.dpo_learning_rate, beta=args.dpo_beta, logging_steps=1, **common))
+    plot_metrics(out / "dpo", out / "dpo_curves.png", ["loss", "rewards/accuracies", "rewards/margins"])
+
+# %% ../nbs/10_cli.ipynb #9b513936
+def run_pipeline(args: PipelineCommand) -> dict:
+    "goose pipeline"
+    out, start = Path(args.output_dir), time.perf_counter()
+    common = dict(seed=args.seed, disable_tqdm=args.disable_tqdm, overwrite_output_dir=args.overwrite_output_dir)
+    console, n = Console(), 3 if args.algo == "dpo" else 4
+    console.rule(f"1/{n} supervised fine-tuning")
+    run_sft(SFTCommand(model=args.model, output_dir=str(out / "sft"), max_steps=args.sft_steps,
+                       learning_rate=args.sft_learning_rate, **common))
+    if args.algo == "dpo": _pipeline_dpo(args, out, common, console)
+    else: _pipeline_rl(args, out, common, console)
+    console.rule(f"{n}/{n} evaluation")
+    reward = "gold" if args.algo == "dpo" else str(out / "rm")   # DPO trains no reward model: the gold judge scores both columns
+    metrics = run_eval(EvalCommand(policy=str(out / args.algo), reference=str(out / "sft"), reward_model=reward,
                                    response_length=args.response_length, seed=args.seed, output=str(out / "eval.json")))
     summary = {"metrics": metrics, "seconds": round(time.perf_counter() - start, 1), "settings": dataclasses.asdict(args)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -493,7 +540,7 @@ def run_pipeline(args: PipelineCommand) -> dict:
 
 # %% ../nbs/10_cli.ipynb #ec78e88f
 _COMMANDS = {"sft": (SFTCommand, run_sft), "rm": (RMCommand, run_rm), "ppo": (PPOCommand, run_ppo),
-             "rloo": (RLOOCommand, run_rloo), "eval": (EvalCommand, run_eval), "pipeline": (PipelineCommand, run_pipeline),
+             "rloo": (RLOOCommand, run_rloo), "dpo": (DPOCommand, run_dpo), "eval": (EvalCommand, run_eval), "pipeline": (PipelineCommand, run_pipeline),
              "plot": (PlotCommand, run_plot)}
 
 def _usage() -> str:
