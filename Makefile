@@ -42,7 +42,7 @@ test: check-export
 	$(BIN)/python -m pytest tests -q
 
 demo: $(STAMP)
-	$(BIN)/goose pipeline --output_dir runs/demo
+	$(BIN)/goose pipeline --output_dir runs/demo --overwrite_output_dir
 
 # The documentation site, built without Quarto (tools/docs.py: nbdev's processors run every notebook -> MkDocs -> _site/,
 # KaTeX from npm bundled so it works offline), then checked page by page in Debian's headless Chromium.

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 __all__ = []
 
 # %% ../nbs/99_package.ipynb #49e0f540
-from . import agent, core, data, loop, losses, grpo, reward, rloo, rollout, sft, trainer
+from . import agent, core, data, dpo, loop, losses, grpo, reward, rloo, rollout, sft, trainer
 from .core import *
 from .losses import *
 from .data import *
@@ -19,6 +19,7 @@ from .rollout import *
 from .trainer import *
 from .rloo import *
 from .grpo import *
+from .dpo import *
 
 __all__ = [*core.__all__, *losses.__all__, *data.__all__, *agent.__all__, *reward.__all__, *loop.__all__,
-           *sft.__all__, *rollout.__all__, *trainer.__all__, *rloo.__all__, *grpo.__all__]
+           *sft.__all__, *rollout.__all__, *trainer.__all__, *rloo.__all__, *grpo.__all__, *dpo.__all__]

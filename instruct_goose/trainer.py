@@ -397,22 +397,24 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     model = self.setup(loop, steps)
     progress = loop.progress_bar(steps, type(self).__name__.removesuffix("Trainer").lower())
     prompts_per_step = c.rollout_size // self.samples_per_prompt * procs
-    while loop.state.step < steps:
-        start = time.perf_counter()
-        # 1. this process's share of the step's prompts; sample and score responses, compute the rollout (no gradients)
-        rows = batch_indices(len(self.train_dataset), prompts_per_step, loop.state.step, c.seed, rank, procs)
-        with loop.accelerator.autocast(), loop.gathered_for_generation():  # π_old in the update's precision; ZeRO-3: whole weights
-            rollout, samples = self.sample_rollout(model, self.train_dataset[rows]["prompt"], sampling_seed(c.seed, loop.state.step),
-                                                   rank * c.rollout_size, loop)
-        # 2. K epochs of minibatch updates; statistics averaged over processes
-        stats = {**self.rollout_stats(rollout), **self.update(model, rollout, loop)}
-        stats = {k: loop.accelerator.reduce(v, reduction="mean") for k, v in stats.items()}
-        # 3. the KL controller, then logs, sample tables and checkpoints
-        if "objective/kl" in stats: self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
-        loop.state.step += 1
-        progress.update(1)
-        self.report(loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress)
-        loop.end_step(loop.state.step == steps)
+    try:
+        while loop.state.step < steps:
+            start = time.perf_counter()
+            # 1. this process's share of the step's prompts; sample and score responses, compute the rollout (no gradients)
+            rows = batch_indices(len(self.train_dataset), prompts_per_step, loop.state.step, c.seed, rank, procs)
+            with loop.accelerator.autocast(), loop.gathered_for_generation():  # π_old in the update's precision; ZeRO-3: whole weights
+                rollout, samples = self.sample_rollout(model, self.train_dataset[rows]["prompt"], sampling_seed(c.seed, loop.state.step),
+                                                       rank * c.rollout_size, loop)
+            # 2. K epochs of minibatch updates; statistics averaged over processes
+            stats = {**self.rollout_stats(rollout), **self.update(model, rollout, loop)}
+            stats = {k: loop.accelerator.reduce(v, reduction="mean") for k, v in stats.items()}
+            # 3. the KL controller, then logs, sample tables and checkpoints
+            if "objective/kl" in stats: self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
+            loop.state.step += 1
+            progress.update(1)
+            self.report(loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress)
+            loop.end_step(loop.state.step == steps)
+    finally: loop._restore_signals()      # an exception must not leave our Ctrl-C handler installed
     progress.close()
     loop.save_checkpoint()
     self.model = model
