@@ -1,0 +1,119 @@
+"""DPO end to end: 1 vs 2 CPU processes (torchrun, gloo), SIGKILL and resume, the `goose dpo` command.
+
+The chapter (nbs/09c_dpo.ipynb) holds the hand-checked losses, log 2 at policy = reference, cached vs on-the-fly
+reference and padding invariance; here is what needs separate processes.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+SCRIPT = '''
+import json, os, sys, torch
+from instruct_goose.data import load_task
+from instruct_goose.dpo import DPOConfig, DPOTrainer
+policy, out, accumulation, precompute, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+resume = sys.argv[6] if len(sys.argv) > 6 else None
+config = DPOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, max_steps=steps,
+                   learning_rate=1e-3, save_steps=2, disable_tqdm=True, precompute_ref_log_probs=precompute,
+                   resume_from_checkpoint=resume)
+trainer = DPOTrainer(policy, args=config, train_dataset=load_task("preferences").select(range(64)))
+trainer.train()
+rank = os.environ.get("RANK", "0")
+torch.save(trainer.model.state_dict(), f"{out}/weights{rank}.pt")
+json.dump(trainer.loop.state.history, open(f"{out}/history{rank}.json", "w"))
+'''
+
+COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected", "logits/chosen", "logits/rejected", "grad_norm", "lr")
+
+
+def _env(out):
+    return {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": f"{out}-cache"}
+
+
+def _command(script, policy_dir, out, processes=1, accumulation=1, precompute=False, steps=6, resume=None):
+    args = [str(script), str(policy_dir), str(out), str(accumulation), "1" if precompute else "0", str(steps)]
+    args += [resume] if resume else []
+    if processes == 1: return [sys.executable] + args
+    return [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(processes)] + args
+
+
+def _run(command, out):
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env(out))
+    assert result.returncode == 0, result.stderr[-8000:]
+    return torch.load(out / "weights0.pt"), json.loads((out / "history0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dpo") / "train_dpo.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _same(weights_a, history_a, weights_b, history_b, eps=1e-5):
+    for name, a in weights_a.items(): torch.testing.assert_close(weights_b[name], a, atol=eps, rtol=0, msg=name)
+    assert [r["step"] for r in history_a] == [r["step"] for r in history_b]
+    for ra, rb in zip(history_a, history_b):
+        for key in COMPARED: assert rb[key] == pytest.approx(ra[key], abs=eps), (ra["step"], key)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_one_and_two_processes_train_alike(script, policy_dir, tmp_path, precompute):
+    "2 processes x 1 micro-batch = 1 process x 2 micro-batches of 4 pairs: the same weights and statistics, to 1e-5."
+    one = _run(_command(script, policy_dir, tmp_path / "one", 1, 2, precompute), tmp_path / "one")
+    two = _run(_command(script, policy_dir, tmp_path / "two", 2, 1, precompute), tmp_path / "two")
+    assert len(one[1]) == 6 and set(COMPARED) <= set(one[1][-1])
+    _same(*one, *two)
+
+
+def test_killed_run_resumes_to_the_same_result(script, policy_dir, tmp_path):
+    "SIGKILL after the first checkpoint, resume from the latest: the weights and history of the uninterrupted run."
+    steps = 40
+    straight = _run(_command(script, policy_dir, tmp_path / "straight", steps=steps), tmp_path / "straight")
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(_command(script, policy_dir, killed, steps=steps), env=_env(killed),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "checkpoint-2").is_dir() and time.time() < deadline and process.poll() is None: time.sleep(0.005)
+    assert process.poll() is None, "the run finished before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    assert not (killed / f"checkpoint-{steps}").exists()
+    resumed = _run(_command(script, policy_dir, killed, steps=steps, resume="latest"), killed)
+    _same(*straight, *resumed, eps=1e-6)
+
+
+def _goose(*args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(cwd / "cache")}
+    return subprocess.run([str(Path(sys.executable).parent / "goose"), *map(str, args)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=cwd)
+
+
+def test_goose_dpo_on_own_pairs_with_implicit_prompts(policy_dir, tmp_path):
+    "goose dpo on a JSONL of chosen/rejected texts: trains, logs TRL's names, saves a model plain 🤗 classes load."
+    rows = [{"chosen": f"Review: film {i} was great fun.", "rejected": f"Review: film {i} was dull."} for i in range(16)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = _goose("dpo", "--model", policy_dir, "--dataset", "pairs.jsonl", "--max_steps", 3, "--warmup_steps", 0,
+                    "--per_device_train_batch_size", 4, "--output_dir", "out", "--disable_tqdm", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == [1, 2, 3] and set(COMPARED) <= set(history[0])
+    assert history[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)     # step 1: policy = reference, log 2
+    assert "eval/loss" not in history[-1]                               # own data: the task's pairs are never mixed in
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(policy_dir).config.vocab_size
+
+
+def test_goose_dpo_refuses_rows_without_pairs(policy_dir, tmp_path):
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    result = _goose("dpo", "--model", policy_dir, "--dataset", "bad.jsonl", "--output_dir", "out", cwd=tmp_path)
+    assert result.returncode == 2 and "needs the columns" in result.stderr, result.stderr[-2000:]
