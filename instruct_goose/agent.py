@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'response_logits', 'token_logprobs', 'lm_nll',
-           'AgentOutput', 'ResponseStats', 'dropout_as_configured', 'disable_dropout', 'eval_mode',
+           'AgentOutput', 'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode',
            'own_generation_config', 'generate_responses', 'Agent', 'AdapterOffReference', 'create_reference_model',
            'ObjectiveTerms', 'AgentObjective']
 
@@ -39,11 +39,13 @@ def _check_left_padded(query_attention_mask):
         raise ValueError("`query_attention_mask` must be left-padded (the last position of every row real): "
                          "pad prompts on the left, e.g. tokenizer.padding_side = 'left'")
 
+# %% ../nbs/03_agent.ipynb #790eadb4
 def _accepts(model: nn.Module, argument: str) -> bool:
     "Whether `model`'s forward (a peft wrapper's: its base model's) takes `argument`."
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return argument in inspect.signature(base.forward).parameters
 
+# %% ../nbs/03_agent.ipynb #04493858
 def positions_for(
     model: nn.Module,                                          # a 🤗 model
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],
@@ -51,10 +53,12 @@ def positions_for(
     "`position_ids` counted over real tokens, for models that take them (ALiBi families such as BLOOM derive positions from the mask themselves)."
     return {"position_ids": position_ids_from_mask(attention_mask)} if _accepts(model, "position_ids") else {}
 
+# %% ../nbs/03_agent.ipynb #aad2dcff
 def context_length(model: nn.Module) -> int | None:
     "The longest sequence `model` can read (`max_position_embeddings`), or None where the config sets no limit."
     return getattr(model.config.get_text_config(), "max_position_embeddings", None)
 
+# %% ../nbs/03_agent.ipynb #02e08483
 @typecheck
 def response_logits(
     model: nn.Module,                                    # a 🤗 causal LM
@@ -114,11 +118,12 @@ class ResponseStats(NamedTuple):
     entropy: Tensor | None  # (batch, resp) entropy of the distribution each token was drawn from (None if skipped)
     values: Tensor    # (batch, resp) V before each response token, float32
 
-# %% ../nbs/03_agent.ipynb #0ecb8c9e
+# %% ../nbs/03_agent.ipynb #a9ce2856
 def _hidden_size(config) -> int:
     "Width of the last hidden state, read through the config for any model family."
     return config.get_text_config().hidden_size
 
+# %% ../nbs/03_agent.ipynb #0477115e
 _configured_dropout: dict[int, tuple] = {}   # id(config) -> (a weak reference to it, its drop rates before `disable_dropout`)
 
 def _drop_rates(config) -> dict:
@@ -133,6 +138,22 @@ def _zero_drop_floats(obj):
     if isinstance(obj, PretrainedConfig): _configured_dropout[id(obj)] = (weakref.ref(obj), {**_drop_rates(obj), **rates})
     for name in rates: setattr(obj, name, 0.0)
 
+def _load(model, auto_class, **kwargs):
+    return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
+
+# %% ../nbs/03_agent.ipynb #038a14a5
+def disable_dropout(model: nn.Module) -> nn.Module:
+    "Set every dropout probability in `model` to 0: `nn.Dropout` modules, float attributes (OPT's `dropout` and `layerdrop`, Falcon's `hidden_dropout`) and the config fields some families read in `forward`; returns `model`."
+    for module in model.modules():
+        if isinstance(module, nn.Dropout): module.p = 0.0
+        _zero_drop_floats(module)
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            for sub in [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}))]:
+                if isinstance(sub, PretrainedConfig): _zero_drop_floats(sub)
+    return model
+
+# %% ../nbs/03_agent.ipynb #6d9dd51f
 @contextmanager
 def dropout_as_configured(model: nn.Module):
     "Inside the block the configs in `model` carry their drop rates from before `disable_dropout`: a saved checkpoint keeps its user's dropout for later fine-tuning."
@@ -145,20 +166,6 @@ def dropout_as_configured(model: nn.Module):
     finally:
         for cfg, rates in saved:
             for name in rates: setattr(cfg, name, 0.0)
-
-def disable_dropout(model: nn.Module) -> nn.Module:
-    "Set every dropout probability in `model` to 0: `nn.Dropout` modules, float attributes (OPT's `dropout` and `layerdrop`, Falcon's `hidden_dropout`) and the config fields some families read in `forward`; returns `model`."
-    for module in model.modules():
-        if isinstance(module, nn.Dropout): module.p = 0.0
-        _zero_drop_floats(module)
-        config = getattr(module, "config", None)
-        if isinstance(config, PretrainedConfig):
-            for sub in [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}))]:
-                if isinstance(sub, PretrainedConfig): _zero_drop_floats(sub)
-    return model
-
-def _load(model, auto_class, **kwargs):
-    return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
 
 # %% ../nbs/03_agent.ipynb #2eae5b63
 @contextmanager
@@ -269,34 +276,39 @@ class Agent(nn.Module):
         entropies = None if entropy == "skip" else entropy_from_logits(logits if entropy == "grad" else logits.detach(), temperature)
         return ResponseStats(logprobs_from_logits(logits, response_ids, temperature), entropies, self._values(hidden))
 
-    def generate(self, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id,
-                 temperature=1.0, **generate_kwargs):
-        "Sample one response per prompt from the policy: `generate_responses` on `self.model`."
-        return generate_responses(self.model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids,
-                                  pad_token_id, temperature, **generate_kwargs)
+# %% ../nbs/03_agent.ipynb #587fffec
+@patch
+def generate(self: Agent, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id,
+             temperature=1.0, **generate_kwargs):
+    "Sample one response per prompt from the policy: `generate_responses` on `self.model`."
+    return generate_responses(self.model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids,
+                              pad_token_id, temperature, **generate_kwargs)
 
-    def save_pretrained(self, save_directory: str | Path, **kwargs):
-        "Save the policy (🤗 format), the value head and any separate critic to `save_directory`."
-        save_directory = Path(save_directory)
-        with dropout_as_configured(self.model): self.model.save_pretrained(save_directory, **kwargs)
-        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, save_directory / "value_head.safetensors")
-        if self.value_model is not None:
-            with dropout_as_configured(self.value_model): self.value_model.save_pretrained(save_directory / "value_model", **kwargs)
+# %% ../nbs/03_agent.ipynb #8e79b330
+@patch
+def save_pretrained(self: Agent, save_directory: str | Path, **kwargs):
+    "Save the policy (🤗 format), the value head and any separate critic to `save_directory`."
+    save_directory = Path(save_directory)
+    with dropout_as_configured(self.model): self.model.save_pretrained(save_directory, **kwargs)
+    save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, save_directory / "value_head.safetensors")
+    if self.value_model is not None:
+        with dropout_as_configured(self.value_model): self.value_model.save_pretrained(save_directory / "value_model", **kwargs)
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> "Agent":
-        "Load an `Agent` saved by `save_pretrained` (a LoRA policy as a trainable adapter on its base; any causal LM checkpoint gets a fresh value head)."
-        path = Path(path)
-        critic = path / "value_model"
-        if (path / "adapter_config.json").is_file():          # a LoRA policy: its base model plus the adapter
-            from peft import AutoPeftModelForCausalLM
-            policy = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
-        else: policy = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        agent = cls(policy,
-                    AutoModel.from_pretrained(critic, **kwargs) if critic.is_dir() else None)
-        head = path / "value_head.safetensors"
-        if head.is_file(): agent.value_head.load_state_dict(load_file(head))
-        return agent
+# %% ../nbs/03_agent.ipynb #94315c91
+@patch(cls_method=True)
+def from_pretrained(cls: Agent, path: str | Path, **kwargs) -> "Agent":
+    "Load an `Agent` saved by `save_pretrained` (a LoRA policy as a trainable adapter on its base; any causal LM checkpoint gets a fresh value head)."
+    path = Path(path)
+    critic = path / "value_model"
+    if (path / "adapter_config.json").is_file():          # a LoRA policy: its base model plus the adapter
+        from peft import AutoPeftModelForCausalLM
+        policy = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, **kwargs)
+    else: policy = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    agent = cls(policy,
+                AutoModel.from_pretrained(critic, **kwargs) if critic.is_dir() else None)
+    head = path / "value_head.safetensors"
+    if head.is_file(): agent.value_head.load_state_dict(load_file(head))
+    return agent
 
 # %% ../nbs/03_agent.ipynb #5f832ebd
 class AdapterOffReference(nn.Module):

@@ -28,6 +28,7 @@ def _score_head(classifier: nn.Module) -> nn.Linear:
     if not heads: raise ValueError(f"{type(classifier).__name__} has no linear layer with one output to read a reward from")
     return heads[-1]
 
+# %% ../nbs/04_reward.ipynb #f38bd947
 def _fresh_classifier(model: PreTrainedModel) -> PreTrainedModel:
     "The family's 1-label sequence classifier around `model`'s trunk (shared, not copied), with a new N(0, 1/(d+1)) head."
     config = copy.deepcopy(model.config)
@@ -147,6 +148,7 @@ def save_pretrained(self: RewardModel, save_directory: str | Path, **kwargs):
     self.model.save_pretrained(save_directory, **kwargs)
     if self.tokenizer is not None: self.tokenizer.save_pretrained(save_directory)
 
+# %% ../nbs/04_reward.ipynb #6821e49e
 @patch(cls_method=True)
 def from_pretrained(cls: RewardModel, path: str | Path, **kwargs) -> RewardModel:
     "Load a reward model saved by `save_pretrained`, or any 1-label 🤗 sequence classifier, with its tokenizer if it has one."

@@ -122,6 +122,7 @@ def frozen_reference(
                          "pass ref_model=None (a frozen copy is made) or create_reference_model(model)")
     return ref_model.eval().requires_grad_(False)
 
+# %% ../nbs/08_trainer.ipynb #40a4ec9a
 def _micro_batch_weights(
     counts: list[Tensor],    # real tokens (or sequences) in each micro-batch of this process's minibatch
     loop: TrainLoop,         # the loop: `loss_scale` = G·P/N over all micro-batches and processes
@@ -179,6 +180,7 @@ def whiten(
     everything = masked_whiten(accelerator.gather(values), accelerator.gather(mask.to(torch.uint8)).bool(), shift_mean)
     return everything.split(values.shape[0])[accelerator.process_index]
 
+# %% ../nbs/08_trainer.ipynb #32467165
 @patch
 @contextmanager
 def on_device(
@@ -440,6 +442,7 @@ def setup(
     loop.stop_on_signals()                       # Ctrl-C / SIGTERM: finish the step, checkpoint, save, exit
     return model
 
+# %% ../nbs/08_trainer.ipynb #c81df9c7
 @patch
 def report(
     self: OnPolicyTrainer,
