@@ -290,9 +290,11 @@ def outside_code(md: str, fn, in_code=None) -> str:
 
 
 def local_links(md: str, pages: set[str], url: str = "") -> str:
-    "Links to a page of this site (`losses.html#ppoloss`, or nbdev's absolute doc links) point at its .md file."
+    "Links to a page of this site (`losses.html#ppoloss`, nbdev's absolute doc links, `01_losses.ipynb`) point at its .md file."
     def fix(m): return f"]({m[1]}.md{m[2] or ''})" if m[1] in pages else m[0]
-    return github_links(re.sub(rf"\]\((?:{re.escape(url)})?([\w-]+)\.html(#[^)\s]*)?\)", fix, md))
+    md = re.sub(rf"\]\((?:{re.escape(url)})?([\w-]+)\.html(#[^)\s]*)?\)", fix, md)
+    md = re.sub(r"\]\((?:\./)?(?:\d+[a-z]?_)?([\w-]+)\.ipynb(#[^)\s]*)?\)", fix, md)      # a sibling notebook: its page
+    return github_links(md)
 
 
 def api_markdown(md: str, pages: set[str], url: str) -> str:
