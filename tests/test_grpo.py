@@ -171,3 +171,15 @@ def test_weighted_rewards_log_each_mean(policy_dir, tmp_path):
         assert {"rewards/length/mean", "rewards/has_digit/mean"} <= row.keys(), sorted(row)
         assert row["reward"] == pytest.approx(row["rewards/length/mean"] + 0.5 * row["rewards/has_digit/mean"], abs=1e-5)
         assert 0 <= row["rewards/has_digit/mean"] <= 1
+
+
+def test_all_truncated_minibatch_does_not_stop_training(policy_dir, tmp_path):
+    """DAPO's `mask_truncated_completions`: a minibatch whose completions all ran out of length has no token in its loss.
+    TRL then takes a zero-loss step (its normaliser is clamped at 1); a long run must not die on such a draw.
+    FAILS at a26e883: `TrainLoop.loss_scale` raises "the minibatch has nothing to learn from (0 tokens in its loss)"
+    (dapo/bnpo count tokens of `loss_mask`; grpo/dr_grpo count rows and do not raise)."""
+    trainer = _tiny_trainer(policy_dir, tmp_path, length, max_completion_length=2, mask_truncated_completions=True, max_steps=2)
+    trainer.train()
+    rows = trainer.loop.state.history
+    assert len(rows) == 2 and rows[0]["completions/clipped_ratio"] == 1     # every completion truncated: nothing to learn
+    assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in rows)
