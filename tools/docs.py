@@ -51,12 +51,13 @@ NB_TIMEOUT = 900                    # seconds one notebook may take before the b
 CHAPTERS = [
     ("index", "Overview"), ("00_core", "Core"), ("01_losses", "Losses"), ("02_data", "Data"),
     ("03_agent", "Agent"), ("04_reward", "Reward"), ("05_loop", "Loop"), ("06_sft", "SFT and reward modelling"),
-    ("07_rollout", "Rollout"), ("08_trainer", "Trainer (PPO)"), ("09_rloo", "RLOO"), ("09c_dpo", "DPO"), ("10_cli", "CLI"),
+    ("07_rollout", "Rollout"), ("08_trainer", "Trainer (PPO)"), ("09_rloo", "RLOO"), ("09b_grpo", "GRPO"), ("09c_dpo", "DPO"), ("10_cli", "CLI"),
     ("14_scaling", "Scaling up"),
 ]
 TUTORIALS = [
     ("11_tutorial_pipeline", "InstructGPT's three stages"), ("12_tutorial_reward", "Training a reward model"),
     ("13_tutorial_your_own", "Your own model, data and reward"), ("15_tutorial_rloo", "RLOO: no critic"),
+    ("17_tutorial_dpo", "DPO: preferences without RL"),
 ]
 LAST = [("99_package", "The package")]
 
