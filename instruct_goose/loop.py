@@ -7,7 +7,7 @@ __all__ = ['TrainingConfig', 'coerce_numbers', 'check_tracker', 'batch_indices',
            'fresh_accelerator', 'enable_gradient_checkpointing', 'TrainLoop', 'read_metrics', 'TrainingInterrupted']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
-import json, math, os, re, shutil, signal, sys, threading, warnings
+import json, logging, math, os, re, shutil, signal, sys, threading, warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -291,12 +291,14 @@ def backward(self: TrainLoop, loss: Tensor):
 @patch
 def loss_scale(
     self: TrainLoop,
-    counts: list,    # units (real tokens, pairs) in each of this process's micro-batches of the minibatch
-) -> float:          # G·P / N: multiply each micro-batch's loss sum by it
+    counts: list,              # units (real tokens, pairs) in each of this process's micro-batches of the minibatch
+    allow_empty: bool = False, # a minibatch with no units takes a zero-loss step (GRPO with every completion masked) instead of an error
+) -> float:                    # G·P / N: multiply each micro-batch's loss sum by it
     "The factor that makes a micro-batch's loss sum its share of the mean over the whole minibatch (all micro-batches, all processes)."
     acc = self.accelerator
     total = torch.tensor(float(sum(int(n) for n in counts)), device=self.device)
     if acc.num_processes > 1: total = acc.reduce(total, reduction="sum")
+    if total.item() == 0 and allow_empty: return 0.0
     if total.item() == 0: raise ValueError(f"step {self.state.step + 1}: the minibatch has nothing to learn from (0 tokens in its loss)")
     return acc.gradient_accumulation_steps * acc.num_processes / total.item()
 
@@ -406,6 +408,16 @@ def read_metrics(
     if not path.is_file(): raise FileNotFoundError(f"{str(path)!r} does not exist: is {str(run_dir)!r} a run's output_dir?")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
+# %% ../nbs/05_loop.ipynb #3b0bd809
+@contextmanager
+def _tied_weights_quiet():
+    "Inside the block Accelerate does not warn that it dropped a tied copy (GPT-2's `lm_head` is its embedding) from a checkpoint: the resume tests show it reloads exactly."
+    log = logging.getLogger("accelerate.utils.other")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try: yield
+    finally: log.setLevel(level)
+
 # %% ../nbs/05_loop.ipynb #ff977f6c
 @patch
 def save_checkpoint(self: TrainLoop) -> Path:
@@ -417,7 +429,8 @@ def save_checkpoint(self: TrainLoop) -> Path:
     if acc.is_main_process: shutil.rmtree(tmp, ignore_errors=True)
     acc.wait_for_everyone()
     if self.config.save_only_model: self._save_weights(tmp)
-    else: acc.save_state(str(tmp))              # every process writes its own random state into `tmp`
+    else:
+        with _tied_weights_quiet(): acc.save_state(str(tmp))   # every process writes its own random state into `tmp`
     acc.wait_for_everyone()                     # so nobody renames `tmp` before all have finished
     if acc.is_main_process:
         settings = {**asdict(self.config), "num_processes": acc.num_processes}

@@ -128,7 +128,7 @@ def _micro_batch_weights(
     loop: TrainLoop,         # the loop: `loss_scale` = G·P/N over all micro-batches and processes
 ) -> list[Tensor]:           # n_i·G·P/N: times a micro-batch's mean, its share of the minibatch's mean
     "Weights that turn each micro-batch's token mean into its share of the token mean over the whole minibatch (`TrainLoop.loss_scale`)."
-    scale = loop.loss_scale(counts)
+    scale = loop.loss_scale(counts, allow_empty=True)   # e.g. GRPO with every completion of a minibatch masked: a zero-loss step
     return [n * scale for n in counts]
 
 # %% ../nbs/08_trainer.ipynb #3e6fc23a
