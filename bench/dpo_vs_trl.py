@@ -3,7 +3,8 @@
 The tiny model + tokenizer are saved to a temp dir; each side loads them and trains `--steps` steps of `--batch` pairs
 in its own subprocess; runs alternate ours, TRL, ours, TRL, ... over `--reps` repetitions (repetition r: seed r on both
 sides). Matched settings: sigmoid loss, β 0.1, no label smoothing, AdamW at `--lr` with a linear schedule and no warm-up,
-grad clip 1.0, dropout off, the reference a frozen copy scored on the fly (no precomputing), max_length 256 cut from
+grad clip 1.0, dropout off, float32 and no gradient checkpointing (TRL 1.x turns on bf16 and checkpointing by
+default; both are switched off for it here), the reference a frozen copy scored on the fly (no precomputing), max_length 256 cut from
 the end (no prompt here is long enough to be cut), EOS appended to each completion, one process on the CPU.
 The data order differs (each library's own seeded sampler), so the loss curves agree only within noise.
 
@@ -47,7 +48,8 @@ def make_trl(model_dir, out_dir, a, seed):
                     beta=BETA, loss_type=["sigmoid"], max_length=MAX_LENGTH, truncation_mode="keep_start",
                     warmup_steps=0, lr_scheduler_type="linear", max_grad_norm=1.0, seed=seed, logging_steps=1,
                     report_to="none", save_strategy="no", use_cpu=True, disable_dropout=True, disable_tqdm=True,
-                    dataloader_num_workers=0, precompute_ref_log_probs=False)
+                    dataloader_num_workers=0, precompute_ref_log_probs=False,
+                    bf16=False, gradient_checkpointing=False)   # TRL 1.x defaults both on; ours: float32, no checkpointing
     trainer = DPOTrainer(model=model_dir, args=cfg, train_dataset=pairs(a.pairs))
     return trainer, lambda: [row["loss"] for row in trainer.state.log_history if "loss" in row]
 

@@ -117,3 +117,26 @@ def test_goose_dpo_refuses_rows_without_pairs(policy_dir, tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
     result = _goose("dpo", "--model", policy_dir, "--dataset", "bad.jsonl", "--output_dir", "out", cwd=tmp_path)
     assert result.returncode == 2 and "needs the columns" in result.stderr, result.stderr[-2000:]
+
+
+def test_lora_dpo_trains_adapters_only_against_the_adapter_off_base(policy_dir, tmp_path):
+    "With a LoRA policy and ref_model=None the reference is the same weights with the adapter off (no copy); only adapters move."
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer
+    from instruct_goose.agent import AdapterOffReference
+    from instruct_goose.data import load_task
+    from instruct_goose.dpo import DPOConfig, DPOTrainer
+    policy = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(policy_dir),
+                                 peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    trainer = DPOTrainer(policy, args=DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
+                                                learning_rate=1e-2, disable_tqdm=True),
+                         processing_class=AutoTokenizer.from_pretrained(policy_dir),
+                         train_dataset=load_task("preferences").select(range(16)))
+    assert isinstance(trainer.ref_model, AdapterOffReference)
+    trainer.train()
+    history = trainer.loop.state.history
+    assert history[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)     # zero-initialised adapters: policy = reference
+    assert history[-1]["rewards/margins"] != 0
+    changed = {n for n, p in policy.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("lora_" in n for n in changed), sorted(changed)[:5]
