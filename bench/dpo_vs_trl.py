@@ -4,7 +4,7 @@ The tiny model + tokenizer are saved to a temp dir; each side loads them and tra
 in its own subprocess; runs alternate ours, TRL, ours, TRL, ... over `--reps` repetitions (repetition r: seed r on both
 sides). Matched settings: sigmoid loss, β 0.1, no label smoothing, AdamW at `--lr` with a linear schedule and no warm-up,
 grad clip 1.0, dropout off, float32 and no gradient checkpointing (TRL 1.x turns on bf16 and checkpointing by
-default; both are switched off for it here), the reference a frozen copy scored on the fly (no precomputing), max_length 256 cut from
+default; both are switched off for it here unless `--trl_defaults`), the reference a frozen copy scored on the fly (no precomputing), max_length 256 cut from
 the end (no prompt here is long enough to be cut), EOS appended to each completion, one process on the CPU.
 The data order differs (each library's own seeded sampler), so the loss curves agree only within noise.
 
@@ -49,7 +49,7 @@ def make_trl(model_dir, out_dir, a, seed):
                     warmup_steps=0, lr_scheduler_type="linear", max_grad_norm=1.0, seed=seed, logging_steps=1,
                     report_to="none", save_strategy="no", use_cpu=True, disable_dropout=True, disable_tqdm=True,
                     dataloader_num_workers=0, precompute_ref_log_probs=False,
-                    bf16=False, gradient_checkpointing=False)   # TRL 1.x defaults both on; ours: float32, no checkpointing
+                    **({} if a.trl_defaults else dict(bf16=False, gradient_checkpointing=False)))  # TRL 1.x: both on by default
     trainer = DPOTrainer(model=model_dir, args=cfg, train_dataset=pairs(a.pairs))
     return trainer, lambda: [row["loss"] for row in trainer.state.log_history if "loss" in row]
 
@@ -105,6 +105,7 @@ def main():
     p.add_argument("--pairs", type=int, default=800, help="training pairs (the task's first N)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate, both sides")
     p.add_argument("--every", type=int, default=10, help="block size of the loss curve table")
+    p.add_argument("--trl_defaults", action="store_true", help="leave TRL's bf16 autocast and gradient checkpointing on")
     p.add_argument("--child", nargs=2, metavar=("SIDE", "MODEL_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -115,7 +116,8 @@ def main():
         for rep in range(a.reps):
             for side in ("ours", "trl"):
                 cmd = [sys.executable, __file__, "--child", side, model_dir, "--seed", str(rep)] + [
-                    x for k in ("steps", "batch", "pairs", "lr") for x in (f"--{k}", str(getattr(a, k)))]
+                    x for k in ("steps", "batch", "pairs", "lr") for x in (f"--{k}", str(getattr(a, k)))] + (
+                    ["--trl_defaults"] if a.trl_defaults else [])
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode: sys.exit(f"{side} failed:\n{out.stderr[-4000:]}")
                 r = json.loads(out.stdout.strip().splitlines()[-1]); res[side].append(r)

@@ -173,7 +173,7 @@ class DPOTrainer:
         self.max_length = fit_to_context(args.max_length, model)
         self.train_dataset = self.pairs(train_dataset, "train_dataset")
         self.eval_dataset = None if eval_dataset is None else self.pairs(eval_dataset, "eval_dataset")
-        self.ref_logps = None   # (pairs, 2) reference log-probabilities of the training set, once precomputed
+        self.ref_logps = self.eval_ref_logps = None   # (pairs, 2) reference log-probabilities of the training and eval sets, once precomputed
 
 # %% ../nbs/09c_dpo.ipynb #e0b10a21
 @patch
@@ -256,7 +256,7 @@ def precompute_ref_logps(self: DPOTrainer, dataset: Dataset, device: torch.devic
 @torch.no_grad()
 def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, batch_size: int = 32) -> dict:
     "`eval/loss`, `eval/rewards/accuracies` and `eval/rewards/margins` over all of `dataset` (default: the eval set), as floats."
-    cache = getattr(self, "eval_ref_logps", None) if dataset is None else None
+    cache = self.eval_ref_logps if dataset is None else None
     model, dataset = model or self.model, dataset or self.eval_dataset
     totals, n = {}, len(dataset)
     with eval_mode(model):
