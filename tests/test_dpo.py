@@ -140,3 +140,15 @@ def test_lora_dpo_trains_adapters_only_against_the_adapter_off_base(policy_dir, 
     assert history[-1]["rewards/margins"] != 0
     changed = {n for n, p in policy.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed and all("lora_" in n for n in changed), sorted(changed)[:5]
+
+
+def test_goose_pipeline_with_dpo(tmp_path):
+    "goose pipeline --algo dpo: SFT -> DPO -> eval (gold judge for both columns, no reward model), with its plot and summary."
+    result = _goose("pipeline", "--algo", "dpo", "--output_dir", "run", "--sft_steps", 3, "--dpo_steps", 2, "--disable_tqdm",
+                    cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = tmp_path / "run"
+    assert not (run / "rm").exists() and (run / "dpo_curves.png").is_file()
+    assert [r["step"] for r in map(json.loads, (run / "dpo" / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    metrics = json.loads((run / "summary.json").read_text())["metrics"]
+    assert metrics["eval/reward"] == metrics["eval/gold"] and "eval/kl" in metrics
