@@ -27,8 +27,9 @@ from .sft import StageConfig, drop_long_prompts, fit_to_context
 from .trainer import frozen_reference
 
 # %% ../nbs/09c_dpo.ipynb #cb13c4eb
-_LossType = Literal["sigmoid", "ipo", "hinge"]
+_LossType = Literal["sigmoid", "ipo", "hinge"]   # the `loss_type`s
 
+# %% ../nbs/09c_dpo.ipynb #1545e3dc
 @typecheck
 def dpo_loss(
     policy_chosen_logps: Float[Tensor, "batch"],    # log π(y_w|x): the chosen completion's summed log-probabilities
@@ -46,7 +47,7 @@ def dpo_loss(
     if loss_type == "ipo": return (h - 1 / (2 * beta)) ** 2
     raise ValueError(f"`loss_type` must be one of {', '.join(get_args(_LossType))}; got {loss_type!r}")
 
-# %% ../nbs/09c_dpo.ipynb #af08633a
+# %% ../nbs/09c_dpo.ipynb #0624f53a
 @dataclass
 class DPOConfig(StageConfig):
     "DPO and its IPO and hinge variants; field names as in TRL's `DPOConfig` (0.19; 1.x dropped `max_prompt_length`)."
@@ -71,7 +72,7 @@ class DPOConfig(StageConfig):
         for name in ("max_prompt_length", "precompute_ref_batch_size"):
             if getattr(self, name) is not None: check_number(name, getattr(self, name), low=1)
 
-# %% ../nbs/09c_dpo.ipynb #52dacf35
+# %% ../nbs/09c_dpo.ipynb #6babfd42
 def split_prompt(
     chosen: str,       # prompt + chosen completion
     rejected: str,     # prompt + rejected completion
@@ -82,17 +83,21 @@ def split_prompt(
     if 0 < n < limit and chosen[n - 1] == " ": n -= 1
     return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
 
-# %% ../nbs/09c_dpo.ipynb #81b0dcbc
+# %% ../nbs/09c_dpo.ipynb #060ba607
+def _split_messages(chosen: list, rejected: list) -> tuple[list, list, list]:
+    "(prompt, chosen, rejected): the leading messages both conversations share, and what follows in each."
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]: n += 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+# %% ../nbs/09c_dpo.ipynb #7caed29c
 def render_chat(
     row: dict,             # chosen, rejected (and prompt) as lists of {"role", "content"} messages
     tokenizer,             # a tokenizer with a chat template
 ) -> dict:                 # {"prompt", "chosen", "rejected"} as text
     "A conversational pair as text: the prompt through the chat template with the assistant's turn opened; each completion, what the template adds for its messages."
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
-    if prompt is None:                       # implicit: the leading messages both conversations share
-        n = 0
-        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]: n += 1
-        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    if prompt is None: prompt, chosen, rejected = _split_messages(chosen, rejected)   # implicit prompt
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("chat-shaped pairs need a tokenizer with a chat template (set `tokenizer.chat_template`), or render them to text first")
     head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
@@ -102,7 +107,7 @@ def render_chat(
         return whole[len(head):]
     return {"prompt": head, "chosen": tail(chosen), "rejected": tail(rejected)}
 
-# %% ../nbs/09c_dpo.ipynb #b02c4f2c
+# %% ../nbs/09c_dpo.ipynb #6fa47149
 def preference_dataset(
     data,                  # a 🤗 Dataset or list of dicts: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or messages
     name: str,             # the argument's name, for messages
@@ -115,7 +120,7 @@ def preference_dataset(
     if "prompt" in data.column_names: return data
     return data.map(lambda row: split_prompt(row["chosen"], row["rejected"]), keep_in_memory=True)
 
-# %% ../nbs/09c_dpo.ipynb #0bb2a2a3
+# %% ../nbs/09c_dpo.ipynb #a910898b
 def encode_pairs(
     tokenizer,                             # the policy's tokenizer (with a pad token)
     prompts: list[str],                    # prompts
@@ -135,7 +140,7 @@ def encode_pairs(
     for i, (h, row) in enumerate(zip(heads, rows)): loss_mask[i, len(h):len(row)] = True
     return ids, mask, loss_mask
 
-# %% ../nbs/09c_dpo.ipynb #52c9844b
+# %% ../nbs/09c_dpo.ipynb #b5c45fba
 @typecheck
 def completion_logps(
     model: nn.Module,                                # a 🤗 causal LM
@@ -149,7 +154,7 @@ def completion_logps(
     logps = masked_sum(logprobs_from_logits(logits, input_ids[:, 1:]), counted, dim=1)
     return logps, masked_sum(logits.float().mean(-1), counted, dim=1)
 
-# %% ../nbs/09c_dpo.ipynb #e9486f1e
+# %% ../nbs/09c_dpo.ipynb #58ee7cdb
 class DPOTrainer:
     "Direct preference optimisation of a causal LM on (prompt, chosen, rejected) pairs against a frozen reference."
     def __init__(
@@ -175,7 +180,7 @@ class DPOTrainer:
         self.eval_dataset = None if eval_dataset is None else self.pairs(eval_dataset, "eval_dataset")
         self.ref_logps = self.eval_ref_logps = None   # (pairs, 2) reference log-probabilities of the training and eval sets, once precomputed
 
-# %% ../nbs/09c_dpo.ipynb #e0b10a21
+# %% ../nbs/09c_dpo.ipynb #160b20cd
 @patch
 def pairs(self: DPOTrainer, data, name: str) -> Dataset:
     "`data` as prompt/chosen/rejected rows, without those whose prompt alone (after `max_prompt_length`) fills `max_length`."
@@ -184,7 +189,7 @@ def pairs(self: DPOTrainer, data, name: str) -> Dataset:
     if limit is not None and limit < self.max_length: return data
     return drop_long_prompts(data, self.processing_class, self.max_length, name)
 
-# %% ../nbs/09c_dpo.ipynb #a2f1ca29
+# %% ../nbs/09c_dpo.ipynb #808942fe
 @patch
 def encode(
     self: DPOTrainer,
@@ -197,7 +202,7 @@ def encode(
     cached = None if ref_logps is None else torch.cat([ref_logps[:, 0], ref_logps[:, 1]])
     return (*batch, cached), len(rows["prompt"])
 
-# %% ../nbs/09c_dpo.ipynb #474a715e
+# %% ../nbs/09c_dpo.ipynb #40f1f50d
 @patch
 @torch.no_grad()
 def reference_logps(self: DPOTrainer, ids: Tensor, mask: Tensor, loss_mask: Tensor) -> Tensor:
@@ -206,7 +211,7 @@ def reference_logps(self: DPOTrainer, ids: Tensor, mask: Tensor, loss_mask: Tens
                                                 "the training and eval sets' reference log-probabilities are kept")
     with eval_mode(self.ref_model): return completion_logps(self.ref_model, ids, mask, loss_mask)[0]
 
-# %% ../nbs/09c_dpo.ipynb #bd1e1965
+# %% ../nbs/09c_dpo.ipynb #3765c977
 @patch
 def pair_loss_sum(self: DPOTrainer, model: nn.Module, batch: tuple) -> tuple[Tensor, dict]:
     "(Σ of the pairs' losses, TRL's statistics) for an encoded micro-batch: policy and reference each score chosen and rejected in one pass."
@@ -220,7 +225,7 @@ def pair_loss_sum(self: DPOTrainer, model: nn.Module, batch: tuple) -> tuple[Ten
     losses = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, a.beta, a.loss_type, a.label_smoothing)
     return losses.sum(), dpo_metrics(logps.detach(), ref, logits.detach(), n_tokens, a.beta)
 
-# %% ../nbs/09c_dpo.ipynb #fb99b174
+# %% ../nbs/09c_dpo.ipynb #4ce5370b
 @typecheck
 def dpo_metrics(
     logps: Float[Tensor, "batch"],      # log π of each row's completion: chosen rows, then rejected
@@ -238,7 +243,7 @@ def dpo_metrics(
         stats[f"logps/{name}"], stats[f"logits/{name}"] = lp.mean(), lg.sum() / n.sum().clamp(min=1)
     return stats
 
-# %% ../nbs/09c_dpo.ipynb #b3454036
+# %% ../nbs/09c_dpo.ipynb #50393c4f
 @patch
 @torch.no_grad()
 def precompute_ref_logps(self: DPOTrainer, dataset: Dataset, device: torch.device) -> Float[Tensor, "pairs 2"]:
@@ -251,7 +256,7 @@ def precompute_ref_logps(self: DPOTrainer, dataset: Dataset, device: torch.devic
             found.append(torch.stack(completion_logps(reference, ids, mask, loss_mask)[0].cpu().chunk(2), 1))
     return torch.cat(found)
 
-# %% ../nbs/09c_dpo.ipynb #c1910276
+# %% ../nbs/09c_dpo.ipynb #816b792c
 @patch
 @torch.no_grad()
 def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, batch_size: int = 32) -> dict:
@@ -266,7 +271,7 @@ def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, bat
             for k, v in {"loss": loss_sum / pairs, **stats}.items(): totals[k] = totals.get(k, 0.0) + v.item() * pairs / n
     return {f"eval/{k}": totals[k] for k in ("loss", "rewards/accuracies", "rewards/margins")}
 
-# %% ../nbs/09c_dpo.ipynb #ea05c958
+# %% ../nbs/09c_dpo.ipynb #18d9cb3d
 @patch
 def train(self: DPOTrainer) -> PreTrainedModel:
     "Train on the pairs with `TrainLoop.fit`: log TRL's statistics (and eval), checkpoint, save the model and tokenizer to `output_dir`."
