@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMCommand', 'OnPolicyCommand', 'PPOCommand',
            'RLOOCommand', 'DPOCommand', 'EvalCommand', 'PipelineCommand', 'PlotCommand', 'UsageError',
-           'load_tokenizer_and_model', 'load_data', 'set_threads', 'import_function', 'WeightedReward', 'reward_from',
-           'run_sft', 'run_rm', 'policy_and_reference', 'run_ppo', 'run_rloo', 'run_dpo', 'run_eval',
-           'comparison_table', 'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
+           'load_tokenizer_and_model', 'load_data', 'set_threads', 'import_function', 'reward_from', 'run_sft',
+           'run_rm', 'policy_and_reference', 'run_ppo', 'run_rloo', 'run_dpo', 'run_eval', 'comparison_table',
+           'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
 
 # %% ../nbs/10_cli.ipynb #91472c31
 import argparse, copy, dataclasses, importlib, inspect, json, logging, os, re, shlex, sys, time
@@ -28,7 +28,7 @@ from .agent import Agent, create_reference_model
 from .core import check_number
 from .data import gold_score, load_task, read_dataset, task_tokenizer, tiny_causal_lm
 from .loop import TrainingInterrupted, coerce_numbers, read_metrics
-from .reward import RewardModel, score_completions
+from .reward import RewardModel, WeightedReward
 from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from .rloo import RLOOConfig, RLOOTrainer
 from .dpo import DPOConfig, DPOTrainer
@@ -299,16 +299,6 @@ def import_function(spec: str, flag: str):
     except (ImportError, AttributeError) as e: raise UsageError(f"{flag} {spec!r}: {_first_line(e)}") from None
     if not callable(function): raise UsageError(f"{flag} {spec!r} is not a function")
     return function
-
-# %% ../nbs/10_cli.ipynb #eefd2032
-class WeightedReward:
-    "The weighted sum of reward functions, each checked by `score_completions` (so a bad one is named)."
-    def __init__(self, functions: list, weights: list[float]):
-        self.functions, self.weights = functions, weights
-        self.__name__ = " + ".join(f"{w:g}·{getattr(f, '__name__', f)}" for f, w in zip(functions, weights))
-
-    def __call__(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
-        return sum(w * score_completions(f, prompts, completions) for f, w in zip(self.functions, self.weights))
 
 # %% ../nbs/10_cli.ipynb #eae9ee85
 def reward_from(args) -> "RewardModel | WeightedReward | callable":

@@ -202,12 +202,14 @@ class WeightedReward:
     ):
         if len(weights) != len(functions): raise ValueError(f"`reward_weights` has {len(weights)} numbers for {len(functions)} reward functions")
         self.functions, self.weights, self.last_means = functions, [float(w) for w in weights], {}
-        self.__name__ = " + ".join(f"{w:g}·{_reward_name(f)}" for f, w in zip(functions, self.weights))
+        names = [_reward_name(f) for f in functions]
+        self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]   # two lambdas stay apart
+        self.__name__ = " + ".join(f"{w:g}·{n}" for n, w in zip(self.names, self.weights))
 
     def __call__(self, prompts: list[str], completions: list[str]) -> Tensor:
-        scores = {_reward_name(f): score_completions(f, prompts, completions) for f in self.functions}
-        self.last_means = {name: s.mean() for name, s in scores.items()}
-        return sum(w * s for w, s in zip(self.weights, scores.values()))
+        scores = [score_completions(f, prompts, completions) for f in self.functions]
+        self.last_means = {name: s.mean() for name, s in zip(self.names, scores)}
+        return sum(w * s for w, s in zip(self.weights, scores))
 
 def _reward_name(f) -> str:
     return type(f.model).__name__ if isinstance(f, RewardModel) else getattr(f, "__name__", type(f).__name__)
