@@ -189,43 +189,7 @@ def pairs(self: DPOTrainer, data, name: str) -> Dataset:
     if limit is not None and limit < self.max_length: return data
     return drop_long_prompts(data, self.processing_class, self.max_length, name)
 
-# %% ../nbs/09c_dpo.ipynb #808942fe
-@patch
-def encode(
-    self: DPOTrainer,
-    rows: dict,                          # a batch of rows (dict of column lists)
-    ref_logps: Tensor | None = None,     # (pairs, 2) their precomputed reference log-probabilities, if any
-) -> tuple[tuple, int]:                  # ((ids, mask, loss_mask, reference log-probs or None), number of pairs)
-    "A micro-batch: chosen then rejected rows (`encode_pairs`), with the cached reference log-probabilities in the same order."
-    a = self.args
-    batch = encode_pairs(self.processing_class, rows["prompt"], rows["chosen"], rows["rejected"], self.max_length, a.max_prompt_length)
-    cached = None if ref_logps is None else torch.cat([ref_logps[:, 0], ref_logps[:, 1]])
-    return (*batch, cached), len(rows["prompt"])
-
-# %% ../nbs/09c_dpo.ipynb #40f1f50d
-@patch
-@torch.no_grad()
-def reference_logps(self: DPOTrainer, ids: Tensor, mask: Tensor, loss_mask: Tensor) -> Tensor:
-    "log π_ref of each row's completion, in one forward pass of the reference."
-    if self.ref_model is None: raise ValueError("no reference model to score these pairs: with precompute_ref_log_probs, only "
-                                                "the training and eval sets' reference log-probabilities are kept")
-    with eval_mode(self.ref_model): return completion_logps(self.ref_model, ids, mask, loss_mask)[0]
-
-# %% ../nbs/09c_dpo.ipynb #3765c977
-@patch
-def pair_loss_sum(self: DPOTrainer, model: nn.Module, batch: tuple) -> tuple[Tensor, dict]:
-    "(Σ of the pairs' losses, TRL's statistics) for an encoded micro-batch: policy and reference each score chosen and rejected in one pass."
-    a, device = self.args, next(model.parameters()).device
-    ids, mask, loss_mask, ref = (None if t is None else t.to(device) for t in batch)
-    logps, logits = completion_logps(model, ids, mask, loss_mask)
-    ref = self.reference_logps(ids, mask, loss_mask) if ref is None else ref
-    n_tokens = loss_mask[:, 1:].sum(1)
-    per = (lambda x: x / n_tokens) if a.loss_type == "ipo" else (lambda x: x)   # IPO: per-token means, as TRL does
-    chosen, rejected, ref_chosen, ref_rejected = (*per(logps).chunk(2), *per(ref).chunk(2))
-    losses = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, a.beta, a.loss_type, a.label_smoothing)
-    return losses.sum(), dpo_metrics(logps.detach(), ref, logits.detach(), n_tokens, a.beta)
-
-# %% ../nbs/09c_dpo.ipynb #4ce5370b
+# %% ../nbs/09c_dpo.ipynb #caee2a0b
 @typecheck
 def dpo_metrics(
     logps: Float[Tensor, "batch"],      # log π of each row's completion: chosen rows, then rejected
@@ -243,7 +207,43 @@ def dpo_metrics(
         stats[f"logps/{name}"], stats[f"logits/{name}"] = lp.mean(), lg.sum() / n.sum().clamp(min=1)
     return stats
 
-# %% ../nbs/09c_dpo.ipynb #50393c4f
+# %% ../nbs/09c_dpo.ipynb #be371e9d
+@patch
+def encode(
+    self: DPOTrainer,
+    rows: dict,                          # a batch of rows (dict of column lists)
+    ref_logps: Tensor | None = None,     # (pairs, 2) their precomputed reference log-probabilities, if any
+) -> tuple[tuple, int]:                  # ((ids, mask, loss_mask, reference log-probs or None), number of pairs)
+    "A micro-batch: chosen then rejected rows (`encode_pairs`), with the cached reference log-probabilities in the same order."
+    a = self.args
+    batch = encode_pairs(self.processing_class, rows["prompt"], rows["chosen"], rows["rejected"], self.max_length, a.max_prompt_length)
+    cached = None if ref_logps is None else torch.cat([ref_logps[:, 0], ref_logps[:, 1]])
+    return (*batch, cached), len(rows["prompt"])
+
+# %% ../nbs/09c_dpo.ipynb #60942f30
+@patch
+@torch.no_grad()
+def reference_logps(self: DPOTrainer, ids: Tensor, mask: Tensor, loss_mask: Tensor) -> Tensor:
+    "log π_ref of each row's completion, in one forward pass of the reference."
+    if self.ref_model is None: raise ValueError("no reference model to score these pairs: with precompute_ref_log_probs, only "
+                                                "the training and eval sets' reference log-probabilities are kept")
+    with eval_mode(self.ref_model): return completion_logps(self.ref_model, ids, mask, loss_mask)[0]
+
+# %% ../nbs/09c_dpo.ipynb #7802ca7d
+@patch
+def pair_loss_sum(self: DPOTrainer, model: nn.Module, batch: tuple) -> tuple[Tensor, dict]:
+    "(Σ of the pairs' losses, TRL's statistics) for an encoded micro-batch: policy and reference each score chosen and rejected in one pass."
+    a, device = self.args, next(model.parameters()).device
+    ids, mask, loss_mask, ref = (None if t is None else t.to(device) for t in batch)
+    logps, logits = completion_logps(model, ids, mask, loss_mask)
+    ref = self.reference_logps(ids, mask, loss_mask) if ref is None else ref
+    n_tokens = loss_mask[:, 1:].sum(1)
+    per = (lambda x: x / n_tokens) if a.loss_type == "ipo" else (lambda x: x)   # IPO: per-token means, as TRL does
+    chosen, rejected, ref_chosen, ref_rejected = (*per(logps).chunk(2), *per(ref).chunk(2))
+    losses = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, a.beta, a.loss_type, a.label_smoothing)
+    return losses.sum(), dpo_metrics(logps.detach(), ref, logits.detach(), n_tokens, a.beta)
+
+# %% ../nbs/09c_dpo.ipynb #7e8c6e86
 @patch
 @torch.no_grad()
 def precompute_ref_logps(self: DPOTrainer, dataset: Dataset, device: torch.device) -> Float[Tensor, "pairs 2"]:
@@ -256,7 +256,7 @@ def precompute_ref_logps(self: DPOTrainer, dataset: Dataset, device: torch.devic
             found.append(torch.stack(completion_logps(reference, ids, mask, loss_mask)[0].cpu().chunk(2), 1))
     return torch.cat(found)
 
-# %% ../nbs/09c_dpo.ipynb #816b792c
+# %% ../nbs/09c_dpo.ipynb #b16af1ba
 @patch
 @torch.no_grad()
 def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, batch_size: int = 32) -> dict:
@@ -271,7 +271,7 @@ def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, bat
             for k, v in {"loss": loss_sum / pairs, **stats}.items(): totals[k] = totals.get(k, 0.0) + v.item() * pairs / n
     return {f"eval/{k}": totals[k] for k in ("loss", "rewards/accuracies", "rewards/margins")}
 
-# %% ../nbs/09c_dpo.ipynb #18d9cb3d
+# %% ../nbs/09c_dpo.ipynb #d0005dac
 @patch
 def train(self: DPOTrainer) -> PreTrainedModel:
     "Train on the pairs with `TrainLoop.fit`: log TRL's statistics (and eval), checkpoint, save the model and tokenizer to `output_dir`."
