@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMCommand', 'OnPolicyCommand', 'PPOCommand',
-           'RLOOCommand', 'DPOCommand', 'EvalCommand', 'PipelineCommand', 'PlotCommand', 'UsageError',
+           'RLOOCommand', 'GRPOCommand', 'DPOCommand', 'EvalCommand', 'PipelineCommand', 'PlotCommand', 'UsageError',
            'load_tokenizer_and_model', 'load_data', 'set_threads', 'import_function', 'reward_from', 'run_sft',
-           'run_rm', 'policy_and_reference', 'run_ppo', 'run_rloo', 'run_dpo', 'run_eval', 'comparison_table',
-           'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
+           'run_rm', 'policy_and_reference', 'run_ppo', 'run_rloo', 'run_grpo', 'run_dpo', 'run_eval',
+           'comparison_table', 'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
 
 # %% ../nbs/10_cli.ipynb #91472c31
 import argparse, copy, dataclasses, importlib, inspect, json, logging, os, re, shlex, sys, time
@@ -31,6 +31,7 @@ from .loop import TrainingInterrupted, coerce_numbers, read_metrics
 from .reward import RewardModel, WeightedReward
 from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from .rloo import RLOOConfig, RLOOTrainer
+from .grpo import GRPOConfig, GRPOTrainer
 from .dpo import DPOConfig, DPOTrainer
 from .trainer import OnPolicyConfig, RLHFConfig, RLHFTrainer, evaluate_policy
 
@@ -181,6 +182,14 @@ class RLOOCommand(OnPolicyCommand, RLOOConfig):
     output_dir: str = "runs/rloo"            # where the policy, tokenizer and checkpoints go
     rloo_k: int = 4                          # responses sampled per prompt (≥ 2)
 
+# %% ../nbs/10_cli.ipynb #fbf8e272
+@dataclass
+class GRPOCommand(OnPolicyCommand, GRPOConfig):
+    "goose grpo: GRPO (G completions per prompt, group-relative advantages, no critic; a KL term in the loss when --beta > 0)."
+    output_dir: str = "runs/grpo"            # where the policy, tokenizer and checkpoints go
+    max_completion_length: int = 16          # tokens sampled per completion
+    num_generations: int = 4                 # completions sampled per prompt (≥ 2)
+
 # %% ../nbs/10_cli.ipynb #8f0ed551
 @dataclass
 class DPOCommand(DPOConfig):
@@ -220,7 +229,7 @@ class PipelineCommand:
     "goose pipeline: SFT -> reward model -> PPO-ptx (or RLOO; or SFT -> DPO) -> eval on the built-in task, with plots and a before/after table."
     output_dir: str = "runs/pipeline"        # each stage writes to a subdirectory of this
     model: str = "tiny-gpt2"                 # tiny-gpt2, tiny-llama, or a 🤗 causal LM name/path to start from
-    algo: Literal["ppo", "rloo", "dpo"] = "ppo"  # PPO-ptx (with a value head), RLOO (no critic), or DPO (offline, on the pairs; no reward model)
+    algo: Literal["ppo", "rloo", "grpo", "dpo"] = "ppo"  # PPO-ptx (with a value head), RLOO or GRPO (no critic), or DPO (offline, on the pairs; no reward model)
     seed: int = 0                            # seeds every stage
     sft_steps: int = 300                     # SFT optimizer steps
     sft_learning_rate: float = 3e-3          # SFT peak learning rate
@@ -397,6 +406,20 @@ def run_rloo(args: RLOOCommand):
     trainer.train()
     return trainer
 
+# %% ../nbs/10_cli.ipynb #1186c8b4
+def run_grpo(args: GRPOCommand):
+    "goose grpo"
+    set_seed(args.seed)
+    prompts, reward = load_data(args.dataset, "prompts", columns=args.columns), reward_from(args)
+    tokenizer, sft_model = load_tokenizer_and_model(args.policy, args.seed, "--policy")
+    set_threads(sft_model)
+    policy, reference = policy_and_reference(sft_model, args)
+    config = _stage_config(args, GRPOConfig)
+    config.reward_weights = None                 # --reward_weights already weighed the --reward_funcs
+    trainer = GRPOTrainer(policy, reward, config, prompts, tokenizer, ref_model=reference if args.beta > 0 else None)
+    trainer.train()
+    return trainer
+
 # %% ../nbs/10_cli.ipynb #f3eb3e16
 def run_dpo(args: DPOCommand):
     "goose dpo"
@@ -442,7 +465,8 @@ def comparison_table(metrics: dict, title: str = "policy vs reference (held-out 
     return table
 
 # %% ../nbs/10_cli.ipynb #20204381
-_STANDARD_CURVES = ("objective/scores", "objective/kl", "objective/rlhf_reward", "objective/entropy", "policy/clipfrac_avg")
+_STANDARD_CURVES = ("objective/scores", "objective/kl", "objective/rlhf_reward", "objective/entropy", "policy/clipfrac_avg",
+                    "reward", "kl", "entropy", "clip_ratio/region_mean")   # PPO/RLOO's names, then GRPO's (TRL's)
 
 def _curve_keys(rows: list[dict]) -> list[str]:
     "The standard curves a history holds; for a supervised run, its losses and evaluations."
@@ -485,7 +509,7 @@ def run_plot(args: PlotCommand) -> Path:
 
 # %% ../nbs/10_cli.ipynb #20d51251
 def _pipeline_rl(args: PipelineCommand, out: Path, common: dict, console: Console):
-    "The pipeline's reward-model and RL stages (PPO-ptx or RLOO), and the RL curves."
+    "The pipeline's reward-model and RL stages (PPO-ptx, RLOO or GRPO), and the RL curves."
     console.rule("2/4 reward model")
     run_rm(RMCommand(model=str(out / "sft"), output_dir=str(out / "rm"), max_steps=args.rm_steps,
                      learning_rate=args.rm_learning_rate, **common))
@@ -495,9 +519,12 @@ def _pipeline_rl(args: PipelineCommand, out: Path, common: dict, console: Consol
     if args.algo == "ppo":
         console.rule("3/4 PPO" + ("-ptx" if args.ptx_coef else ""))
         run_ppo(PPOCommand(adaptive_kl=args.adaptive_kl, kl_target=args.kl_target, kl_horizon=2000, ptx_coef=args.ptx_coef, **rl))
-    else:
+    elif args.algo == "rloo":
         console.rule("3/4 RLOO")
         run_rloo(RLOOCommand(**rl))
+    else:
+        console.rule("3/4 GRPO")
+        run_grpo(GRPOCommand(**rl, max_completion_length=args.response_length, beta=args.kl_coef))
     plot_metrics(out / args.algo, out / f"{args.algo}_curves.png")
 
 # %% ../nbs/10_cli.ipynb #90fb6ef6
@@ -530,7 +557,7 @@ def run_pipeline(args: PipelineCommand) -> dict:
 
 # %% ../nbs/10_cli.ipynb #ec78e88f
 _COMMANDS = {"sft": (SFTCommand, run_sft), "rm": (RMCommand, run_rm), "ppo": (PPOCommand, run_ppo),
-             "rloo": (RLOOCommand, run_rloo), "dpo": (DPOCommand, run_dpo), "eval": (EvalCommand, run_eval), "pipeline": (PipelineCommand, run_pipeline),
+             "rloo": (RLOOCommand, run_rloo), "grpo": (GRPOCommand, run_grpo), "dpo": (DPOCommand, run_dpo), "eval": (EvalCommand, run_eval), "pipeline": (PipelineCommand, run_pipeline),
              "plot": (PlotCommand, run_plot)}
 
 def _usage() -> str:

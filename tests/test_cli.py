@@ -18,7 +18,7 @@ def goose(*args, cwd=None):
 
 
 def test_every_command_has_help():
-    for command in ("sft", "rm", "ppo", "rloo", "eval", "pipeline"):
+    for command in ("sft", "rm", "ppo", "rloo", "grpo", "eval", "pipeline"):
         result = goose(command, "--help")
         assert result.returncode == 0, result.stderr
         assert "--output_dir" in result.stdout or "--output" in result.stdout
@@ -31,7 +31,7 @@ def test_bad_value_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "ppo").exists()
 
 
-@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+@pytest.mark.parametrize("algo", ["ppo", "rloo", "grpo"])
 def test_short_pipeline_trains_evaluates_and_reports(tmp_path, algo):
     out = tmp_path / "run"
     result = goose("pipeline", "--output_dir", str(out), "--algo", algo, "--sft_steps", "40", "--rm_steps", "10",
