@@ -4,11 +4,13 @@
 
 # %% auto #0
 __all__ = ['train_tokenizer', 'tiny_causal_lm', 'pad_rows', 'encode_prompts', 'encode_texts', 'encode_sft', 'as_dataset',
-           'read_dataset', 'task_path', 'load_task', 'task_tokenizer', 'gold_score']
+           'read_dataset', 'task_path', 'load_task', 'task_tokenizer', 'gold_score', 'arithmetic_task',
+           'exact_answer_reward']
 
 # %% ../nbs/02_data.ipynb #a71e1854
 import functools
-from collections.abc import Iterable
+import random
+from collections.abc import Callable, Iterable
 from importlib.resources import files
 from pathlib import Path
 from typing import Literal
@@ -213,3 +215,35 @@ def gold_score(
 # %% ../nbs/02_data.ipynb #9957a8b0
 @functools.lru_cache
 def _vader(analyzer_class): return analyzer_class()
+
+# %% ../nbs/02_data.ipynb #e81f93be
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+def arithmetic_task(
+    n: int = 1000,              # problems, all distinct (at most as many as there are)
+    seed: int = 0,              # which problems are drawn, and their order
+    max_operand: int = 49,      # operands are drawn from 0..max_operand
+    ops: str = "+",             # operators to draw from: any of "+", "-", "*" ("-" keeps a ≥ b, so no answer is negative)
+) -> Dataset:                   # columns `prompt` ("12+7=") and `answer` ("19")
+    "A task with a checkable answer: `n` distinct problems `a op b =`, drawn without replacement, and their exact answers."
+    if not ops or set(ops) - set(_OPS): raise ValueError(f"`ops` must be made of {''.join(_OPS)}; got {ops!r}")
+    if n < 1 or max_operand < 0: raise ValueError(f"`n` must be at least 1 and `max_operand` at least 0; got {n} and {max_operand}")
+    operands = range(max_operand + 1)
+    problems = [(a, op, b) for op in dict.fromkeys(ops) for a in operands for b in operands if op != "-" or a >= b]
+    if n > len(problems): raise ValueError(f"`n`={n} is more than the {len(problems)} distinct problems with operands up to {max_operand} and ops {ops!r}")
+    rows = random.Random(seed).sample(problems, n)
+    return Dataset.from_dict({"prompt": [f"{a}{op}{b}=" for a, op, b in rows], "answer": [str(_OPS[op](a, b)) for a, op, b in rows]})
+
+# %% ../nbs/02_data.ipynb #d7baeb03
+def exact_answer_reward(
+    data,   # rows with `prompt` and `answer` columns (a 🤗 Dataset or a list of dicts), e.g. from `arithmetic_task`
+) -> Callable[[list[str], list[str]], list[float]]:  # f(prompts, completions) -> 1.0 or 0.0 each
+    "A reward function that looks up each prompt's `answer` in `data`: 1 when the completion, spaces stripped, is exactly it, else 0."
+    data = as_dataset(data, "data", [("prompt", "answer")])
+    answers = {p: str(a).strip() for p, a in zip(data["prompt"], data["answer"])}
+    if len(set(zip(data["prompt"], map(str, data["answer"])))) > len(answers): raise ValueError("`data` gives one prompt two different answers")
+    def exact_answer(prompts: list[str], completions: list[str]) -> list[float]:
+        unknown = [p for p in prompts if p not in answers]
+        if unknown: raise KeyError(f"no answer for the prompt {unknown[0]!r}: build the reward from rows that hold every prompt it will see")
+        return [float(c.strip() == answers[p]) for p, c in zip(prompts, completions)]
+    return exact_answer
