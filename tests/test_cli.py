@@ -17,11 +17,13 @@ def goose(*args, cwd=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_every_command_has_help():
-    for command in ("sft", "rm", "ppo", "rloo", "grpo", "eval", "pipeline"):
-        result = goose(command, "--help")
-        assert result.returncode == 0, result.stderr
-        assert "--output_dir" in result.stdout or "--output" in result.stdout
+def test_every_command_has_help(capsys):
+    from instruct_goose.cli import main                    # in-process: the entry point itself is run by the other tests
+    for command in ("sft", "rm", "ppo", "rloo", "grpo", "dpo", "eval", "pipeline"):
+        with pytest.raises(SystemExit) as stopped: main([command, "--help"])
+        assert stopped.value.code == 0, command
+        out = capsys.readouterr().out
+        assert "--output_dir" in out or "--output" in out, command
 
 
 def test_bad_value_is_refused_before_any_work(tmp_path):
@@ -114,6 +116,7 @@ def one_line_error(result, *words):
     assert all(w in result.stderr for w in words), result.stderr
 
 
+@pytest.mark.slow   # ~80 s of goose start-ups; the in-process checks of tests/test_bad_inputs.py run by default
 def test_mistakes_end_in_one_line(policy_dir, tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "The film"}] * 4)
     (tmp_path / "lr.yaml").write_text("learning_rate: 1e-3\nmax_steps: 1\n")

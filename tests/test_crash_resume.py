@@ -53,7 +53,7 @@ def kill_after_first_checkpoint(args, output_dir):
     return delay
 
 
-@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+@pytest.mark.parametrize("algo", ["ppo", pytest.param("rloo", marks=pytest.mark.slow)])   # rloo: the same loop, in the full set
 def test_killed_run_resumes_to_the_same_result(algo, policy_dir, tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(command(algo, policy_dir, straight))
@@ -106,7 +106,7 @@ def sft_command(policy_dir, output_dir, *extra):
             "--per_device_train_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", *extra]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])   # SIGTERM: the same handler, in the full set
 def test_sft_stopped_by_a_signal_resumes_to_the_same_weights(sig, policy_dir, tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run(sft_command(policy_dir, straight))

@@ -66,7 +66,7 @@ def _same(weights_a, history_a, weights_b, history_b, eps=1e-5):
         for key in COMPARED: assert rb[key] == pytest.approx(ra[key], abs=eps), (ra["step"], key)
 
 
-@pytest.mark.parametrize("precompute", [False, True])
+@pytest.mark.parametrize("precompute", [False, pytest.param(True, marks=pytest.mark.slow)])   # precomputed reference: in the full set
 def test_one_and_two_processes_train_alike(script, policy_dir, tmp_path, precompute):
     "2 processes x 1 micro-batch = 1 process x 2 micro-batches of 4 pairs: the same weights and statistics, to 1e-5."
     one = _run(_command(script, policy_dir, tmp_path / "one", 1, 2, precompute), tmp_path / "one")
@@ -75,6 +75,7 @@ def test_one_and_two_processes_train_alike(script, policy_dir, tmp_path, precomp
     _same(*one, *two)
 
 
+@pytest.mark.slow   # the DPO chapter resumes a killed run in-process on every make test; this is the subprocess version
 def test_killed_run_resumes_to_the_same_result(script, policy_dir, tmp_path):
     "SIGKILL after the first checkpoint, resume from the latest: the weights and history of the uninterrupted run."
     steps = 40

@@ -89,7 +89,7 @@ def _assert_same(a, b, what, eps=1e-6):
             if key in row_a: assert abs(row_a[key] - row_b[key]) <= eps * max(1, abs(row_a[key])), (what, row_a["step"], key)
 
 
-@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+@pytest.mark.parametrize("algo", ["ppo", pytest.param("rloo", marks=pytest.mark.slow)])   # rloo (and grpo, dpo): in the full set
 def test_two_processes_equal_one(algo, setup_dir, tmp_path):
     one = _run(setup_dir, tmp_path / "one", algo, processes=1, accumulation=2)
     two = _run(setup_dir, tmp_path / "two", algo, processes=2, accumulation=1)
