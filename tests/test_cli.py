@@ -33,7 +33,7 @@ def test_bad_value_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "ppo").exists()
 
 
-@pytest.mark.parametrize("algo", ["ppo", "rloo", "grpo"])
+@pytest.mark.parametrize("algo", ["ppo", pytest.param("rloo", marks=pytest.mark.slow), pytest.param("grpo", marks=pytest.mark.slow)])
 def test_short_pipeline_trains_evaluates_and_reports(tmp_path, algo):
     out = tmp_path / "run"
     result = goose("pipeline", "--output_dir", str(out), "--algo", algo, "--sft_steps", "40", "--rm_steps", "10",
