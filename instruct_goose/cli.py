@@ -375,18 +375,24 @@ def policy_and_reference(
     policy = get_peft_model(sft_model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets))
     return policy, create_reference_model(policy)
 
+# %% ../nbs/10_cli.ipynb #7720cd93
+def _rl_inputs(args: OnPolicyCommand) -> tuple:
+    "What every on-policy command starts from, seeded: (prompts, reward, tokenizer, SFT model with torch threads set for its size)."
+    set_seed(args.seed)
+    prompts, reward = load_data(args.dataset, "prompts", columns=args.columns), reward_from(args)
+    tokenizer, sft_model = load_tokenizer_and_model(args.policy, args.seed, "--policy")
+    set_threads(sft_model)
+    return prompts, reward, tokenizer, sft_model
+
 # %% ../nbs/10_cli.ipynb #3b3c7a1b
 def run_ppo(args: PPOCommand):
     "goose ppo"
-    set_seed(args.seed)
-    prompts, reward = load_data(args.dataset, "prompts", columns=args.columns), reward_from(args)
+    prompts, reward, tokenizer, sft_model = _rl_inputs(args)
     pretrain = None
     if args.ptx_coef > 0:
         source = _auto(args.pretrain_dataset, args.dataset, "task", "PPO-ptx pretraining texts", Console())
         pretrain = load_data(source, "pretrain", flag="--pretrain_dataset")
         if pretrain is None and source != "auto": Console().print("PPO-ptx term: off (--pretrain_dataset none)")
-    tokenizer, sft_model = load_tokenizer_and_model(args.policy, args.seed, "--policy")
-    set_threads(sft_model)
     policy, reference = policy_and_reference(sft_model, args)
     config = _stage_config(args, RLHFConfig)
     if pretrain is None: config.ptx_coef = 0.0
@@ -398,10 +404,7 @@ def run_ppo(args: PPOCommand):
 # %% ../nbs/10_cli.ipynb #a35d12ec
 def run_rloo(args: RLOOCommand):
     "goose rloo"
-    set_seed(args.seed)
-    prompts, reward = load_data(args.dataset, "prompts", columns=args.columns), reward_from(args)
-    tokenizer, sft_model = load_tokenizer_and_model(args.policy, args.seed, "--policy")
-    set_threads(sft_model)
+    prompts, reward, tokenizer, sft_model = _rl_inputs(args)
     trainer = RLOOTrainer(_stage_config(args, RLOOConfig), tokenizer, *policy_and_reference(sft_model, args), reward, prompts)
     trainer.train()
     return trainer
@@ -409,10 +412,7 @@ def run_rloo(args: RLOOCommand):
 # %% ../nbs/10_cli.ipynb #1186c8b4
 def run_grpo(args: GRPOCommand):
     "goose grpo"
-    set_seed(args.seed)
-    prompts, reward = load_data(args.dataset, "prompts", columns=args.columns), reward_from(args)
-    tokenizer, sft_model = load_tokenizer_and_model(args.policy, args.seed, "--policy")
-    set_threads(sft_model)
+    prompts, reward, tokenizer, sft_model = _rl_inputs(args)
     policy, reference = policy_and_reference(sft_model, args)
     config = _stage_config(args, GRPOConfig)
     config.reward_weights = None                 # --reward_weights already weighed the --reward_funcs

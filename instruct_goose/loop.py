@@ -296,11 +296,12 @@ def loss_scale(
 ) -> float:                    # G·P / N: multiply each micro-batch's loss sum by it
     "The factor that makes a micro-batch's loss sum its share of the mean over the whole minibatch (all micro-batches, all processes)."
     acc = self.accelerator
-    total = torch.tensor(float(sum(int(n) for n in counts)), device=self.device)
+    total = torch.stack([torch.as_tensor(n, dtype=torch.float32, device=self.device) for n in counts]).sum()
     if acc.num_processes > 1: total = acc.reduce(total, reduction="sum")
-    if total.item() == 0 and allow_empty: return 0.0
-    if total.item() == 0: raise ValueError(f"step {self.state.step + 1}: the minibatch has nothing to learn from (0 tokens in its loss)")
-    return acc.gradient_accumulation_steps * acc.num_processes / total.item()
+    total = total.item()                         # the one host sync per minibatch
+    if total == 0 and allow_empty: return 0.0
+    if total == 0: raise ValueError(f"step {self.state.step + 1}: the minibatch has nothing to learn from (0 tokens in its loss)")
+    return acc.gradient_accumulation_steps * acc.num_processes / total
 
 # %% ../nbs/05_loop.ipynb #f10615ac
 @contextmanager

@@ -133,6 +133,11 @@ def screenshot_ppo(page, path: Path):
         const eq = eqs[eqs.length - 1], sig = h.nextElementSibling, start = eq.previousElementSibling || eq;
         const top = start.getBoundingClientRect().top + scrollY, bottom = sig.getBoundingClientRect().bottom + scrollY;
         return { top, bottom, eq: eq.querySelector("annotation").textContent.trim() }; }""")
+    return screenshot_box(page, box, path)
+
+
+def screenshot_box(page, box: dict, path: Path) -> dict:
+    "A screenshot of the page region from box['top'] to box['bottom'] (page coordinates), in one view."
     header = 64                                                                 # Material's fixed header
     page.set_viewport_size({"width": 1280, "height": max(900, int(box["bottom"] - box["top"]) + header + 48)})
     page.evaluate(f"window.scrollTo(0, {box['top'] - header - 16})")
@@ -145,14 +150,7 @@ def screenshot_ppo(page, path: Path):
 def screenshot_preview(page, path: Path) -> dict | None:
     "The tutorial's title, description and its 'What you will get' box (curves and before/after table) in one view."
     box = page.evaluate(PREVIEW)
-    if not box: return None
-    header = 64
-    page.set_viewport_size({"width": 1280, "height": max(900, int(box["bottom"] - box["top"]) + header + 48)})
-    page.evaluate(f"window.scrollTo(0, {box['top'] - header - 16})")
-    page.wait_for_timeout(300)
-    page.screenshot(path=str(path))
-    page.set_viewport_size({"width": 1280, "height": 900})
-    return box
+    return screenshot_box(page, box, path) if box else None
 
 
 def public_names() -> dict[str, str]:
