@@ -6,10 +6,10 @@
 __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'response_logits', 'token_logprobs', 'lm_nll',
            'AgentOutput', 'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode',
            'own_generation_config', 'generate_responses', 'Agent', 'AdapterOffReference', 'create_reference_model',
-           'ObjectiveTerms', 'AgentObjective']
+           'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
-import copy, inspect, weakref
+import copy, inspect, os, weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
-from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PretrainedConfig
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PretrainedConfig
 
 from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
                                  truncate_after_stop, typecheck)
@@ -343,6 +343,27 @@ def create_reference_model(
     if _is_peft(model): return AdapterOffReference(model).eval()
     reference = copy.deepcopy(model).eval()
     return reference.requires_grad_(False)
+
+# %% ../nbs/03_agent.ipynb #841b4e60
+def with_peft(
+    model: nn.Module,        # a 🤗 model (a name or path is loaded first with `auto_class`)
+    peft_config=None,        # a peft config, e.g. `LoraConfig(r=8, target_modules="all-linear")`; None: `model` as it is
+    auto_class=AutoModelForCausalLM,  # how a name or path is loaded
+) -> nn.Module:              # the model, with trainable adapters when `peft_config` is given
+    "A trainer's `model` argument as a model: loaded when it is a name or path, wrapped with peft adapters when `peft_config` is given (TRL's `peft_config`)."
+    model = _load(model, auto_class)
+    if peft_config is None: return model
+    if _is_peft(model): raise ValueError("`model` already has peft adapters: pass it without `peft_config`")
+    from peft import get_peft_model
+    return get_peft_model(model, peft_config)
+
+def load_tokenizer(
+    processing_class,        # the tokenizer given to the trainer, or None
+    model,                   # the trainer's `model` argument: a name or path lets the tokenizer be loaded from it
+):
+    "The trainer's tokenizer: `processing_class` when given, else loaded from `model`'s name or path (else None)."
+    if processing_class is not None or not isinstance(model, (str, os.PathLike)): return processing_class
+    return AutoTokenizer.from_pretrained(model)
 
 # %% ../nbs/03_agent.ipynb #85fa80f9
 class ObjectiveTerms(NamedTuple):
