@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['train_tokenizer', 'tiny_causal_lm', 'pad_rows', 'encode_prompts', 'encode_texts', 'encode_sft', 'as_dataset',
            'read_dataset', 'task_path', 'load_task', 'task_tokenizer', 'gold_score', 'arithmetic_task',
-           'exact_answer_reward']
+           'exact_answer_reward', 'split_prompt', 'render_chat', 'preference_dataset']
 
 # %% ../nbs/02_data.ipynb #a71e1854
 import functools
@@ -247,3 +247,51 @@ def exact_answer_reward(
         if unknown: raise KeyError(f"no answer for the prompt {unknown[0]!r}: build the reward from rows that hold every prompt it will see")
         return [float(c.strip() == answers[p]) for p, c in zip(prompts, completions)]
     return exact_answer
+
+# %% ../nbs/02_data.ipynb #6babfd42
+def split_prompt(
+    chosen: str,       # prompt + chosen completion
+    rejected: str,     # prompt + rejected completion
+) -> dict:             # {"prompt", "chosen", "rejected"}
+    "The implicit prompt: the longest shared prefix of `chosen` and `rejected`, a space before the first difference left to the completions."
+    n, limit = 0, min(len(chosen), len(rejected))
+    while n < limit and chosen[n] == rejected[n]: n += 1
+    if 0 < n < limit and chosen[n - 1] == " ": n -= 1
+    return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+# %% ../nbs/02_data.ipynb #060ba607
+def _split_messages(chosen: list, rejected: list) -> tuple[list, list, list]:
+    "(prompt, chosen, rejected): the leading messages both conversations share, and what follows in each."
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]: n += 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+# %% ../nbs/02_data.ipynb #7caed29c
+def render_chat(
+    row: dict,             # chosen, rejected (and prompt) as lists of {"role", "content"} messages
+    tokenizer,             # a tokenizer with a chat template
+) -> dict:                 # {"prompt", "chosen", "rejected"} as text
+    "A conversational pair as text: the prompt through the chat template with the assistant's turn opened; each completion, what the template adds for its messages."
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    if prompt is None: prompt, chosen, rejected = _split_messages(chosen, rejected)   # implicit prompt
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("chat-shaped pairs need a tokenizer with a chat template (set `tokenizer.chat_template`), or render them to text first")
+    head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    def tail(messages):
+        whole = tokenizer.apply_chat_template(prompt + messages, tokenize=False)
+        if not whole.startswith(head): raise ValueError("the chat template renders the prompt differently once a reply follows; render the pairs to text yourself")
+        return whole[len(head):]
+    return {"prompt": head, "chosen": tail(chosen), "rejected": tail(rejected)}
+
+# %% ../nbs/02_data.ipynb #6fa47149
+def preference_dataset(
+    data,                  # a 🤗 Dataset or list of dicts: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or messages
+    name: str,             # the argument's name, for messages
+    tokenizer=None,        # renders conversational rows (`render_chat`)
+) -> Dataset:              # columns prompt, chosen, rejected, as text
+    "Preference pairs as text with an explicit prompt: an implicit one split off (`split_prompt`), conversations rendered (`render_chat`)."
+    data = as_dataset(data, name, [("prompt", "chosen", "rejected"), ("chosen", "rejected")])
+    if isinstance(data[0]["chosen"], list):
+        return data.map(lambda row: render_chat(row, tokenizer), remove_columns=data.column_names, keep_in_memory=True)
+    if "prompt" in data.column_names: return data
+    return data.map(lambda row: split_prompt(row["chosen"], row["rejected"]), keep_in_memory=True)
