@@ -33,13 +33,14 @@ check-export: $(STAMP)
 readme: $(STAMP)
 	$(BIN)/python tools/readme.py
 
-# Tiny models on 2 cores: one intra-op thread per process is faster than threads fighting (5 min -> 50 s).
+# Tiny models on 2 cores: one intra-op thread per process is faster than threads fighting (5 min -> 50 s);
+# pytest runs on both cores (pytest-xdist, a file per worker; torchrun tests pick a free port with --standalone).
 test: export OMP_NUM_THREADS := 1
 test: check-export
 	@echo "== nbdev_test: every notebook"
 	$(BIN)/nbdev_test --n_workers 2
 	@echo "== pytest"
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/goose pipeline --output_dir runs/demo --overwrite_output_dir

@@ -43,7 +43,7 @@ def _command(script, policy_dir, out, processes=1, accumulation=1, precompute=Fa
     args = [str(script), str(policy_dir), str(out), str(accumulation), "1" if precompute else "0", str(steps)]
     args += [resume] if resume else []
     if processes == 1: return [sys.executable] + args
-    return [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(processes)] + args
+    return [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + args
 
 
 def _run(command, out):

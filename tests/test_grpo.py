@@ -64,7 +64,7 @@ def _run(setup_dir, out, processes=1, accumulation=2, resume=None, check=True, *
            **{k: str(v) for k, v in env.items()}}
     script = [str(setup_dir / "train.py"), str(setup_dir), str(out), str(accumulation), resume or "-"]
     if processes == 1: command = [sys.executable] + script
-    else: command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(processes)] + script
+    else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     if not check: return result
     assert result.returncode == 0, result.stderr[-8000:]

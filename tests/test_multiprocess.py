@@ -72,7 +72,7 @@ def _run(setup_dir, out, algo, processes, accumulation, resume=None):
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache"}
     script = [str(setup_dir / "train.py"), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
     if processes == 1: command = [sys.executable] + script
-    else: command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(processes)] + script
+    else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-8000:]
     return torch.load(out / "weights0.pt"), json.loads((out / "history0.json").read_text())
