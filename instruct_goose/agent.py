@@ -198,6 +198,7 @@ def generate_responses(
     stop_token_ids: int | list[int],                      # id(s) that end a response, e.g. the EOS id
     pad_token_id: int,                                    # id written after each response's first stop token
     temperature: float = 1.0,                             # T: sample from softmax(z / T)
+    static_cache: bool | None = None,                     # a preallocated KV cache (🤗 `cache_implementation="static"`), several times faster on a GPU; None: on when the prompts are on a GPU
     **generate_kwargs,                                    # passed on to 🤗 `generate` (anything that changes the distribution, e.g. `sequence_bias`, makes sampling differ from scoring: the trainers pass none)
 ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
     "Sample one response per prompt from softmax(z / T) (the model's own `generation_config` ignored), cut after its first stop token, pad to `max_new_tokens`."
@@ -206,6 +207,8 @@ def generate_responses(
     config = GenerationConfig(do_sample=True, temperature=check_number("temperature", temperature, low_open=True),
                               top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                               eos_token_id=stop_token_ids)
+    if query_ids.is_cuda if static_cache is None else static_cache:   # sized up to a multiple of 64: the next chunk reuses it
+        config.cache_implementation, config.max_cache_len = "static", -(-(query_ids.shape[1] + max_new_tokens) // 64) * 64
     with eval_mode(model), own_generation_config(model):
         out = model.generate(input_ids=query_ids, attention_mask=query_attention_mask.long(), generation_config=config,
                              **generate_kwargs)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from instruct_goose import (Agent, RewardConfig, RewardModel, RewardTrainer, RLHFConfig, RLHFTrainer, RLOOConfig,
-                            RLOOTrainer, SFTConfig, SFTTrainer, create_reference_model, encode_prompts, eval_mode, load_task,
+                            RLOOTrainer, SFTConfig, SFTTrainer, create_reference_model, encode_prompts, eval_mode, generate_responses, load_task,
                             logprobs_from_logits, response_logits, task_tokenizer)
 
 from _families import BY_NAME, CAUSAL, ENCODERS, build_causal, build_classifier
@@ -133,6 +133,18 @@ def test_sampled_distribution_is_the_scored_one(family, causal, tokenizer):
     gap = (sampled - ours).abs()[real].max().item()
     assert gap <= 1e-4, (f"{family}: generate sampled from a distribution {gap:.3g} nats away from the one the library "
                          f"scores (generation_config: {agent.model.generation_config.to_diff_dict()})")
+
+
+@pytest.mark.parametrize("family", CAUSAL_NAMES)
+def test_static_cache_samples_the_same_tokens(family, causal, tokenizer):
+    "The static KV cache (on by default on a GPU) samples exactly what the dynamic one does from the same seed."
+    model = causal(family)
+    q, m = encode_prompts(tokenizer, PROMPTS)
+    samples = []
+    for static in (False, True):
+        torch.manual_seed(0)
+        samples.append(generate_responses(model, q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, static_cache=static))
+    assert torch.equal(samples[0][0], samples[1][0]) and torch.equal(samples[0][1], samples[1][1]), family
 
 
 # ------------------------------------------------------------------------ 3. left padding and batching change nothing
