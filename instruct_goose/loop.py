@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['TrainingConfig', 'coerce_numbers', 'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState',
-           'fresh_accelerator', 'enable_gradient_checkpointing', 'TrainLoop', 'read_metrics', 'TrainingInterrupted']
+           'fresh_accelerator', 'enable_gradient_checkpointing', 'TrainLoop', 'as_callbacks', 'trainer_state',
+           'read_metrics', 'TrainingInterrupted']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
 import json, logging, math, os, re, shutil, signal, sys, threading, warnings
@@ -24,7 +25,7 @@ from rich.table import Table
 from torch import Tensor, nn
 from fastcore.basics import patch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, get_scheduler
+from transformers import PreTrainedModel, TrainerControl, TrainerState, get_scheduler
 
 from .core import check_number
 
@@ -170,8 +171,9 @@ class TrainLoop:
         self,
         config: TrainingConfig,  # the run's settings
         tokenizer=None,          # saved beside the model by `save_model`, if given
+        callbacks=None,          # 🤗 `TrainerCallback`s (or any objects with some of their methods), called as 🤗's Trainer calls them
     ):
-        self.config, self.tokenizer = config, tokenizer
+        self.config, self.tokenizer, self.callbacks = config, tokenizer, as_callbacks(callbacks)
         _check_writable(config.output_dir)
         self.accelerator = fresh_accelerator(
             mixed_precision=config.mixed_precision, project_dir=config.output_dir,
@@ -188,6 +190,8 @@ class TrainLoop:
         self.register(self.state)
         self.optimizer = self.scheduler = self.prepared = None
         self.console = Console()
+        self.trainer_state, self.control = trainer_state(config, self.accelerator), TrainerControl()
+        self.fire("on_init_end")
 
     @property
     def device(self) -> torch.device: return self.accelerator.device
@@ -202,6 +206,65 @@ class TrainLoop:
     skipped_steps: int = 0          # optimizer steps skipped for a non-finite gradient (`skip_nonfinite`)
     progress_keys: tuple = ()       # metrics shown on the progress bar
     stop_signal: str | None = None  # "SIGINT" or "SIGTERM" once one arrived (`stop_on_signals`)
+    steps_per_epoch: float | None = None  # steps per pass over the training set, for `trainer_state.epoch` (`begin`)
+
+# %% ../nbs/05_loop.ipynb #5bb7eddf
+_EVENTS = ("on_init_end", "on_train_begin", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
+
+def as_callbacks(
+    callbacks,           # None, or a list of callbacks: `TrainerCallback` instances or classes, or objects with some of its methods
+) -> list:               # the callbacks, classes instantiated
+    "Check `callbacks` as 🤗's Trainer takes them: a list, each with at least one of the events `TrainLoop` fires."
+    if callbacks is None: return []
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"`callbacks` must be a list of callbacks (TrainerCallback objects), got {type(callbacks).__name__}: wrap it in [...]")
+    callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]
+    for cb in callbacks:
+        if not any(callable(getattr(cb, e, None)) for e in _EVENTS):
+            raise TypeError(f"callback {cb!r} has none of the methods {', '.join(_EVENTS)}")
+    return callbacks
+
+# %% ../nbs/05_loop.ipynb #72e6853c
+def trainer_state(
+    config: TrainingConfig,      # the run's settings
+    accelerator: Accelerator,    # the run's accelerator (which process this is)
+) -> TrainerState:               # 🤗's state object for the callbacks, before any step
+    "A `transformers.TrainerState` with the config's logging and saving settings and this process's rank."
+    return TrainerState(logging_steps=config.logging_steps, save_steps=config.save_steps,
+                        eval_steps=getattr(config, "eval_steps", None) or 500, train_batch_size=config.per_device_train_batch_size,
+                        is_local_process_zero=accelerator.is_local_main_process, is_world_process_zero=accelerator.is_main_process)
+
+# %% ../nbs/05_loop.ipynb #e10274f0
+@patch
+def fire(
+    self: TrainLoop,
+    event: str,          # a `TrainerCallback` method: "on_log", "on_step_end", ...
+    **kwargs,            # passed on (e.g. `logs=`, `metrics=`)
+) -> TrainerControl:     # the control after every callback had its say
+    "Call `event` on every callback with 🤗's arguments (args, state, control, model=, processing_class=, optimizer=, lr_scheduler=)."
+    s = self.trainer_state
+    s.global_step, s.log_history = self.state.step, self.state.history
+    if self.steps_per_epoch: s.epoch = self.state.step / self.steps_per_epoch
+    model = None if self.prepared is None else self.accelerator.unwrap_model(self.prepared)
+    for cb in self.callbacks:
+        if (method := getattr(cb, event, None)) is None: continue
+        result = method(self.config, s, self.control, model=model, processing_class=self.tokenizer, optimizer=self.optimizer,
+                        lr_scheduler=self.scheduler, **kwargs)
+        if isinstance(result, TrainerControl): self.control = result
+    return self.control
+
+# %% ../nbs/05_loop.ipynb #90b3bd2c
+@patch
+def begin(
+    self: TrainLoop,
+    max_steps: int,                         # steps in the whole run
+    steps_per_epoch: float | None = None,   # steps per pass over the training set (for `state.epoch`); None: unknown
+):
+    "Training starts (after any resume): SIGINT/SIGTERM stop it cleanly (`stop_on_signals`), and the callbacks hear `on_train_begin`."
+    self.trainer_state.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
+    if steps_per_epoch: self.trainer_state.num_train_epochs = math.ceil(max_steps / steps_per_epoch)
+    self.stop_on_signals()
+    self.fire("on_train_begin")
 
 # %% ../nbs/05_loop.ipynb #09e3a4a6
 @patch
@@ -387,6 +450,7 @@ def log(self: TrainLoop, metrics: dict, progress=None):
     row = {"step": self.state.step, "episode": default_episode, **{k: _plain(v) for k, v in metrics.items()}}
     self.state.history.append(row)
     self.accelerator.log(row, step=self.state.step)
+    self.fire("on_log", logs=row)
     if not self.accelerator.is_main_process: return
     with open(self.metrics_path, "a") as f: f.write(json.dumps(row) + "\n")
     if progress is not None: progress.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in self.progress_keys})
@@ -442,6 +506,7 @@ def save_checkpoint(self: TrainLoop) -> Path:
         os.replace(tmp, final)
         self._prune_checkpoints()
     acc.wait_for_everyone()
+    self.fire("on_save")
     return final
 
 # %% ../nbs/05_loop.ipynb #39635e48
@@ -507,23 +572,28 @@ def _restore_signals(self: TrainLoop):
 def end_step(
     self: TrainLoop,
     last: bool = False,  # whether the step just done was the run's last (its checkpoint is written by the trainer)
-):
-    "Call once a step is done: a checkpoint every `save_steps`; after a SIGINT/SIGTERM, a checkpoint and the model, then `TrainingInterrupted`."
+) -> bool:               # whether the run ends here: the last step, or a callback set `control.should_training_stop`
+    "Call once a step is done: `on_step_end`; a checkpoint every `save_steps`; after a SIGINT/SIGTERM, a checkpoint and the model, then `TrainingInterrupted`."
     c = self.config
-    if not last and self._stop_requested():
+    self.fire("on_step_end")
+    signalled, asked = self._stops_requested()
+    if not last and signalled:
         checkpoint = self.save_checkpoint()
         self.save_model()
         self.end()
         raise TrainingInterrupted(self.stop_signal or "a signal on another process", checkpoint)
-    if c.save_steps and self.state.step % c.save_steps == 0 and not last: self.save_checkpoint()
+    self.control.should_training_stop = asked
+    if c.save_steps and self.state.step % c.save_steps == 0 and not (last or asked): self.save_checkpoint()
+    return last or asked
 
 # %% ../nbs/05_loop.ipynb #4b5f2c8a
 @patch
-def _stop_requested(self: TrainLoop) -> bool:
-    "Whether any process received a stop signal (one small all-reduce per step with several processes)."
-    stop = self.stop_signal is not None
-    if self.accelerator.num_processes == 1: return stop
-    return self.accelerator.reduce(torch.tensor(float(stop), device=self.device), reduction="sum").item() > 0
+def _stops_requested(self: TrainLoop) -> tuple[bool, bool]:
+    "(a stop signal arrived, a callback asked to stop) on any process: one small all-reduce per step with several processes."
+    flags = (self.stop_signal is not None, bool(self.control.should_training_stop))
+    if self.accelerator.num_processes == 1: return flags
+    agreed = self.accelerator.reduce(torch.tensor([float(f) for f in flags], device=self.device), reduction="sum")
+    return tuple(bool(x > 0) for x in agreed.tolist())
 
 # %% ../nbs/05_loop.ipynb #495cf103
 @patch
@@ -539,8 +609,9 @@ def sample_table(self: TrainLoop, title: str, queries: list[str], responses: lis
 # %% ../nbs/05_loop.ipynb #68a39eb7
 @patch
 def end(self: TrainLoop):
-    "Close the trackers and give SIGINT/SIGTERM back to their previous handlers."
+    "Tell the callbacks (`on_train_end`), close the trackers and give SIGINT/SIGTERM back to their previous handlers."
     self._restore_signals()
+    self.fire("on_train_end")
     self.accelerator.end_training()
 
 # %% ../nbs/05_loop.ipynb #4e9175d9
@@ -579,14 +650,14 @@ def fit(
     desc: str = "train",         # progress bar label
     loss_name: str = "loss",     # the name of the logged minibatch mean loss
 ) -> nn.Module:                  # the trained model, unwrapped
-    "The supervised loop: seeded batches, token-mean losses over the minibatch, clipping, schedule, logs, evals, checkpoints, Ctrl-C."
+    "The supervised loop: seeded batches, token-mean losses over the minibatch, clipping, schedule, logs, evals, checkpoints, callbacks, Ctrl-C."
     c, acc = self.config, self.accelerator
     model = self.setup_optimizer(model, num_training_steps)
     self.maybe_resume()
     model.train()
     progress = self.progress_bar(num_training_steps, desc)
     per_step = c.per_device_train_batch_size * c.gradient_accumulation_steps * acc.num_processes
-    self.stop_on_signals()
+    self.begin(num_training_steps, n_examples / per_step)
     try:
         while self.state.step < num_training_steps:
             rows = batch_indices(n_examples, per_step, self.state.step, c.seed, acc.process_index, acc.num_processes)
@@ -596,8 +667,9 @@ def fit(
             done = self.state.step == num_training_steps
             if self.state.step % c.logging_steps == 0 or done:
                 evals = evaluate() if evaluate and ((eval_steps and self.state.step % eval_steps == 0) or done) else {}
+                if evals: self.fire("on_evaluate", metrics=evals)
                 self.log({**stats, **evals, "lr": self.lr}, progress)
-            self.end_step(done)
+            if self.end_step(done): break
     finally: self._restore_signals()
     progress.close()
     self.save_checkpoint()

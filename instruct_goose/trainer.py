@@ -415,7 +415,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
             loop.state.step += 1
             progress.update(1)
             self.report(loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress)
-            loop.end_step(loop.state.step == steps)
+            if loop.end_step(loop.state.step == steps): break   # the last step, or a callback's `control.should_training_stop`
     finally: loop._restore_signals()      # an exception must not leave our Ctrl-C handler installed
     progress.close()
     loop.save_checkpoint()
@@ -439,7 +439,8 @@ def setup(
     for frozen in (self.ref_model, self.reward_model):
         if isinstance(frozen, nn.Module): frozen.to("cpu" if c.offload_models else loop.device)
     loop.maybe_resume()
-    loop.stop_on_signals()                       # Ctrl-C / SIGTERM: finish the step, checkpoint, save, exit
+    prompts_per_step = c.rollout_size // self.samples_per_prompt * loop.accelerator.num_processes
+    loop.begin(steps, len(self.train_dataset) / prompts_per_step)   # Ctrl-C / SIGTERM: finish the step, checkpoint, save, exit; on_train_begin
     return model
 
 # %% ../nbs/08_trainer.ipynb #c81df9c7
