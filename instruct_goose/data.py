@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['CHATML_TEMPLATE', 'train_tokenizer', 'tiny_causal_lm', 'pad_rows', 'encode_prompts', 'encode_texts', 'encode_sft',
            'as_dataset', 'read_dataset', 'task_path', 'load_task', 'task_tokenizer', 'gold_score', 'is_conversational',
-           'apply_chat', 'prompt_text', 'chat_task_tokenizer', 'arithmetic_task', 'exact_answer_reward', 'split_prompt',
-           'render_chat', 'preference_dataset']
+           'apply_chat', 'prompt_text', 'chat_task_tokenizer', 'chat_spans', 'encode_chat', 'arithmetic_task',
+           'exact_answer_reward', 'split_prompt', 'render_chat', 'preference_dataset']
 
 # %% ../nbs/02_data.ipynb #a71e1854
 import copy
@@ -262,6 +262,46 @@ def chat_task_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:  # a 
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.eos_token, tokenizer.chat_template = "<|im_end|>", CHATML_TEMPLATE
     return tokenizer
+
+# %% ../nbs/02_data.ipynb #1770ccf4
+def chat_spans(
+    tokenizer,                             # renders the conversation (its chat template)
+    messages: list[dict],                  # the conversation; the prompt when `completion` is given
+    completion: list[dict] | None = None,  # the reply to `messages` (TRL's conversational prompt-completion row)
+    column: str = "messages",              # the column `messages` came from, for messages
+) -> tuple[str, list[tuple[int, int]]]:    # (the rendered text, the character spans the loss counts)
+    "A conversation as text and its loss spans: each assistant turn of `messages`, or all of `completion`, as the template renders them."
+    if completion is not None and not is_conversational(completion):
+        raise ValueError(f"`completion` must be a list of {{'role', 'content'}} messages when `{column}` is one, got {str(completion)[:60]!r}")
+    turns = messages + (completion or [])
+    text = apply_chat(tokenizer, turns, column=column)
+    bounds = [(len(messages), len(turns))] if completion is not None else [(i, i + 1) for i, m in enumerate(turns) if m["role"] == "assistant"]
+    if not bounds: raise ValueError(f"a `{column}` row has no assistant turn, so nothing to learn from: {str(turns)[:80]}")
+    spans = []
+    for a, b in bounds:
+        head = apply_chat(tokenizer, turns[:a], add_generation_prompt=True, column=column) if a else ""
+        upto = apply_chat(tokenizer, turns[:b], column=column)
+        if not (text.startswith(upto) and upto.startswith(head)):
+            raise ValueError(f"the chat template renders the first {b} messages of a `{column}` row differently once more follow, so the "
+                             "assistant's tokens cannot be found: render the rows to prompt/completion text yourself")
+        spans.append((len(head), len(upto)))
+    return text, spans
+
+# %% ../nbs/02_data.ipynb #fe38ebd4
+def encode_chat(
+    tokenizer,                            # a fast tokenizer (it gives character offsets) with a pad token
+    texts: list[str],                     # rendered conversations (`chat_spans`)
+    spans: list[list[tuple[int, int]]],   # each text's loss spans, in characters
+    max_length: int | None = None,        # keep at most this many tokens, from the start
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (ids, mask, loss_mask), padded on the right
+    "Rendered conversations as tokens, right-padded, the loss on each token whose first character is inside a span (never on the first token: nothing predicts it)."
+    if len(texts) != len(spans): raise ValueError(f"`texts` has {len(texts)} items but `spans` has {len(spans)}")
+    enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+    rows = [ids[:max_length] for ids in enc.input_ids]
+    counts = [[0] + [int(any(a <= start < b for a, b in row_spans)) for start, _ in offsets[1:len(row)]]
+              for row, offsets, row_spans in zip(rows, enc.offset_mapping, spans)]
+    ids, mask = pad_rows(rows, _pad_token_id(tokenizer), "right")
+    return ids, mask, pad_rows(counts, 0, "right")[0].bool()
 
 # %% ../nbs/02_data.ipynb #946c3a36
 def _chat_row(row: dict) -> dict:
