@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from .agent import eval_mode, token_logprobs
 from .core import check_number, masked_sum
-from .data import as_dataset, encode_sft
+from .data import as_dataset, chat_spans, encode_chat, encode_sft, is_conversational
 from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import PairwiseLoss, pairwise_accuracy
 from .reward import RewardModel
@@ -68,16 +68,37 @@ def fit_to_context(
     warnings.warn(f"`max_length` ({max_length}) is longer than the model's context ({limit} tokens): sequences are cut at {limit}")
     return limit
 
+# %% ../nbs/06_sft.ipynb #2c9ff0ae
+def _chat_rows(rows: dict) -> bool:
+    "Whether a batch of SFT rows ({column: values}) holds conversations: `messages`, or prompts that are message lists."
+    return "messages" in rows or ("prompt" in rows and is_conversational(rows["prompt"][0]))
+
+def _render_sft(tokenizer, rows: dict) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    "Texts and loss spans of a batch of conversational SFT rows (`chat_spans`)."
+    if "messages" in rows: rendered = [chat_spans(tokenizer, m) for m in rows["messages"]]
+    else: rendered = [chat_spans(tokenizer, p, c, column="prompt") for p, c in zip(rows["prompt"], rows["completion"])]
+    return [t for t, _ in rendered], [s for _, s in rendered]
+
+# %% ../nbs/06_sft.ipynb #a4ca9911
+def _prompt_lengths(dataset: Dataset, tokenizer) -> list[int] | None:
+    "Tokens before each row's first loss token: its prompt, or a conversation up to the first assistant turn (None: no prompts)."
+    if not ({"prompt", "messages"} & set(dataset.column_names)): return None
+    rows = dataset[:]
+    if not _chat_rows(rows): return [len(ids) for ids in tokenizer(list(rows["prompt"]), add_special_tokens=False).input_ids]
+    texts, spans = _render_sft(tokenizer, rows)
+    offsets = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+    return [sum(start < row_spans[0][0] for start, _ in row) for row, row_spans in zip(offsets, spans)]
+
 # %% ../nbs/06_sft.ipynb #3640a0b0
 def drop_long_prompts(
-    dataset: Dataset,         # rows with a "prompt" column (others are returned as they are)
+    dataset: Dataset,         # rows with a "prompt" column or conversations ("messages"); others are returned as they are
     tokenizer,                # the tokenizer that will encode them
     max_length: int,          # the longest sequence
     name: str,                # the dataset's argument name, for messages
 ) -> Dataset:                 # `dataset` without the rows whose prompt fills `max_length`
     "Leave out, with a warning naming them, the rows whose prompt alone fills `max_length` tokens: nothing of their completion would be seen."
-    if "prompt" not in dataset.column_names: return dataset
-    lengths = [len(ids) for ids in tokenizer(list(dataset["prompt"]), add_special_tokens=False).input_ids]
+    lengths = _prompt_lengths(dataset, tokenizer)
+    if lengths is None: return dataset
     long = [i for i, n in enumerate(lengths) if n >= max_length]
     if not long: return dataset
     if len(long) == len(dataset):
@@ -89,16 +110,16 @@ def drop_long_prompts(
 
 # %% ../nbs/06_sft.ipynb #54dfe776
 class SFTTrainer:
-    "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS) or plain text."
+    "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS), conversations (loss on the assistant's turns) or plain text."
     def __init__(
         self,
         model: PreTrainedModel,          # a 🤗 causal LM
         tokenizer,                       # its tokenizer (with a pad token)
         config: SFTConfig,               # hyper-parameters
-        train_dataset,                   # columns prompt + completion, or text (a Dataset or list of dicts)
+        train_dataset,                   # columns prompt + completion (text or messages), messages, or text (a Dataset or list of dicts)
         eval_dataset=None,               # the same columns, for `eval/loss`
     ):
-        columns = [("prompt", "completion"), ("text",)]
+        columns = [("messages",), ("prompt", "completion"), ("text",)]
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_length = fit_to_context(config.max_length, model)
         rows = lambda data, name: drop_long_prompts(as_dataset(data, name, columns), tokenizer, self.max_length, name)
@@ -108,9 +129,11 @@ class SFTTrainer:
 # %% ../nbs/06_sft.ipynb #2f427c3e
 @patch
 def encode(self: SFTTrainer, rows: dict) -> tuple[tuple[Tensor, Tensor, Tensor], int]:
-    "((ids, mask, loss_mask), number of loss tokens) for a batch of rows (dict of column lists)."
-    prompts = rows.get("prompt")
-    ids, mask, loss_mask = encode_sft(self.tokenizer, prompts, rows["completion"] if prompts else rows["text"], self.max_length)
+    "((ids, mask, loss_mask), number of loss tokens) for a batch of rows (dict of column lists): conversations through the chat template."
+    if _chat_rows(rows): ids, mask, loss_mask = encode_chat(self.tokenizer, *_render_sft(self.tokenizer, rows), self.max_length)
+    else:
+        prompts = rows.get("prompt")
+        ids, mask, loss_mask = encode_sft(self.tokenizer, prompts, rows["completion"] if prompts else rows["text"], self.max_length)
     return (ids, mask, loss_mask), int(loss_mask.sum())
 
 # %% ../nbs/06_sft.ipynb #b4f6635d
