@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from .agent import eval_mode, token_logprobs
 from .core import check_number, masked_sum
-from .data import as_dataset, chat_spans, encode_chat, encode_sft, is_conversational
+from .data import as_dataset, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
 from .loop import TrainLoop, TrainingConfig, batch_indices
 from .losses import PairwiseLoss, pairwise_accuracy
 from .reward import RewardModel
@@ -182,19 +182,18 @@ def train(self: SFTTrainer) -> PreTrainedModel:
 
 # %% ../nbs/06_sft.ipynb #ede62ba5
 class RewardTrainer:
-    "Fits a `RewardModel` to (prompt, chosen, rejected) pairs with the Bradley–Terry loss; normalises it afterwards."
+    "Fits a `RewardModel` to preference pairs (`preference_dataset`: explicit, implicit-prompt or conversational) with the Bradley–Terry loss; normalises it afterwards."
     def __init__(
         self,
         reward_model: RewardModel,       # the model to train, with its tokenizer
         config: RewardConfig,            # hyper-parameters
-        train_dataset,                   # columns prompt, chosen, rejected
+        train_dataset,                   # pairs: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or conversations
         eval_dataset=None,               # the same columns, for `eval/loss` and `eval/accuracy`
     ):
         if reward_model.tokenizer is None: raise ValueError("`reward_model` needs a tokenizer to read the pairs' text")
-        columns = [("prompt", "chosen", "rejected")]
         self.reward_model, self.config, self.loss_fn = reward_model, config, PairwiseLoss()
         self.max_length = fit_to_context(config.max_length, reward_model)
-        rows = lambda data, name: drop_long_prompts(as_dataset(data, name, columns), reward_model.tokenizer, self.max_length, name)
+        rows = lambda data, name: drop_long_prompts(preference_dataset(data, name, reward_model.tokenizer), reward_model.tokenizer, self.max_length, name)
         self.train_dataset = rows(train_dataset, "train_dataset")
         self.eval_dataset = None if eval_dataset is None else rows(eval_dataset, "eval_dataset")
 
