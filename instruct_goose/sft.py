@@ -6,7 +6,7 @@
 __all__ = ['StageConfig', 'SFTConfig', 'RewardConfig', 'fit_to_context', 'drop_long_prompts', 'SFTTrainer', 'RewardTrainer']
 
 # %% ../nbs/06_sft.ipynb #f7d06a5c
-import math, warnings
+import copy, math, warnings
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from .agent import eval_mode, token_logprobs
+from .agent import eval_mode, load_tokenizer, token_logprobs, with_peft
 from .core import check_number, masked_sum
 from .data import as_dataset, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
 from .loop import TrainLoop, TrainingConfig, batch_indices
@@ -108,23 +108,53 @@ def drop_long_prompts(
     drop = set(long)
     return dataset.select([i for i in range(len(dataset)) if i not in drop])
 
+# %% ../nbs/06_sft.ipynb #90ce692c
+def _renamed(value, old_value, name: str, old_name: str):
+    "An argument given by its name or by its old name (one of them, not both)."
+    if value is not None and old_value is not None: raise TypeError(f"`{old_name}` is the old name of `{name}`: give only `{name}`")
+    return old_value if value is None else value
+
+def _stage_args(args, config_class: type, order: str):
+    "A trainer's `args`: the config given, or `config_class()`'s defaults; anything else is a one-line error giving the argument order."
+    if args is None: return config_class()
+    if not isinstance(args, config_class): raise TypeError(f"`args` must be a {config_class.__name__}, got a {type(args).__name__}: the arguments are {order}")
+    return args
+
+# %% ../nbs/06_sft.ipynb #0f6a8392
+def _merged(model: nn.Module) -> nn.Module:
+    "A model trained with peft adapters as a plain 🤗 model, the adapters merged into its weights (others as they are)."
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+
 # %% ../nbs/06_sft.ipynb #54dfe776
 class SFTTrainer:
-    "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS), conversations (loss on the assistant's turns) or plain text."
+    "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS), conversations (loss on the assistant's turns) or plain text. TRL 1.16's `SFTTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
     def __init__(
         self,
-        model: PreTrainedModel,          # a 🤗 causal LM
-        tokenizer,                       # its tokenizer (with a pad token)
-        config: SFTConfig,               # hyper-parameters
-        train_dataset,                   # columns prompt + completion (text or messages), messages, or text (a Dataset or list of dicts)
+        model: PreTrainedModel | str,    # a 🤗 causal LM, or its name/path
+        args: SFTConfig | None = None,   # hyper-parameters; None: the defaults
+        train_dataset=None,              # columns prompt + completion (text or messages), messages, or text (a Dataset or list of dicts)
         eval_dataset=None,               # the same columns, for `eval/loss`
+        processing_class=None,           # the tokenizer (with a pad token); None: loaded from `model` when that is a name/path
+        peft_config=None,                # a peft config (e.g. `LoraConfig`): train adapters only, merged into the model at the end
+        callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
+        *, tokenizer=None, config=None,  # the old names of `processing_class` and `args`
     ):
-        columns = [("messages",), ("prompt", "completion"), ("text",)]
-        self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.max_length = fit_to_context(config.max_length, model)
-        rows = lambda data, name: drop_long_prompts(as_dataset(data, name, columns), tokenizer, self.max_length, name)
-        self.train_dataset = rows(train_dataset, "train_dataset")
-        self.eval_dataset = None if eval_dataset is None else rows(eval_dataset, "eval_dataset")
+        self.config = _stage_args(_renamed(args, config, "args", "config"), SFTConfig, _SFT_ORDER)
+        self.tokenizer = load_tokenizer(_renamed(processing_class, tokenizer, "processing_class", "tokenizer"), model)
+        if self.tokenizer is None: raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a name/path")
+        self.model, self.callbacks = with_peft(model, peft_config), callbacks
+        self.max_length = fit_to_context(self.config.max_length, self.model)
+        self.train_dataset, self.eval_dataset = (None if data is None else self.rows(data, name)
+                                                 for data, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
+
+# %% ../nbs/06_sft.ipynb #e552dcb4
+_SFT_ORDER = "SFTTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks)"
+
+@patch
+def rows(self: SFTTrainer, data, name: str) -> Dataset:
+    "`data` as a Dataset of SFT rows (text, prompt/completion or conversations), without those whose prompt fills `max_length`."
+    data = as_dataset(data, name, [("messages",), ("prompt", "completion"), ("text",)])
+    return drop_long_prompts(data, self.tokenizer, self.max_length, name)
 
 # %% ../nbs/06_sft.ipynb #2f427c3e
 @patch
@@ -167,35 +197,62 @@ def evaluate(self: SFTTrainer, model: nn.Module | None = None, dataset=None, bat
 # %% ../nbs/06_sft.ipynb #9d93dcd1
 @patch
 def train(self: SFTTrainer) -> PreTrainedModel:
-    "Fine-tune, log `loss/sft` (and `eval/loss`), checkpoint, and save the model and tokenizer to `output_dir`."
-    self.loop = loop = TrainLoop(self.config, self.tokenizer)
+    "Fine-tune, log `loss/sft` (and `eval/loss`), checkpoint, and save the model (LoRA adapters merged in) and tokenizer to `output_dir`."
+    if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
+    self.loop = loop = TrainLoop(self.config, self.tokenizer, callbacks=self.callbacks)
     loop.progress_keys = ("loss/sft", "eval/loss")
     steps = self.config.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
     encode = lambda indices: self.encode(self.train_dataset[indices])
     loss_fn = lambda model, batch: (self.nll_sum(model, batch), {})
     evaluate = self.evaluate if self.eval_dataset is not None else None
-    self.model = loop.fit(self.model, len(self.train_dataset), steps, encode, loss_fn, evaluate, self.config.eval_steps,
-                          "sft", loss_name="loss/sft")
+    self.model = _merged(loop.fit(self.model, len(self.train_dataset), steps, encode, loss_fn, evaluate, self.config.eval_steps,
+                                  "sft", loss_name="loss/sft"))
     loop.save_model(self.model)
     loop.end()
     return self.model
 
+# %% ../nbs/06_sft.ipynb #0abcbf15
+def _reward_model(model, tokenizer) -> RewardModel:
+    "The `RewardTrainer`'s `model` as a `RewardModel` that reads text with `tokenizer` (or its own)."
+    if not isinstance(model, RewardModel): model = RewardModel(model, tokenizer=tokenizer)
+    elif tokenizer is not None and model.tokenizer is not None and tokenizer is not model.tokenizer:
+        raise ValueError("`model` is a RewardModel with its own tokenizer and `processing_class` is another: give one of them")
+    elif model.tokenizer is None: model = RewardModel(model.model, tokenizer=tokenizer)
+    if model.tokenizer is None: raise ValueError("`processing_class` (the tokenizer) is needed to read the pairs when `model` is not a name/path")
+    return model
+
+def _head_trained(peft_config, reward_model: RewardModel):
+    "`peft_config` with the reward head among the modules trained in full (peft's `modules_to_save`, as its SEQ_CLS task type does): a new head must learn."
+    head = next(name for name, m in reward_model.model.named_modules() if m is reward_model.head).split(".")[0]
+    if head in (peft_config.modules_to_save or []): return peft_config
+    peft_config = copy.deepcopy(peft_config)
+    peft_config.modules_to_save = list(peft_config.modules_to_save or []) + [head]
+    return peft_config
+
 # %% ../nbs/06_sft.ipynb #ede62ba5
+_RM_ORDER = "RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks)"
+
 class RewardTrainer:
-    "Fits a `RewardModel` to preference pairs (`preference_dataset`: explicit, implicit-prompt or conversational) with the Bradley–Terry loss; normalises it afterwards."
+    "Fits a reward model to preference pairs (`preference_dataset`: explicit, implicit-prompt or conversational) with the Bradley–Terry loss; normalises it afterwards. TRL 1.16's `RewardTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
     def __init__(
         self,
-        reward_model: RewardModel,       # the model to train, with its tokenizer
-        config: RewardConfig,            # hyper-parameters
-        train_dataset,                   # pairs: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or conversations
+        model: RewardModel | PreTrainedModel | str,  # a `RewardModel`, a 🤗 sequence classifier or causal LM (its trunk), or a name/path
+        args: RewardConfig | None = None,  # hyper-parameters; None: the defaults
+        train_dataset=None,              # pairs: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or conversations
         eval_dataset=None,               # the same columns, for `eval/loss` and `eval/accuracy`
+        processing_class=None,           # the tokenizer that reads the pairs; None: the `RewardModel`'s own, or loaded from a name/path
+        peft_config=None,                # a peft config (e.g. `LoraConfig`): train adapters and the score head, merged in at the end
+        callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
+        *, tokenizer=None, config=None,  # the old names of `processing_class` and `args`
     ):
-        if reward_model.tokenizer is None: raise ValueError("`reward_model` needs a tokenizer to read the pairs' text")
-        self.reward_model, self.config, self.loss_fn = reward_model, config, PairwiseLoss()
-        self.max_length = fit_to_context(config.max_length, reward_model)
-        rows = lambda data, name: drop_long_prompts(preference_dataset(data, name, reward_model.tokenizer), reward_model.tokenizer, self.max_length, name)
-        self.train_dataset = rows(train_dataset, "train_dataset")
-        self.eval_dataset = None if eval_dataset is None else rows(eval_dataset, "eval_dataset")
+        self.config = _stage_args(_renamed(args, config, "args", "config"), RewardConfig, _RM_ORDER)
+        self.reward_model = _reward_model(model, load_tokenizer(_renamed(processing_class, tokenizer, "processing_class", "tokenizer"), model))
+        if peft_config is not None: self.reward_model.model = with_peft(self.reward_model.model, _head_trained(peft_config, self.reward_model))
+        self.callbacks, self.loss_fn = callbacks, PairwiseLoss()
+        self.max_length = fit_to_context(self.config.max_length, self.reward_model)
+        rows = lambda data, name: drop_long_prompts(preference_dataset(data, name, self.reward_model.tokenizer), self.reward_model.tokenizer, self.max_length, name)
+        self.train_dataset, self.eval_dataset = (None if data is None else rows(data, name)
+                                                 for data, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
 
 # %% ../nbs/06_sft.ipynb #67a9f0f0
 @patch
@@ -229,14 +286,16 @@ def evaluate(self: RewardTrainer, model: nn.Module | None = None, dataset=None, 
 # %% ../nbs/06_sft.ipynb #f779c18c
 @patch
 def train(self: RewardTrainer) -> RewardModel:
-    "Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir`."
-    self.loop = loop = TrainLoop(self.config)
+    "Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir` (LoRA adapters merged in)."
+    if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
+    self.loop = loop = TrainLoop(self.config, callbacks=self.callbacks)
     loop.progress_keys = ("loss/reward", "reward/accuracy", "eval/accuracy")
     steps = self.config.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
     encode = lambda indices: (self.train_dataset[indices], len(indices))
     evaluate = self.evaluate if self.eval_dataset is not None else None
     self.reward_model = loop.fit(self.reward_model, len(self.train_dataset), steps, encode, self.pair_loss_sum, evaluate,
                                  self.config.eval_steps, "reward", loss_name="loss/reward")
+    self.reward_model.model = _merged(self.reward_model.model)
     if self.config.normalize:
         with torch.no_grad(), eval_mode(self.reward_model):
             train = self.train_dataset
