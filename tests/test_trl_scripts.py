@@ -1,0 +1,124 @@
+"""A script written the TRL way runs unchanged (issue 17): examples/trl_style/*.py, each TRL's own script with only the
+import line changed, run as a subprocess on tiny settings. Each must exit 0, leave a model 🤗 `from_pretrained` reads,
+and a metrics.jsonl with the metric names a TRL user charts.
+
+Where the library still lacks something a TRL script needs, the run fails with a known error: the test is then
+xfail naming the gap (see `GAPS`; described with the proposed fix in the project's gaps notes), and passes by itself
+once the gap is closed. Any other failure fails the test.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "examples" / "trl_style"
+sys.path.insert(0, str(SCRIPTS))
+from make_tiny import make_tiny  # noqa: E402
+
+# gap name -> a line of the error a script stops with while the gap is open
+GAPS = {
+    "G1 trainer.save_model": "has no attribute 'save_model'",
+    "G4 PPOConfig/PPOTrainer names": "cannot import name 'PPO",
+    "G5 PPOTrainer(value_model=...)": "unexpected keyword argument 'value_model'",
+    "G6 PPO's tokenized rows (input_ids)": "it has ['input_ids']",
+    "G7 a 🤗 sequence classifier as reward_model": "list indices must be integers or slices, not tuple",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    "The Hub's stand-ins: a tiny chat LM (tiny/model), a reward model on it (tiny/reward_model), the task's data as JSON."
+    from instruct_goose import RewardModel
+    root = make_tiny(tmp_path_factory.mktemp("tiny"))
+    RewardModel.from_pretrained(root / "model").save_pretrained(root / "reward_model")   # a fresh 1-label head
+    return root
+
+
+def run_script(name: str, out: Path, *args) -> Path:
+    "Run examples/trl_style/`name` with `--output_dir out`; xfail on a known gap's error, fail on any other."
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, str(SCRIPTS / name), "--output_dir", str(out), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode:
+        tail = done.stderr[-3000:]
+        open_gaps = [gap for gap, line in GAPS.items() if line in tail]
+        if open_gaps: pytest.xfail(f"gap {open_gaps[0]} (see tests/test_trl_scripts.py GAPS)")
+        pytest.fail(f"{name} exited {done.returncode}:\n{tail}")
+    return out
+
+
+def logged(out: Path) -> list[dict]:
+    "The rows of the run's metrics.jsonl."
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft(tiny, tmp_path):
+    "SFT on `messages` rows: the held-out loss is logged, and falls from the untrained model's."
+    out = run_script("sft.py", tmp_path / "sft", "--model_name_or_path", tiny / "model", "--dataset", tiny / "sft",
+                     "--max_steps", 8)
+    rows = logged(out)
+    assert [r["step"] for r in rows if "loss/sft" in r][-1] == 8
+    assert "eval/loss" in rows[-1]
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.slow
+def test_reward(tiny, tmp_path):
+    "A reward model on chat pairs from a causal-LM path: accuracy and held-out accuracy logged; 🤗 reads it as a classifier."
+    out = run_script("reward.py", tmp_path / "rm", "--model_name_or_path", tiny / "model", "--dataset", tiny / "preferences",
+                     "--max_steps", 8)
+    rows = logged(out)
+    assert {"loss/reward", "reward/accuracy"} <= set(rows[0]) and "eval/accuracy" in rows[-1]
+    assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 1
+
+
+@pytest.mark.slow
+def test_rloo(tiny, tmp_path):
+    "RLOO on conversational prompts with [reward model, function] and weights: each reward's mean logged by name."
+    out = run_script("rloo.py", tmp_path / "rloo", "--model_name_or_path", tiny / "model",
+                     "--reward_model_name_or_path", tiny / "reward_model", "--dataset", tiny / "prompts", "--max_steps", 2)
+    rows = logged(out)
+    assert len([r for r in rows if "objective/scores" in r]) == 2
+    assert {"rewards/brevity/mean", "rewards/brevity/std"} <= set(rows[0])
+    # the reward model's own mean (TRL names it by the path's last part, rewards/reward_model/mean: gap G8, not checked)
+    assert [k for k in rows[0] if k.startswith("rewards/") and k.endswith("/mean") and "brevity" not in k]
+    assert "eval/score" in rows[-1]
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_grpo(tiny, tmp_path):
+    "GRPO with a reward function reading the `answer` column: its mean logged as rewards/accuracy/mean; eval at the end."
+    out = run_script("grpo.py", tmp_path / "grpo", "--model_name_or_path", tiny / "model", "--dataset", tiny / "arithmetic",
+                     "--max_steps", 2)
+    rows = logged(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert {"reward", "reward_std", "rewards/accuracy/mean", "rewards/accuracy/std"} <= set(rows[0])
+    assert "eval/score" in rows[-1]
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.slow
+def test_dpo(tiny, tmp_path):
+    "DPO on chat pairs: TRL's reward metrics logged; the policy saved."
+    out = run_script("dpo.py", tmp_path / "dpo", "--model_name_or_path", tiny / "model", "--dataset", tiny / "preferences",
+                     "--max_steps", 4)
+    rows = logged(out)
+    assert {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"} <= set(rows[0])
+    assert "eval/loss" in rows[-1]
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.slow
+def test_ppo(tiny, tmp_path):
+    "PPO as TRL's example writes it (🤗 policy, reference, reward and value models; tokenized prompts): TRL's PPO metrics."
+    out = run_script("ppo.py", tmp_path / "ppo", "--sft_model_path", tiny / "model", "--reward_model_path", tiny / "reward_model",
+                     "--dataset", tiny / "prompts", "--total_episodes", 16)
+    rows = logged(out)
+    assert len(rows) == 2     # 16 episodes / 8 prompts per step
+    assert {"objective/kl", "objective/scores", "objective/rlhf_reward", "policy/approxkl_avg", "loss/value_avg"} <= set(rows[0])
+    AutoModelForCausalLM.from_pretrained(out)
