@@ -6,8 +6,8 @@
 __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMCommand', 'OnPolicyCommand', 'PPOCommand',
            'RLOOCommand', 'GRPOCommand', 'DPOCommand', 'EvalCommand', 'PipelineCommand', 'PlotCommand', 'UsageError',
            'load_tokenizer_and_model', 'load_data', 'set_threads', 'import_function', 'reward_from', 'run_sft',
-           'run_rm', 'policy_and_reference', 'run_ppo', 'run_rloo', 'run_grpo', 'run_dpo', 'run_eval',
-           'comparison_table', 'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
+           'run_rm', 'lora_config', 'run_ppo', 'run_rloo', 'run_grpo', 'run_dpo', 'run_eval', 'comparison_table',
+           'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
 
 # %% ../nbs/10_cli.ipynb #91472c31
 import argparse, copy, dataclasses, importlib, inspect, json, logging, os, re, shlex, sys, time
@@ -180,15 +180,19 @@ class PPOCommand(OnPolicyCommand, RLHFConfig):
 class RLOOCommand(OnPolicyCommand, RLOOConfig):
     "goose rloo: RLOO (k responses per prompt, leave-one-out baselines, no critic) against a reward model."
     output_dir: str = "runs/rloo"            # where the policy, tokenizer and checkpoints go
-    rloo_k: int = 4                          # responses sampled per prompt (≥ 2)
+    num_generations: int = 4                 # responses sampled per prompt (≥ 2; TRL ≤ 0.21's name: --rloo_k)
+    rloo_k: int = 4                          # TRL ≤ 0.21's name of --num_generations
+    max_completion_length: int = 16          # tokens sampled per response (the same setting as --response_length)
 
 # %% ../nbs/10_cli.ipynb #fbf8e272
 @dataclass
 class GRPOCommand(OnPolicyCommand, GRPOConfig):
     "goose grpo: GRPO (G completions per prompt, group-relative advantages, no critic; a KL term in the loss when --beta > 0)."
     output_dir: str = "runs/grpo"            # where the policy, tokenizer and checkpoints go
-    max_completion_length: int = 16          # tokens sampled per completion
+    max_completion_length: int = 16          # tokens sampled per completion (the same setting as --response_length)
     num_generations: int = 4                 # completions sampled per prompt (≥ 2)
+    kl_coef: float = 0.0                     # the same setting as --beta
+    num_ppo_epochs: int = 1                  # the same setting as --num_iterations
 
 # %% ../nbs/10_cli.ipynb #8f0ed551
 @dataclass
@@ -324,9 +328,13 @@ def reward_from(args) -> "RewardModel | WeightedReward | callable":
     return RewardModel.from_pretrained(args.reward_model)
 
 # %% ../nbs/10_cli.ipynb #4e8bb2e6
-def _stage_config(command, config_class):
+def _stage_config(
+    command,                 # the parsed command (a subclass of the stage's config)
+    config_class,            # the stage's config class
+    skip: tuple = (),        # fields the command means differently (e.g. `reward_weights`, already applied by `reward_from`)
+):
     "The stage config inside a command: the fields the two have in common."
-    names = {f.name for f in fields(config_class)}
+    names = {f.name for f in fields(config_class)} - set(skip)
     return config_class(**{k: v for k, v in dataclasses.asdict(command).items() if k in names})
 
 # %% ../nbs/10_cli.ipynb #cbccace1
@@ -346,7 +354,7 @@ def run_sft(args: SFTCommand):
     tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
     set_threads(model)
     eval_set = load_task("sft").select(range(64)) if args.dataset == "task" else None
-    return SFTTrainer(model, tokenizer, _stage_config(args, SFTConfig), data, eval_set).train()
+    return SFTTrainer(model, args=_stage_config(args, SFTConfig), train_dataset=data, eval_dataset=eval_set, processing_class=tokenizer).train()
 
 # %% ../nbs/10_cli.ipynb #b3dc9196
 def run_rm(args: RMCommand):
@@ -364,16 +372,16 @@ def run_rm(args: RMCommand):
     return reward_model
 
 # %% ../nbs/10_cli.ipynb #74c0e89d
-def policy_and_reference(
-    sft_model: nn.Module,        # the model RL starts from
-    args: OnPolicyCommand,       # its `lora_*` fields
-) -> tuple[nn.Module, nn.Module]:  # (the policy to train, the frozen reference)
-    "A copy of the SFT model and the frozen SFT model; with `lora_r` > 0 the SFT model with LoRA adapters, and itself with them off."
-    if args.lora_r == 0: return copy.deepcopy(sft_model), create_reference_model(sft_model)
-    from peft import LoraConfig, get_peft_model
+def lora_config(
+    args: OnPolicyCommand,       # its `lora_*` flags
+):                               # a peft `LoraConfig`, or None when `lora_r` is 0
+    "The `--lora_*` flags as TRL's `peft_config`: the trainer then trains adapters only, its reference the policy with them off."
+    if args.lora_r == 0: return None
+    from peft import LoraConfig
     targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
-    policy = get_peft_model(sft_model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets))
-    return policy, create_reference_model(policy)
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets)
+
+_WEIGHED = ("reward_weights",)   # an on-policy command's reward comes weighted from `reward_from`
 
 # %% ../nbs/10_cli.ipynb #7720cd93
 def _rl_inputs(args: OnPolicyCommand) -> tuple:
@@ -393,11 +401,10 @@ def run_ppo(args: PPOCommand):
         source = _auto(args.pretrain_dataset, args.dataset, "task", "PPO-ptx pretraining texts", Console())
         pretrain = load_data(source, "pretrain", flag="--pretrain_dataset")
         if pretrain is None and source != "auto": Console().print("PPO-ptx term: off (--pretrain_dataset none)")
-    policy, reference = policy_and_reference(sft_model, args)
-    config = _stage_config(args, RLHFConfig)
+    config = _stage_config(args, RLHFConfig, skip=_WEIGHED)
     if pretrain is None: config.ptx_coef = 0.0
-    trainer = RLHFTrainer(Agent(policy), reference, config, tokenizer=tokenizer, reward_model=reward,
-                          train_dataset=prompts, pretrain_dataset=pretrain)
+    trainer = RLHFTrainer(sft_model, args=config, processing_class=tokenizer, train_dataset=prompts, reward_funcs=reward,
+                          peft_config=lora_config(args), pretrain_dataset=pretrain)
     trainer.train()
     return trainer
 
@@ -405,7 +412,8 @@ def run_ppo(args: PPOCommand):
 def run_rloo(args: RLOOCommand):
     "goose rloo"
     prompts, reward, tokenizer, sft_model = _rl_inputs(args)
-    trainer = RLOOTrainer(_stage_config(args, RLOOConfig), tokenizer, *policy_and_reference(sft_model, args), reward, prompts)
+    trainer = RLOOTrainer(sft_model, args=_stage_config(args, RLOOConfig, skip=_WEIGHED), processing_class=tokenizer,
+                          train_dataset=prompts, reward_funcs=reward, peft_config=lora_config(args))
     trainer.train()
     return trainer
 
@@ -413,10 +421,8 @@ def run_rloo(args: RLOOCommand):
 def run_grpo(args: GRPOCommand):
     "goose grpo"
     prompts, reward, tokenizer, sft_model = _rl_inputs(args)
-    policy, reference = policy_and_reference(sft_model, args)
-    config = _stage_config(args, GRPOConfig)
-    config.reward_weights = None                 # --reward_weights already weighed the --reward_funcs
-    trainer = GRPOTrainer(policy, reward, config, prompts, tokenizer, ref_model=reference if args.beta > 0 else None)
+    trainer = GRPOTrainer(sft_model, args=_stage_config(args, GRPOConfig, skip=_WEIGHED), processing_class=tokenizer,
+                          train_dataset=prompts, reward_funcs=reward, peft_config=lora_config(args))
     trainer.train()
     return trainer
 

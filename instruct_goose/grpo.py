@@ -7,7 +7,7 @@ __all__ = ['GRPOConfig', 'group_advantages', 'grpo_token_loss', 'aggregate', 'GR
 
 # %% ../nbs/09b_grpo.ipynb #3e0211ca
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from accelerate import Accelerator
@@ -22,12 +22,12 @@ from .loop import TrainLoop
 from .losses import kl_penalty
 from .reward import WeightedReward
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .trainer import OnPolicyConfig, OnPolicyTrainer, frozen_reference
+from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns, frozen_reference
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
 @dataclass
 class GRPOConfig(OnPolicyConfig):
-    "GRPO's knobs under TRL's `GRPOConfig` names (TRL 0.2x/1.x), mapped once onto the shared on-policy fields."
+    "GRPO's knobs under TRL's `GRPOConfig` names (TRL 0.2x/1.x), each kept equal to its shared on-policy field (`merge_names`)."
     num_generations: int = 4               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it
     max_completion_length: int = 32        # tokens sampled per completion (sets `response_length`)
     beta: float = 0.0                      # weight of the k3 KL term in the loss; 0: no reference model is loaded
@@ -38,13 +38,15 @@ class GRPOConfig(OnPolicyConfig):
     num_iterations: int = 1                # μ: passes over each rollout (sets `num_ppo_epochs`)
     mask_truncated_completions: bool = False  # completions that never stopped get no loss (DAPO)
     importance_sampling_level: Literal["token", "sequence"] = "token"  # per-token ratios, or GSPO's sequence ratio
-    reward_weights: list[float] | None = None  # weights of several reward functions (None: 1 each)
+    kl_coef: float = 0.0                   # the shared name of `beta`
+    response_length: int = 32              # the shared name of `max_completion_length`
+    num_ppo_epochs: int = 1                # the shared name of `num_iterations`
+    same_setting: ClassVar[dict[str, str]] = {"max_completion_length": "response_length", "beta": "kl_coef", "epsilon": "cliprange",
+                                              "num_iterations": "num_ppo_epochs"}
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool) or self.scale_rewards in ("True", "False"):
             self.scale_rewards = "group" if self.scale_rewards in (True, "True") else "none"
-        self.response_length, self.cliprange = self.max_completion_length, self.epsilon
-        self.num_ppo_epochs, self.kl_coef = self.num_iterations, self.beta
         super().__post_init__()
         if self.num_generations < 2: raise ValueError(f"`num_generations` must be at least 2 (a group needs siblings), got {self.num_generations}")
         if self.rollout_size % self.num_generations:
@@ -129,24 +131,15 @@ class GRPORollout(RowBatch):
 class GRPOTrainer(OnPolicyTrainer):
     "GRPO: G completions per prompt, group-relative advantages, PPO's clipped ratio per token (or per sequence), k3 KL in the loss."
     progress_keys = ("reward", "reward_std", "kl")
+    config_class = GRPOConfig          # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords, `reward_funcs=` by name)
 
-    def __init__(
-        self,
-        model: PreTrainedModel | str,         # the causal LM to train, or a name/path
-        reward_funcs,                         # a `RewardModel` or f(prompts, completions) -> scores, or a list of them
-        args: GRPOConfig | None = None,       # hyper-parameters; None: the defaults
-        train_dataset=None,                   # prompts: a Dataset or list of dicts with a "prompt" column
-        processing_class=None,                # the tokenizer (None: loaded from `model` when it is a path)
-        ref_model: PreTrainedModel | None = None,  # π_ref when `beta` > 0 (None: a frozen copy of the policy; LoRA: its adapter-off base)
-    ):
-        args = args or GRPOConfig()
-        if processing_class is None and isinstance(model, str): processing_class = AutoTokenizer.from_pretrained(model, padding_side="left")
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        reward = funcs[0] if len(funcs) == 1 else WeightedReward(list(funcs), args.reward_weights or [1.0] * len(funcs))
-        super().__init__(args, processing_class, reward, train_dataset)
-        self.model = disable_dropout(_load(model, AutoModelForCausalLM))
-        self.ref_model = frozen_reference(self.model, ref_model) if args.beta > 0 else None
-        self.samples_per_prompt = args.num_generations
+    @property
+    def samples_per_prompt(self) -> int: return self.config.num_generations
+
+    @property
+    def needs_reference(self) -> bool:
+        "π_ref only for the KL term (`beta` > 0): with `beta` = 0 none is made."
+        return self.config.beta > 0
 
     @property
     def reuses_current_logprobs(self) -> bool:
@@ -165,14 +158,14 @@ class GRPOTrainer(OnPolicyTrainer):
 def sample_rollout(
     self: GRPOTrainer,
     policy: nn.Module,               # the causal LM that samples
-    prompts: list[str],              # this process's prompts for the step
+    rows: dict | list,               # this process's rows for the step (`dataset[indices]`), or a list of prompts
     seed: int | None = None,         # the step's sampling seed
     first_row: int = 0,              # the global index of this process's first completion
     loop: TrainLoop | None = None,   # the run's loop (device, processes)
 ) -> tuple[GRPORollout, Samples]:
-    "Sample G completions per prompt in one batched call, score them, and compute advantages (and log-probabilities where needed)."
+    "Sample G completions per prompt in one batched call (each carrying its row's columns to the reward), score them, and compute advantages (and log-probabilities where needed)."
     c = self.config
-    x = self.sample_and_score(policy, [p for p in prompts for _ in range(c.num_generations)], seed, first_row, loop)
+    x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
     inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
     zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
     logprobs = zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs)
@@ -226,7 +219,7 @@ def micro_batch_loss(
 # %% ../nbs/09b_grpo.ipynb #baff93c2
 @patch
 def rollout_stats(self: GRPOTrainer, rollout: GRPORollout) -> dict[str, Tensor]:
-    "The rollout's statistics under TRL's GRPO names: rewards, their spread within groups, completion lengths."
+    "The rollout's statistics under TRL's GRPO names: rewards, their spread within groups, completion lengths (each reward function's `rewards/<name>/mean` and `/std` come from `train`)."
     c = self.config
     grouped = rollout.scores.reshape(-1, c.num_generations)
     lengths = rollout.response_mask.sum(1).float()
@@ -234,5 +227,4 @@ def rollout_stats(self: GRPOTrainer, rollout: GRPORollout) -> dict[str, Tensor]:
     stats = {"reward": rollout.scores.mean(), "reward_std": grouped.std(1).mean(), "frac_reward_zero_std": (grouped.std(1) == 0).float().mean(),
              "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
              "completions/max_length": lengths.max(), "completions/clipped_ratio": (~stopped).float().mean()}
-    for name, mean in getattr(self.reward_model, "last_means", {}).items(): stats[f"rewards/{name}/mean"] = mean
     return stats

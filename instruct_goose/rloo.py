@@ -7,6 +7,7 @@ __all__ = ['RLOOConfig', 'RLOORollout', 'RLOOTrainer']
 
 # %% ../nbs/09_rloo.ipynb #c7520a5a
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from accelerate import Accelerator
@@ -19,23 +20,31 @@ from .core import check_number, entropy_from_logits, logprobs_from_logits, maske
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .trainer import OnPolicyConfig, OnPolicyTrainer, frozen_reference
+from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns, frozen_reference
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
 class RLOOConfig(OnPolicyConfig):
-    "RLOO (REINFORCE leave-one-out) with the Reinforce++ options; field names as in TRL's `RLOOConfig`."
-    rloo_k: int = 2                          # responses sampled per prompt (≥ 2); the rollout must hold a multiple of it
+    "RLOO (REINFORCE leave-one-out) with the Reinforce++ options, under TRL's `RLOOConfig` names: current TRL's (≥ 0.22) or, as aliases, TRL ≤ 0.21's (`merge_names`)."
+    num_generations: int = 2                 # k: responses sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL ≤ 0.21: `rloo_k`)
+    beta: float = 0.05                       # β: weight of the KL penalty (TRL ≤ 0.21 and PPO: `kl_coef`)
+    max_completion_length: int = 53          # tokens sampled per response (TRL ≤ 0.21 and PPO: `response_length`)
+    epsilon: float = 0.2                     # ε: clip range of the ratio (TRL ≤ 0.21 and PPO: `cliprange`)
+    rloo_k: int = 2                          # TRL ≤ 0.21's name of `num_generations`
     normalize_reward: bool = False           # standardise the scores over the rollout (Reinforce++)
     reward_clip_range: float | None = None   # clip the scores to [-c, c] (Reinforce++); None: no clipping
-    normalize_advantage: bool = False        # whiten the advantages over the rollout (Reinforce++)
+    normalize_advantages: bool = False       # whiten the advantages over the rollout (Reinforce++; TRL ≤ 0.21: `normalize_advantage`)
+    normalize_advantage: bool = False        # TRL ≤ 0.21's name of `normalize_advantages`
     token_level_kl: bool = False             # per-token KL penalty, returns-to-go and per-token ratios (Reinforce++)
+    same_setting: ClassVar[dict[str, str]] = {"num_generations": "rloo_k", "beta": "kl_coef", "max_completion_length": "response_length",
+                                              "epsilon": "cliprange", "normalize_advantages": "normalize_advantage"}
 
     def __post_init__(self):
         super().__post_init__()
-        if self.rloo_k < 2: raise ValueError(f"`rloo_k` must be at least 2 (the baseline needs another response), got {self.rloo_k}")
-        if self.rollout_size % self.rloo_k:
-            raise ValueError(f"`rloo_k`={self.rloo_k} does not divide the rollout of {self.rollout_size} responses "
+        k = self.num_generations
+        if k < 2: raise ValueError(f"`num_generations` (`rloo_k`) must be at least 2 (the baseline needs another response), got {k}")
+        if self.rollout_size % k:
+            raise ValueError(f"`num_generations`={k} does not divide the rollout of {self.rollout_size} responses "
                              "(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches)")
         if self.reward_clip_range is not None: check_number("reward_clip_range", self.reward_clip_range, low_open=True)
 
@@ -57,26 +66,17 @@ class RLOORollout(RowBatch):
 # %% ../nbs/09_rloo.ipynb #37d8d791
 class RLOOTrainer(OnPolicyTrainer):
     "RLOO: k samples per prompt, leave-one-out baselines, the clipped surrogate on sequence (or token) ratios; no critic."
-    def __init__(
-        self,
-        config: RLOOConfig,                  # hyper-parameters
-        tokenizer,                           # the policy's tokenizer
-        policy: PreTrainedModel,             # the causal LM to train (no value head)
-        ref_policy: PreTrainedModel | None,  # π_ref, the SFT model (frozen here); None: a frozen copy of the policy (LoRA: its adapter-off base)
-        reward_model,                        # a `RewardModel` with its tokenizer, or f(prompts, completions) -> scores
-        train_dataset,                       # prompts: a Dataset or list of dicts with a "prompt" column
-    ):
-        super().__init__(config, tokenizer, reward_model, train_dataset)
-        self.model = disable_dropout(policy)
-        self.ref_model = frozen_reference(self.model, ref_policy)
-        self.samples_per_prompt = config.rloo_k
+    config_class = RLOOConfig          # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords); `model` is a causal LM (no value head)
+
+    @property
+    def samples_per_prompt(self) -> int: return self.config.rloo_k
 
     @torch.no_grad()
-    def sample_rollout(self, policy: nn.Module, prompts: list[str], seed: int | None = None, first_row: int = 0,
+    def sample_rollout(self, policy: nn.Module, rows: dict | list, seed: int | None = None, first_row: int = 0,
                        loop: TrainLoop | None = None) -> tuple[RLOORollout, Samples]:
-        "Sample k responses per prompt in one batched call, score them, and compute log-probabilities and advantages."
+        "Sample k responses per prompt in one batched call (each carrying its row's columns to the reward), score them, and compute log-probabilities and advantages."
         c = self.config
-        x = self.sample_and_score(policy, [p for p in prompts for _ in range(c.rloo_k)], seed, first_row, loop)
+        x = self.sample_and_score(policy, _prompt_columns(rows, c.rloo_k), seed, first_row, loop)
         inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
         logprobs = logprobs_in_chunks(policy, *inputs)
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)

@@ -86,8 +86,8 @@ def assert_first_epoch_is_on_policy(row):
 @pytest.mark.parametrize("family", CAUSAL_NAMES)
 def test_ppo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
     agent = Agent(causal(family))
-    trainer = RLHFTrainer(agent, create_reference_model(agent), RLHFConfig(**on_policy(tmp_path)), tokenizer=tokenizer,
-                          reward_model=length_reward, train_dataset=load_task("prompts"))
+    trainer = RLHFTrainer(agent, create_reference_model(agent), RLHFConfig(**on_policy(tmp_path)), processing_class=tokenizer,
+                          reward_funcs=length_reward, train_dataset=load_task("prompts"))
     trainer.train()
     assert_first_epoch_is_on_policy(trainer.loop.state.history[0])
 
@@ -95,8 +95,8 @@ def test_ppo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
 @pytest.mark.parametrize("family", CAUSAL_NAMES)
 def test_rloo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
     policy = causal(family)
-    trainer = RLOOTrainer(RLOOConfig(rloo_k=2, **on_policy(tmp_path)), tokenizer, policy, create_reference_model(policy),
-                          length_reward, load_task("prompts"))
+    trainer = RLOOTrainer(policy, create_reference_model(policy), RLOOConfig(num_generations=2, **on_policy(tmp_path)),
+                          processing_class=tokenizer, reward_funcs=length_reward, train_dataset=load_task("prompts"))
     trainer.train()
     assert_first_epoch_is_on_policy(trainer.loop.state.history[0])
 
@@ -195,7 +195,7 @@ def pipeline_params():
 def test_pipeline_sft_rm_ppo_rloo(family, causal, tokenizer, tmp_path):
     "SFT → reward model (from the SFT checkpoint, as InstructGPT) → PPO → RLOO, two steps each: finite, reference untouched."
     stage = dict(max_steps=2, per_device_train_batch_size=4, max_length=64, disable_tqdm=True)
-    sft = SFTTrainer(causal(family), tokenizer, SFTConfig(output_dir=str(tmp_path / "sft"), **stage), load_task("sft"))
+    sft = SFTTrainer(causal(family), args=SFTConfig(output_dir=str(tmp_path / "sft"), **stage), train_dataset=load_task("sft"), processing_class=tokenizer)
     sft.train()
     assert_finite_history(sft, "SFT")
 
@@ -210,7 +210,7 @@ def test_pipeline_sft_rm_ppo_rloo(family, causal, tokenizer, tmp_path):
     reference = create_reference_model(agent)
     before = {k: v.clone() for k, v in reference.state_dict().items()}
     ppo = RLHFTrainer(agent, reference, RLHFConfig(output_dir=str(tmp_path / "ppo"), num_ppo_epochs=2, **rl),
-                      tokenizer=tokenizer, reward_model=rm.reward_model, train_dataset=load_task("prompts"))
+                      processing_class=tokenizer, reward_funcs=rm.reward_model, train_dataset=load_task("prompts"))
     ppo.train()
     assert len(ppo.loop.state.history) == 2
     assert_finite_history(ppo, "PPO")
@@ -220,8 +220,8 @@ def test_pipeline_sft_rm_ppo_rloo(family, causal, tokenizer, tmp_path):
     assert_reloads_as_causal_lm(ppo.model.model, tmp_path / "ppo", tokenizer)
 
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
-    rloo = RLOOTrainer(RLOOConfig(output_dir=str(tmp_path / "rloo"), rloo_k=2, num_ppo_epochs=2, **rl), tokenizer, policy,
-                       create_reference_model(policy), rm.reward_model, load_task("prompts"))
+    rloo = RLOOTrainer(policy, create_reference_model(policy), RLOOConfig(output_dir=str(tmp_path / "rloo"), num_generations=2,
+                       num_ppo_epochs=2, **rl), processing_class=tokenizer, reward_funcs=rm.reward_model, train_dataset=load_task("prompts"))
     rloo.train()
     assert len(rloo.loop.state.history) == 2
     assert_finite_history(rloo, "RLOO")

@@ -32,7 +32,7 @@ def ppo_trainer(model, tokenizer, tmp_path, reward=lambda p, c: [1.0] * len(c), 
     settings = dict(output_dir=str(tmp_path / "ppo"), per_device_train_batch_size=4, total_episodes=4, response_length=4,
                     num_ppo_epochs=1, max_prompt_length=8, disable_tqdm=True, num_sample_generations=0)
     return RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model), RLHFConfig(**{**settings, **config}),
-                       tokenizer=tokenizer, reward_model=reward,
+                       processing_class=tokenizer, reward_funcs=reward,
                        train_dataset=prompts if prompts is not None else [{"prompt": "the goose"}] * 4)
 
 
@@ -145,12 +145,12 @@ def test_negative_or_nan_coefficients(field, value):
 
 
 def test_rloo_k_must_divide_the_rollout():
-    with pytest.raises(ValueError, match=r"`rloo_k`=3 does not divide the rollout of 8 responses"):
+    with pytest.raises(ValueError, match=r"`num_generations`=3 does not divide the rollout of 8 responses"):
         RLOOConfig(rloo_k=3, per_device_train_batch_size=8)
 
 
 def test_rloo_k_one():
-    with pytest.raises(ValueError, match="`rloo_k` must be at least 2"):
+    with pytest.raises(ValueError, match=r"`num_generations` \(`rloo_k`\) must be at least 2"):
         RLOOConfig(rloo_k=1)
 
 
@@ -262,14 +262,14 @@ def test_numbers_given_as_text():
 def test_sft_prompt_filling_max_length_is_reported_not_trained(model, tokenizer, tmp_path):
     rows = [{"prompt": "honk " * 40, "completion": " a"}] + [{"prompt": "the goose", "completion": " says honk"}] * 4
     with pytest.warns(UserWarning, match="1 of 5 prompts fill max_length \\(16\\) tokens"):
-        trainer = SFTTrainer(copy.deepcopy(model), tokenizer, SFTConfig(output_dir=str(tmp_path), max_length=16), rows)
+        trainer = SFTTrainer(copy.deepcopy(model), args=SFTConfig(output_dir=str(tmp_path), max_length=16), train_dataset=rows, processing_class=tokenizer)
     assert len(trainer.train_dataset) == 4
 
 
 def test_sft_max_length_beyond_the_context_is_cut(model, tokenizer, tmp_path):
     with pytest.warns(UserWarning, match="`max_length` \\(256\\) is longer than the model's context \\(64 tokens\\)"):
-        trainer = SFTTrainer(copy.deepcopy(model), tokenizer, SFTConfig(output_dir=str(tmp_path), max_length=256),
-                             [{"text": "honk " * 100}] * 2)
+        trainer = SFTTrainer(copy.deepcopy(model), args=SFTConfig(output_dir=str(tmp_path), max_length=256),
+                             train_dataset=[{"text": "honk " * 100}] * 2, processing_class=tokenizer)
     ids, _, _ = trainer.encode(trainer.train_dataset[:2])[0]
     assert ids.shape[1] == 64
 
@@ -283,7 +283,7 @@ def test_reward_training_max_length_beyond_the_context_is_cut(model, tokenizer, 
 
 def test_evaluate_returns_numbers(model, tokenizer, tmp_path):
     rows = [{"prompt": "the goose", "completion": " says honk"}] * 2
-    trainer = SFTTrainer(copy.deepcopy(model), tokenizer, SFTConfig(output_dir=str(tmp_path), max_length=32), rows, rows)
+    trainer = SFTTrainer(copy.deepcopy(model), args=SFTConfig(output_dir=str(tmp_path), max_length=32), train_dataset=rows, eval_dataset=rows, processing_class=tokenizer)
     assert type(trainer.evaluate()["eval/loss"]) is float
 
 
@@ -299,7 +299,7 @@ def test_unwritable_output_dir_fails_before_training(model, tokenizer, tmp_path)
 
 def test_train_without_a_reward(model, tokenizer, tmp_path):
     trainer = ppo_trainer(model, tokenizer, tmp_path, reward=None)
-    with pytest.raises(ValueError, match="`reward_model` is needed to train"):
+    with pytest.raises(ValueError, match="`reward_funcs` is needed to train"):
         trainer.train()
 
 

@@ -41,7 +41,7 @@ args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumu
                   num_generations=2, max_completion_length=6, local_rollout_forward_batch_size=2, num_iterations=2,
                   beta=0.1, scale_rewards="batch", loss_type="dapo", num_sample_generations=0, disable_tqdm=True,
                   learning_rate=1e-3, save_steps=int(os.environ.get("SAVE_STEPS", "2")), logging_steps=1, resume_from_checkpoint=resume)
-trainer = GRPOTrainer(model, length, args, prompts, tokenizer)
+trainer = GRPOTrainer(model, args=args, processing_class=tokenizer, train_dataset=prompts, reward_funcs=length)
 trainer.train()
 rank = os.environ.get("RANK", "0")
 torch.save(trainer.model.state_dict(), f"{out}/weights{rank}.pt")
@@ -111,8 +111,8 @@ def _tiny_trainer(policy_dir, tmp_path, reward, **overrides):
                 num_generations=4, max_completion_length=8, local_rollout_forward_batch_size=4, num_sample_generations=0,
                 disable_tqdm=True, learning_rate=1e-3, logging_steps=1)
     args = {**args, **overrides}
-    return GRPOTrainer(AutoModelForCausalLM.from_pretrained(policy_dir), reward, GRPOConfig(**args),
-                       load_task("prompts").select(range(64)), AutoTokenizer.from_pretrained(policy_dir))
+    return GRPOTrainer(AutoModelForCausalLM.from_pretrained(policy_dir), args=GRPOConfig(**args), processing_class=AutoTokenizer.from_pretrained(policy_dir),
+                       train_dataset=load_task("prompts").select(range(64)), reward_funcs=reward)
 
 
 def length(prompts, completions): return [len(c) / 10 for c in completions]

@@ -48,7 +48,7 @@ def test_lora_ppo_trains_adapters_and_value_head_only(base_dir, tmp_path):
     assert isinstance(reference, AdapterOffReference) and list(reference.parameters()) == []
     adapters, base = split(list(agent.model.named_parameters()))
     head = agent.value_head.weight.detach().clone()
-    trainer = RLHFTrainer(agent, reference, RLHFConfig(**settings(tmp_path)), tokenizer=tokenizer, reward_model=reward,
+    trainer = RLHFTrainer(agent, reference, RLHFConfig(**settings(tmp_path)), processing_class=tokenizer, reward_funcs=reward,
                           train_dataset=load_task("prompts"))
     trainer.train()
     adapters_after, base_after = split(list(trainer.model.model.named_parameters()))
@@ -72,8 +72,8 @@ def test_lora_rloo_trains_adapters_only(base_dir, tmp_path):
     tokenizer = task_tokenizer()
     policy = lora(base_dir)
     adapters, base = split(list(policy.named_parameters()))
-    trainer = RLOOTrainer(RLOOConfig(rloo_k=2, **settings(tmp_path)), tokenizer, policy, create_reference_model(policy),
-                          reward, load_task("prompts"))
+    trainer = RLOOTrainer(policy, create_reference_model(policy), RLOOConfig(num_generations=2, **settings(tmp_path)),
+                          processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
     trainer.train()
     adapters_after, base_after = split(list(trainer.model.named_parameters()))
     assert changed(adapters, adapters_after) == set(adapters) and changed(base, base_after) == set()

@@ -32,7 +32,7 @@ def ppo(tokenizer, tmp_path, **config):
                     local_rollout_forward_batch_size=4, disable_tqdm=True, num_sample_generations=0, learning_rate=1e-3)
     torch.manual_seed(0)
     trainer = RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model), RLHFConfig(**{**settings, **config}),
-                          tokenizer=tokenizer, reward_model=reward, train_dataset=load_task("prompts"))
+                          processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
     trainer.train()
     return trainer
 
@@ -92,8 +92,8 @@ class Recorder(nn.Module):
 
 @pytest.mark.parametrize("offload", [True, False])
 def test_on_device_moves_only_when_offloading(offload, tokenizer):
-    trainer = RLOOTrainer(RLOOConfig(offload_models=offload, output_dir="/tmp/goose-offload-test"), tokenizer,
-                          tiny_causal_lm(tokenizer), tiny_causal_lm(tokenizer), reward, [{"prompt": "x"}])
+    trainer = RLOOTrainer(tiny_causal_lm(tokenizer), tiny_causal_lm(tokenizer), RLOOConfig(offload_models=offload, output_dir="/tmp/goose-offload-test"),
+                          processing_class=tokenizer, reward_funcs=reward, train_dataset=[{"prompt": "x"}])
     model = Recorder()                                            # only the device's name is used
     with trainer.on_device(model, "cuda:7"): assert model.moves == (["cuda:7"] if offload else [])
     assert model.moves == (["cuda:7", "cpu"] if offload else [])

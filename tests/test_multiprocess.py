@@ -41,11 +41,11 @@ common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulati
 if algo == "ppo":
     torch.manual_seed(0)
     trainer = RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model),
-                          RLHFConfig(whiten_rewards=True, ptx_coef=0.5, **common), tokenizer=tokenizer, reward_model=reward,
+                          RLHFConfig(whiten_rewards=True, ptx_coef=0.5, **common), processing_class=tokenizer, reward_funcs=reward,
                           train_dataset=prompts, pretrain_dataset=load_task("pretrain"))
 else:
-    trainer = RLOOTrainer(RLOOConfig(rloo_k=2, normalize_advantage=True, **common), tokenizer, copy.deepcopy(model), model,
-                          reward, prompts)
+    trainer = RLOOTrainer(copy.deepcopy(model), model, RLOOConfig(num_generations=2, normalize_advantages=True, **common),
+                          processing_class=tokenizer, reward_funcs=reward, train_dataset=prompts)
 trainer.train()
 rank = os.environ.get("RANK", "0")
 torch.save(trainer.model.state_dict(), f"{out}/weights{rank}.pt")

@@ -14,8 +14,8 @@ def setup(tmp_path, **config):
     model = tiny_causal_lm(tokenizer, seed=0)
     settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=8, response_length=6,
                     disable_tqdm=True, num_sample_generations=0)
-    trainer = RLHFTrainer(Agent(model), create_reference_model(model), RLHFConfig(**{**settings, **config}), tokenizer=tokenizer,
-                          reward_model=lambda p, c: [float(len(x)) for x in c], train_dataset=[{"prompt": "the goose"}] * 8)
+    trainer = RLHFTrainer(Agent(model), create_reference_model(model), RLHFConfig(**{**settings, **config}), processing_class=tokenizer,
+                          reward_funcs=lambda p, c: [float(len(x)) for x in c], train_dataset=[{"prompt": "the goose"}] * 8)
     return tokenizer, trainer
 
 

@@ -1,0 +1,134 @@
+"""One constructor for PPO, RLOO and GRPO (issue 17): TRL's keywords, the seed's positional contract, the old names as
+aliases, one-line errors for the old argument orders, `model` as a path / causal LM / Agent, `peft_config` from Python,
+and 🤗 callbacks through an on-policy run."""
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from instruct_goose import (Agent, AdapterOffReference, GRPOConfig, GRPOTrainer, RLHFConfig, RLHFTrainer, RLOOConfig,
+                            RLOOTrainer, create_reference_model, task_tokenizer, tiny_causal_lm)
+from instruct_goose.loop import read_metrics
+
+TRAINERS = {"ppo": (RLHFTrainer, RLHFConfig), "rloo": (RLOOTrainer, RLOOConfig), "grpo": (GRPOTrainer, GRPOConfig)}
+PROMPTS = [{"prompt": p} for p in ("the film was", "I thought it", "a goose", "the plot")] * 4
+
+
+def length(prompts, completions): return [len(c) / 10 for c in completions]
+
+
+def config(algo, tmp_path, **overrides):
+    "A tiny run: 2 steps of 4 responses (2 prompts × 2 samples for RLOO/GRPO), 6 tokens each."
+    settings = dict(output_dir=str(tmp_path / algo), per_device_train_batch_size=4, max_steps=2, disable_tqdm=True,
+                    num_sample_generations=0, learning_rate=1e-2, num_ppo_epochs=1, logging_steps=1)
+    settings |= dict(max_completion_length=6, num_generations=2) if algo != "ppo" else dict(response_length=6)
+    if algo == "grpo": settings.pop("num_ppo_epochs")
+    return TRAINERS[algo][1](**{**settings, **overrides})
+
+
+def trl_script(algo, model, tmp_path, **extra):
+    "The same keyword script for the three trainers, as TRL users write it."
+    trainer_class, _ = TRAINERS[algo]
+    return trainer_class(model=model, args=config(algo, tmp_path), processing_class=task_tokenizer(), train_dataset=PROMPTS,
+                         eval_dataset=PROMPTS[:2], reward_funcs=[length], **extra)
+
+
+@pytest.mark.parametrize("algo", TRAINERS)
+def test_one_keyword_script_trains_every_on_policy_trainer(algo, tmp_path):
+    trainer = trl_script(algo, tiny_causal_lm(task_tokenizer(), seed=0), tmp_path)
+    assert trainer.eval_dataset.num_rows == 2 and trainer.callbacks == []
+    trainer.train()
+    assert [row["step"] for row in read_metrics(tmp_path / algo)] == [1, 2]
+
+
+def test_positional_seed_contract_and_old_names(tmp_path):
+    model = tiny_causal_lm(task_tokenizer(), seed=0)
+    agent = Agent(model)
+    reference = create_reference_model(agent)
+    seed = RLHFTrainer(agent, reference, config("ppo", tmp_path), tokenizer=task_tokenizer(), reward_model=length,
+                       train_dataset=PROMPTS)
+    assert seed.model is agent and seed.ref_model is reference and seed.config.response_length == 6
+    assert seed.tokenizer is not None and seed.reward_model.functions == [length]
+    old = RLOOTrainer(model, None, config=config("rloo", tmp_path), tokenizer=task_tokenizer(), reward_model=length)
+    assert old.config.rloo_k == 2 and old.samples_per_prompt == 2
+    with pytest.raises(TypeError, match="`config` is the old name of `args`: give only `args`"):
+        RLHFTrainer(agent, args=RLHFConfig(), config=RLHFConfig())
+    with pytest.raises(TypeError, match="`reward_model` is the old name of `reward_funcs`"):
+        GRPOTrainer(model, reward_funcs=length, reward_model=length)
+
+
+def test_old_argument_orders_fail_in_one_line(tmp_path):
+    tok, model = task_tokenizer(), tiny_causal_lm(task_tokenizer(), seed=0)
+    cases = [  # RLOO's old order; TRL's GRPOTrainer(model, reward_funcs); a config of another algorithm
+        (lambda: RLOOTrainer(config("rloo", tmp_path), tok, model, None, length, PROMPTS),
+         r"RLOOTrainer\(model, ref_model=None, args=None, processing_class=None, train_dataset=None, .*the config goes in `args=`"),
+        (lambda: GRPOTrainer(model, length), "GRPOTrainer's second argument is `ref_model`, got a function: pass rewards as reward_funcs="),
+        (lambda: GRPOTrainer(model, [length], GRPOConfig()), "got a list: pass rewards as reward_funcs="),
+        (lambda: RLOOTrainer(model, args=config("grpo", tmp_path)), "`args` must be a RLOOConfig, got a GRPOConfig"),
+    ]
+    for make, message in cases:
+        with pytest.raises(TypeError, match=message) as caught: make()
+        assert "\n" not in str(caught.value)
+
+
+def test_model_as_path_causal_lm_or_agent(policy_dir, tmp_path):
+    for algo in TRAINERS:
+        trainer_class, _ = TRAINERS[algo]
+        from_path = trainer_class(str(policy_dir), args=config(algo, tmp_path / "path"), reward_funcs=length, train_dataset=PROMPTS)
+        assert from_path.tokenizer is not None                             # loaded from the path: processing_class=None
+        lm = from_path.model.model if algo == "ppo" else from_path.model
+        assert type(lm).__name__ == "GPT2LMHeadModel"
+        from_path.train()                                                  # a path-loaded tokenizer samples (prompts padded left)
+        agent = Agent(tiny_causal_lm(task_tokenizer(), seed=0))
+        from_agent = trainer_class(agent, args=config(algo, tmp_path / "agent"), processing_class=task_tokenizer())
+        assert (from_agent.model is agent) if algo == "ppo" else (from_agent.model is agent.model)
+    ppo = RLHFTrainer(AutoModelForCausalLM.from_pretrained(policy_dir), args=config("ppo", tmp_path / "lm"))
+    assert isinstance(ppo.model, Agent)                                    # a value head is added to a causal LM
+    assert GRPOTrainer(str(policy_dir), args=config("grpo", tmp_path / "g")).ref_model is None   # beta = 0: no reference
+
+
+def lora_parameters(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_peft_config_trains_adapters_only_against_the_adapter_off_base(algo, tmp_path):
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    torch.manual_seed(0)
+    trainer = trl_script(algo, tiny_causal_lm(task_tokenizer(), seed=0), tmp_path, peft_config=peft)
+    assert isinstance(trainer.ref_model, AdapterOffReference)
+    before = lora_parameters(trainer.model)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    after = lora_parameters(trainer.model)
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    expected = {n for n in before if "lora_" in n or n.startswith("value_head")}
+    assert moved == expected == trainable, (sorted(moved ^ expected)[:4], sorted(trainable ^ expected)[:4])
+    lm = trainer.model.model if algo == "ppo" else trainer.model
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad(), lm.disable_adapter(): base = lm(input_ids=ids).logits
+    torch.testing.assert_close(trainer.ref_model(input_ids=ids).logits, base)   # π_ref: the adapters off, no second copy
+
+
+class Steps(TrainerCallback):
+    "Records what the callbacks hear, and stops the run after `stop_at` steps."
+    def __init__(self, stop_at=None): self.events, self.stop_at = [], stop_at
+    def on_train_begin(self, args, state, control, **kwargs): self.events.append(("begin", state.global_step, state.max_steps))
+    def on_log(self, args, state, control, logs=None, **kwargs): self.events.append(("log", state.global_step, logs["step"]))
+    def on_save(self, args, state, control, **kwargs): self.events.append(("save", state.global_step))
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(("step", state.global_step))
+        if state.global_step == self.stop_at: control.should_training_stop = True
+    def on_train_end(self, args, state, control, **kwargs): self.events.append(("end", state.global_step, len(state.log_history)))
+
+
+@pytest.mark.parametrize("algo", TRAINERS)
+def test_callbacks_see_each_step_and_can_stop_the_run(algo, tmp_path):
+    steps = Steps(stop_at=1)
+    trainer_class, _ = TRAINERS[algo]
+    trainer = trainer_class(tiny_causal_lm(task_tokenizer(), seed=0), args=config(algo, tmp_path, max_steps=3), processing_class=task_tokenizer(),
+                            train_dataset=PROMPTS, reward_funcs=length, callbacks=[steps])
+    trainer.train()                                                        # returns normally: no TrainingInterrupted
+    assert steps.events == [("begin", 0, 3), ("log", 1, 1), ("step", 1), ("save", 1), ("end", 1, 1)]
+    assert sorted(p.name for p in (tmp_path / algo).glob("checkpoint-*")) == ["checkpoint-1"]
+    assert (tmp_path / algo / "model.safetensors").is_file()              # the model is saved as at the end of a run
