@@ -8,8 +8,11 @@ default; both are switched off for it here unless `--trl_defaults`), the referen
 the end (no prompt here is long enough to be cut), EOS appended to each completion, one process on the CPU.
 The data order differs (each library's own seeded sampler), so the loss curves agree only within noise.
 
-Per side: pairs/s over the `train()` call (median, min-max), peak RSS (ru_maxrss of the child), the loss at step 1
-(log 2 = 0.6931 on both: policy = reference) and the mean loss per block of steps. Ends with `dpo ratio=X.XX`
+Per side: pairs/s over the `train()` call (median, min-max), peak RSS (ru_maxrss of the child), the seconds the
+trainer's construction took (both sides tokenise the pairs there, once: TRL in its dataset `map`, ours in
+`DPOTrainer.pairs`; so `train()` times the same work on both), the loss at step 1 (log 2 = 0.6931 on both: policy =
+reference) and the mean loss per block of steps. The ratio of medians is printed with the per-repetition ratios (each
+repetition's two runs ran back to back, so they saw about the same load). Ends with `dpo ratio=X.XX`
 (ours/TRL pairs/s, medians).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/dpo_vs_trl.py --reps 4 --steps 40
@@ -58,13 +61,15 @@ def child(side, model_dir, a, seed):
     "Train one side; print one JSON line with wall time, pairs/s, the per-step losses and peak RSS."
     quiet()
     with tempfile.TemporaryDirectory() as out:
+        i0 = time.perf_counter()
         trainer, losses = (make_ours if side == "ours" else make_trl)(model_dir, out, a, seed)
         c0, t0 = time.process_time(), time.perf_counter()
+        init = t0 - i0
         trainer.train()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         loss = losses()
     if len(loss) != a.steps: sys.exit(f"{side}: expected {a.steps} logged losses, got {len(loss)}")
-    print(json.dumps({"side": side, "wall": wall, "pps": a.batch * a.steps / wall, "pps_cpu": a.batch * a.steps / cpu,
+    print(json.dumps({"side": side, "wall": wall, "init": init, "pps": a.batch * a.steps / wall, "pps_cpu": a.batch * a.steps / cpu,
                       "loss": loss, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
@@ -76,14 +81,16 @@ def save_model(path):
 
 
 def report(res, every):
-    print(f"\n{'side':<6}{'pairs/s median':>16}{'(min-max)':>16}{'pairs/CPU-s':>13}{'peak RSS MiB':>14}{'loss step 1':>13}")
+    print(f"\n{'side':<6}{'pairs/s median':>16}{'(min-max)':>16}{'pairs/CPU-s':>13}{'peak RSS MiB':>14}{'init s':>8}"
+          f"{'loss step 1':>13}")
     med = {}
     for side, rs in res.items():
         pps = [r["pps"] for r in rs]
         med[side] = (statistics.median(pps), statistics.median(r["peak_rss_mib"] for r in rs),
                      statistics.median(r["pps_cpu"] for r in rs))
         print(f"{side:<6}{med[side][0]:>16.1f}{f'({min(pps):.1f}-{max(pps):.1f})':>16}{med[side][2]:>13.1f}"
-              f"{med[side][1]:>14.0f}{statistics.mean(r['loss'][0] for r in rs):>13.4f}")
+              f"{med[side][1]:>14.0f}{statistics.median(r['init'] for r in rs):>8.2f}"
+              f"{statistics.mean(r['loss'][0] for r in rs):>13.4f}")
     n = len(res["ours"][0]["loss"])
     print(f"\nmean loss per {every}-step block, over repetitions (ours - TRL ± standard error of the difference)")
     blocks = {s: [[statistics.mean(r["loss"][i:i + every]) for r in rs] for i in range(0, n, every)] for s, rs in res.items()}
@@ -91,9 +98,10 @@ def report(res, every):
     se = lambda x, y: (statistics.variance(x) / len(x) + statistics.variance(y) / len(y)) ** 0.5 if len(x) > 1 else float("nan")
     print(f"{'diff':<6}" + "".join(f"{statistics.mean(o) - statistics.mean(t):>+8.4f}" for o, t in zip(*blocks.values())))
     print(f"{'± se':<6}" + "".join(f"{se(o, t):>8.4f}" for o, t in zip(*blocks.values())))
+    paired = sorted(o["pps"] / t["pps"] for o, t in zip(res["ours"], res["trl"]))   # each repetition's two runs sat side by side
     ratio = med["ours"][0] / med["trl"][0]
-    print(f"\nours/TRL: pairs/s {ratio:.2f}x (per CPU-second {med['ours'][2] / med['trl'][2]:.2f}x), "
-          f"peak RSS {med['ours'][1] / med['trl'][1]:.2f}x")
+    print(f"\nours/TRL: pairs/s {ratio:.2f}x (per CPU-second {med['ours'][2] / med['trl'][2]:.2f}x; per repetition, "
+          f"median {statistics.median(paired):.2f}x, {paired[0]:.2f}-{paired[-1]:.2f}x), peak RSS {med['ours'][1] / med['trl'][1]:.2f}x")
     print(f"dpo ratio={ratio:.2f}")
 
 
