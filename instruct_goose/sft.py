@@ -221,13 +221,15 @@ def _reward_model(model, tokenizer) -> RewardModel:
     if model.tokenizer is None: raise ValueError("`processing_class` (the tokenizer) is needed to read the pairs when `model` is not a name/path")
     return model
 
-def _head_trained(peft_config, reward_model: RewardModel):
-    "`peft_config` with the reward head among the modules trained in full (peft's `modules_to_save`, as its SEQ_CLS task type does): a new head must learn."
-    head = next(name for name, m in reward_model.model.named_modules() if m is reward_model.head).split(".")[0]
-    if head in (peft_config.modules_to_save or []): return peft_config
-    peft_config = copy.deepcopy(peft_config)
-    peft_config.modules_to_save = list(peft_config.modules_to_save or []) + [head]
-    return peft_config
+def _trunk_adapters(reward_model: RewardModel, peft_config, merge: bool = False) -> RewardModel:
+    "Peft adapters on the reward model's trunk only (`merge`: merged back in), so its score head stays outside them and is trained in full: a new head must learn."
+    classifier, prefix = reward_model.model, reward_model.model.base_model_prefix
+    if merge: setattr(classifier, prefix, _merged(getattr(classifier, prefix)))
+    else:
+        peft_config = copy.deepcopy(peft_config)
+        peft_config.task_type = None   # the trunk is a plain model: no task head to wrap
+        setattr(classifier, prefix, with_peft(getattr(classifier, prefix), peft_config))
+    return reward_model
 
 # %% ../nbs/06_sft.ipynb #ede62ba5
 _RM_ORDER = "RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks)"
@@ -241,13 +243,13 @@ class RewardTrainer:
         train_dataset=None,              # pairs: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or conversations
         eval_dataset=None,               # the same columns, for `eval/loss` and `eval/accuracy`
         processing_class=None,           # the tokenizer that reads the pairs; None: the `RewardModel`'s own, or loaded from a name/path
-        peft_config=None,                # a peft config (e.g. `LoraConfig`): train adapters and the score head, merged in at the end
+        peft_config=None,                # a peft config (e.g. `LoraConfig`): adapters on the trunk and the whole score head trained, merged in at the end
         callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
         *, tokenizer=None, config=None,  # the old names of `processing_class` and `args`
     ):
         self.config = _stage_args(_renamed(args, config, "args", "config"), RewardConfig, _RM_ORDER)
         self.reward_model = _reward_model(model, load_tokenizer(_renamed(processing_class, tokenizer, "processing_class", "tokenizer"), model))
-        if peft_config is not None: self.reward_model.model = with_peft(self.reward_model.model, _head_trained(peft_config, self.reward_model))
+        if peft_config is not None: _trunk_adapters(self.reward_model, peft_config)
         self.callbacks, self.loss_fn = callbacks, PairwiseLoss()
         self.max_length = fit_to_context(self.config.max_length, self.reward_model)
         rows = lambda data, name: drop_long_prompts(preference_dataset(data, name, self.reward_model.tokenizer), self.reward_model.tokenizer, self.max_length, name)
@@ -295,7 +297,7 @@ def train(self: RewardTrainer) -> RewardModel:
     evaluate = self.evaluate if self.eval_dataset is not None else None
     self.reward_model = loop.fit(self.reward_model, len(self.train_dataset), steps, encode, self.pair_loss_sum, evaluate,
                                  self.config.eval_steps, "reward", loss_name="loss/reward")
-    self.reward_model.model = _merged(self.reward_model.model)
+    _trunk_adapters(self.reward_model, None, merge=True)
     if self.config.normalize:
         with torch.no_grad(), eval_mode(self.reward_model):
             train = self.train_dataset
