@@ -58,6 +58,7 @@ TUTORIALS = [
     ("11_tutorial_pipeline", "InstructGPT's three stages"), ("12_tutorial_reward", "Training a reward model"),
     ("13_tutorial_your_own", "Your own model, data and reward"), ("15_tutorial_rloo", "RLOO: no critic"),
     ("16_tutorial_grpo", "GRPO: a checkable reward"), ("17_tutorial_dpo", "DPO: preferences without RL"),
+    ("18_tutorial_from_trl", "From a TRL script"),
 ]
 LAST = [("99_package", "The package")]
 
