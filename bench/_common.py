@@ -28,8 +28,8 @@ def make_trainer(batch=16, response_length=32, epochs=4, n_layer=2, hidden_size=
                         per_device_train_batch_size=batch, num_mini_batches=1, num_ppo_epochs=epochs,
                         response_length=response_length, total_episodes=batch * 10_000, num_sample_generations=0,
                         disable_tqdm=True, seed=0)
-    trainer = RLHFTrainer(Agent(model), create_reference_model(model), config, tokenizer=tokenizer,
-                          reward_model=length_reward, train_dataset=load_task("prompts"))
+    trainer = RLHFTrainer(Agent(model), create_reference_model(model), config, processing_class=tokenizer,
+                          reward_funcs=length_reward, train_dataset=load_task("prompts"))
     trainer.check_ready()
     loop = trainer.loop = TrainLoop(config)
     loop.register(trainer.kl_ctl)

@@ -32,7 +32,7 @@ agent = Agent(policy)
 config = RLHFConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, num_mini_batches=1, num_ppo_epochs=2,
                     response_length=32, total_episodes=8 * steps, num_sample_generations=0, disable_tqdm=True,
                     learning_rate=1e-4, save_steps=10_000)
-trainer = RLHFTrainer(agent, reference, config, tokenizer=tokenizer, reward_model=lambda p, c: [len(x) / 100 for x in c],
+trainer = RLHFTrainer(agent, reference, config, processing_class=tokenizer, reward_funcs=lambda p, c: [len(x) / 100 for x in c],
                       train_dataset=load_task("prompts"))
 from instruct_goose.loop import TrainLoop
 TrainLoop.save_checkpoint = lambda self: None     # measure training, not the writing of checkpoints

@@ -160,11 +160,12 @@ def run_ours(algo, a, tok, out, clock):
         cfg = RLHFConfig(**common, num_ppo_epochs=a.epochs, num_mini_batches=1, max_grad_norm=0.0, vf_coef=0.1,
                          cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95)
         agent = Agent(policy, value_model=value if algo == "ppo_separate" else None)
-        tr, cls = RLHFTrainer(agent, create_reference_model(policy), cfg, tokenizer=tok, reward_model=rm,
+        tr, cls = RLHFTrainer(agent, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=rm,
                               train_dataset=prompts_dataset()), RLHFTrainer
     else:
-        cfg = RLOOConfig(**common, rloo_k=RLOO_K, num_ppo_epochs=1, num_mini_batches=1, max_grad_norm=1.0)
-        tr, cls = RLOOTrainer(cfg, tok, policy, create_reference_model(policy), rm, prompts_dataset()), RLOOTrainer
+        cfg = RLOOConfig(**common, num_generations=RLOO_K, num_ppo_epochs=1, num_mini_batches=1, max_grad_norm=1.0)
+        tr, cls = RLOOTrainer(policy, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=rm,
+                              train_dataset=prompts_dataset()), RLOOTrainer
     apply_levers(a.lever)
     # measure training, not the writing of the final checkpoint and model (TRL's side saves nothing: save_strategy="no")
     TrainLoop.save_checkpoint = lambda self: None
@@ -424,8 +425,8 @@ def floor(a):
                         per_device_train_batch_size=a.batch, num_mini_batches=1, num_ppo_epochs=a.epochs,
                         response_length=a.response_length, total_episodes=a.batch * 10_000, num_sample_generations=0,
                         disable_tqdm=True, seed=0, mixed_precision="bf16" if a.dtype == "bf16" else "no")
-    trainer = RLHFTrainer(Agent(policy), create_reference_model(policy), config, tokenizer=tok,
-                          reward_model=length_reward, train_dataset=prompts_dataset())
+    trainer = RLHFTrainer(Agent(policy), create_reference_model(policy), config, processing_class=tok,
+                          reward_funcs=length_reward, train_dataset=prompts_dataset())
     trainer.check_ready()
     loop = trainer.loop = TrainLoop(config)
     loop.register(trainer.kl_ctl)

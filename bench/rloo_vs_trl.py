@@ -42,11 +42,12 @@ def make_ours(model_dir, out_dir, steps, lr, seed):
     from instruct_goose import RLOOConfig, RLOOTrainer, create_reference_model, load_task
     tok = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
-    cfg = RLOOConfig(output_dir=out_dir, per_device_train_batch_size=PROMPTS_PER_STEP * K, rloo_k=K, num_ppo_epochs=EPOCHS,
-                     num_mini_batches=1, response_length=RESPONSE_LENGTH, learning_rate=lr, kl_coef=KL_COEF, seed=seed,
+    cfg = RLOOConfig(output_dir=out_dir, per_device_train_batch_size=PROMPTS_PER_STEP * K, num_generations=K, num_ppo_epochs=EPOCHS,
+                     num_mini_batches=1, max_completion_length=RESPONSE_LENGTH, learning_rate=lr, beta=KL_COEF, seed=seed,
                      total_episodes=PROMPTS_PER_STEP * K * steps, logging_steps=1, disable_tqdm=True,
                      num_sample_generations=0, temperature=1.0)
-    return RLOOTrainer(cfg, tok, policy, create_reference_model(policy), length_reward, load_task("prompts"))
+    return RLOOTrainer(policy, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=length_reward,
+                       train_dataset=load_task("prompts"))
 
 
 def make_trl(model_dir, out_dir, steps, lr, seed):

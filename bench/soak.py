@@ -34,7 +34,7 @@ def main():
                         total_episodes=batch * args.steps, response_length=12, adaptive_kl=True, kl_target=4.0,
                         kl_horizon=2000, ptx_coef=0.1, missing_eos_penalty=1.0, num_sample_generations=0,
                         logging_steps=1, disable_tqdm=True, save_steps=0)
-    trainer = RLHFTrainer(Agent(model), create_reference_model(model), config, tokenizer=tokenizer, reward_model=gold_score,
+    trainer = RLHFTrainer(Agent(model), create_reference_model(model), config, processing_class=tokenizer, reward_funcs=gold_score,
                           train_dataset=load_task("prompts"), pretrain_dataset=load_task("pretrain"))
     process, rss = psutil.Process(os.getpid()), {}
     original = trainer.rollout_stats
