@@ -122,3 +122,12 @@ def test_ppo(tiny, tmp_path):
     assert len(rows) == 2     # 16 episodes / 8 prompts per step
     assert {"objective/kl", "objective/scores", "objective/rlhf_reward", "policy/approxkl_avg", "loss/value_avg"} <= set(rows[0])
     AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.slow
+def test_sft_lora(tiny, tmp_path):
+    "The SFT script with TRL's `peft_config` (a LoraConfig): trains, logs, and leaves a model 🤗 reads."
+    out = run_script("sft.py", tmp_path / "sft-lora", "--model_name_or_path", tiny / "model", "--dataset", tiny / "sft",
+                     "--max_steps", 4, "--use_peft")
+    assert [r["step"] for r in logged(out) if "loss/sft" in r][-1] == 4
+    AutoModelForCausalLM.from_pretrained(out)

@@ -8,6 +8,7 @@ python examples/trl_style/rloo.py --model_name_or_path sft-model --reward_model_
 import argparse
 
 from datasets import load_dataset
+from peft import LoraConfig
 from instruct_goose import RLOOConfig, RLOOTrainer   # TRL: from trl import RLOOConfig, RLOOTrainer
 
 parser = argparse.ArgumentParser()
@@ -15,6 +16,7 @@ parser.add_argument("--model_name_or_path", required=True)
 parser.add_argument("--reward_model_name_or_path", required=True)
 parser.add_argument("--dataset", required=True, help="a folder with train.jsonl and test.jsonl (a conversational `prompt`)")
 parser.add_argument("--output_dir", default="rloo-model")
+parser.add_argument("--use_peft", action="store_true", help="train LoRA adapters only")
 parser.add_argument("--max_steps", type=int, default=100)
 script_args = parser.parse_args()
 
@@ -38,12 +40,14 @@ training_args = RLOOConfig(
     logging_steps=1,
     eval_steps=script_args.max_steps,
 )
+peft_config = LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM") if script_args.use_peft else None
 trainer = RLOOTrainer(
     model=script_args.model_name_or_path,
     reward_funcs=[script_args.reward_model_name_or_path, brevity],
     args=training_args,
     train_dataset=dataset["train"],
     eval_dataset=dataset["test"],
+    peft_config=peft_config,
 )
 trainer.train()
 trainer.save_model(training_args.output_dir)

@@ -6,12 +6,14 @@ assistant's turns. Run: python examples/trl_style/sft.py --model_name_or_path ti
 import argparse
 
 from datasets import load_dataset
+from peft import LoraConfig
 from instruct_goose import SFTConfig, SFTTrainer   # TRL: from trl import SFTConfig, SFTTrainer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model_name_or_path", required=True)
 parser.add_argument("--dataset", required=True, help="a folder with train.jsonl and test.jsonl (a `messages` column)")
 parser.add_argument("--output_dir", default="sft-model")
+parser.add_argument("--use_peft", action="store_true", help="train LoRA adapters only")
 parser.add_argument("--max_steps", type=int, default=200)
 script_args = parser.parse_args()
 
@@ -25,11 +27,13 @@ training_args = SFTConfig(
     logging_steps=5,
     eval_steps=script_args.max_steps,
 )
+peft_config = LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM") if script_args.use_peft else None
 trainer = SFTTrainer(
     model=script_args.model_name_or_path,
     args=training_args,
     train_dataset=dataset["train"],
     eval_dataset=dataset["test"],
+    peft_config=peft_config,
 )
 trainer.train()
 trainer.save_model(training_args.output_dir)
