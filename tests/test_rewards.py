@@ -1,11 +1,16 @@
 """Reward functions as TRL users write them, end to end through the on-policy trainers: the dataset's columns reach
 each sample (also with k/G samples per prompt), several weighted functions and their per-function metrics, None, async,
-chat prompts, and evaluation during RL (eval/score, eval/win_rate, eval/kl at the right steps; resume stays exact)."""
+chat prompts, and evaluation during RL (eval/score, eval/win_rate, eval/kl at the right steps; resume stays exact; the same
+numbers with 1 or 2 processes, in the slow set)."""
 import asyncio
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,3 +202,39 @@ def test_resume_with_evaluation_is_exact(tmp_path):
     assert strip(resumed.loop.state.history) == strip(straight.loop.state.history)
     assert [r["step"] for r in straight.loop.state.history if "eval/score" in r] == [2, 4, 5]
     for a, b in zip(straight.model.parameters(), resumed.model.parameters()): torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+EVAL_SCRIPT = '''
+import json, os, sys, torch
+from datasets import Dataset
+from instruct_goose import RLHFConfig, RLHFTrainer, task_tokenizer, tiny_causal_lm
+out = sys.argv[1]
+tokenizer = task_tokenizer()
+prompts = Dataset.from_dict({"prompt": ["Review: The film", "Review: A goose", "Review: The plot", "Review: I"] * 2})
+held_out = Dataset.from_dict({"prompt": ["Review: It", "Review: My", "Review: This", "Review: The", "Review: One"]})
+torch.manual_seed(0)
+args = RLHFConfig(output_dir=out, per_device_train_batch_size=4 // int(os.environ.get("WORLD_SIZE", 1)), max_steps=2,
+                  response_length=6, local_rollout_forward_batch_size=2, num_sample_generations=0, disable_tqdm=True,
+                  learning_rate=1e-3, eval_steps=1, seed=0)
+trainer = RLHFTrainer(tiny_causal_lm(tokenizer, seed=0), args=args, processing_class=tokenizer, train_dataset=prompts,
+                      eval_dataset=held_out, reward_funcs=lambda p, c: [len(x) / 10 for x in c])
+trainer.train()
+if os.environ.get("RANK", "0") == "0": json.dump(trainer.loop.state.history, open(f"{out}/history.json", "w"))
+'''
+
+
+@pytest.mark.slow
+def test_evaluation_does_not_depend_on_the_process_count(tmp_path):
+    "5 held-out prompts in chunks of 2: 1 process takes all 3 chunks, 2 processes take 2 and 1; the metrics agree."
+    (tmp_path / "eval.py").write_text(EVAL_SCRIPT)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    histories = []
+    for procs in (1, 2):
+        out = tmp_path / f"p{procs}"
+        launch = [sys.executable] if procs == 1 else [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+        result = subprocess.run(launch + [str(tmp_path / "eval.py"), str(out)], capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr[-4000:]
+        histories.append(json.loads((out / "history.json").read_text()))
+    for one, two in zip(*histories):
+        for key in ("eval/score", "eval/score_ref", "eval/win_rate", "eval/kl"):
+            assert abs(one[key] - two[key]) <= 1e-5 * max(1, abs(one[key])), (one["step"], key, one[key], two[key])
