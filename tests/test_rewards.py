@@ -3,7 +3,6 @@ each sample (also with k/G samples per prompt), several weighted functions and t
 chat prompts, and evaluation during RL (eval/score, eval/win_rate, eval/kl at the right steps; resume stays exact; the same
 numbers with 1 or 2 processes, in the slow set)."""
 import asyncio
-import copy
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from transformers import TrainerCallback
 from instruct_goose import (Agent, GRPOConfig, GRPOTrainer, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
                             task_tokenizer, tiny_causal_lm)
 from instruct_goose.data import chat_task_tokenizer, load_task
-from instruct_goose.reward import WeightedReward, reward_from, score_completions
+from instruct_goose.reward import reward_from, score_completions
 
 SMALL = dict(learning_rate=1e-3, per_device_train_batch_size=4, num_sample_generations=0, disable_tqdm=True, seed=0)
 ARITHMETIC = Dataset.from_dict({"prompt": ["1+1=", "2+2=", "3+3=", "4+4=", "5+5=", "6+6=", "7+7=", "8+8="],
