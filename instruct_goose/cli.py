@@ -45,7 +45,8 @@ def field_help(cls) -> dict[str, str]:
         if not dataclasses.is_dataclass(klass): continue
         for line in inspect.getsource(klass).splitlines():
             if m := _FIELD_COMMENT.match(line): docs[m[1]] = m[2].strip()
-    return docs
+    names = {f.name for f in fields(cls)}               # not class variables such as `same_setting`
+    return {name: doc for name, doc in docs.items() if name in names}
 
 # %% ../nbs/10_cli.ipynb #6e52c394
 def _parser_for(tp):
