@@ -296,8 +296,9 @@ class WeightedReward(nn.Module):
         self.__name__ = " + ".join(f"{w:g}·{n}" for n, w in zip(self.names, self.weights))
 
 def _reward_name(f) -> str:
-    "A reward's name in metrics: the function's `__name__`, a reward model's class."
-    return type(f.model).__name__ if isinstance(f, RewardModel) else getattr(f, "__name__", type(f).__name__)
+    "A reward's name in metrics: the function's `__name__`; a reward model's checkpoint folder (as TRL names it), else its class."
+    if not isinstance(f, RewardModel): return getattr(f, "__name__", type(f).__name__)
+    return str(getattr(f.config, "_name_or_path", "")).rstrip("/").split("/")[-1] or type(f.model).__name__
 
 # %% ../nbs/04_reward.ipynb #9c0779be
 @patch
@@ -321,16 +322,33 @@ def forward(
                       "they score 0 (make at least one reward apply to each completion)")
     return masked_sum(scores * torch.tensor(self.weights)[:, None], applies, dim=0)
 
+# %% ../nbs/04_reward.ipynb #a5e1b0c3
+def _as_reward(
+    f,                       # one entry of `reward_funcs`
+    i: int,                  # its place, for messages
+    processing_class=None,   # the tokenizer to fall back on for a 🤗 classifier
+):
+    "A path loads a `RewardModel`; a 🤗 1-label classifier is wrapped in one, with the tokenizer saved beside it or `processing_class`."
+    if isinstance(f, (str, Path)): return RewardModel.from_pretrained(f)
+    if not isinstance(f, PreTrainedModel): return f
+    if not type(f).__name__.endswith("ForSequenceClassification"):
+        raise TypeError(f"`reward_funcs`[{i}] is a {type(f).__name__}: a reward model is a 1-label sequence classifier (or a RewardModel)")
+    path = Path(str(getattr(f.config, "_name_or_path", "") or "-"))
+    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else processing_class
+    if tokenizer is None: raise ValueError(f"`reward_funcs`[{i}] ({type(f).__name__}) has no tokenizer beside its checkpoint: pass `processing_class`")
+    return RewardModel(f, tokenizer)
+
 # %% ../nbs/04_reward.ipynb #602a1a4b
 def reward_from(
     reward_funcs,                                # a RewardModel, a reward function or a model path, or a list of them (TRL's `reward_funcs`)
     reward_weights: Sequence[float] | None = None,  # one weight each (TRL's `reward_weights`); None: 1 each
+    processing_class=None,                       # tokenizer for a 🤗 classifier given as a model with none beside its checkpoint (TRL: the policy's)
 ) -> WeightedReward:                             # the reward the trainers call: (prompts, completions, **columns) -> scores
-    "TRL's `reward_funcs` and `reward_weights` (GRPOConfig, TRL ≥ 0.14) as one `WeightedReward`; a path loads a `RewardModel`."
+    "TRL's `reward_funcs` and `reward_weights` (GRPOConfig, TRL ≥ 0.14) as one `WeightedReward`; a path or a 🤗 classifier becomes a `RewardModel`."
     if isinstance(reward_funcs, WeightedReward) and reward_weights is None: return reward_funcs
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs: raise ValueError("`reward_funcs` is empty: give a reward function or a RewardModel")
-    funcs = [RewardModel.from_pretrained(f) if isinstance(f, (str, Path)) else f for f in funcs]
+    funcs = [_as_reward(f, i, processing_class) for i, f in enumerate(funcs)]
     bad = [i for i, f in enumerate(funcs) if not callable(f)]
     if bad: raise TypeError(f"`reward_funcs`[{bad[0]}] is a {type(funcs[bad[0]]).__name__}, not a RewardModel, a reward function or a path")
     return WeightedReward(funcs, [1.0] * len(funcs) if reward_weights is None else list(reward_weights))
