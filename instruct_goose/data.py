@@ -139,8 +139,10 @@ def as_dataset(
     if isinstance(data, list): data = Dataset.from_list(data) if data else None
     if data is None or len(data) == 0: raise ValueError(f"`{name}` is empty")
     if not any(set(cols) <= set(data.column_names) for cols in columns):
-        chat = " (chat-shaped rows: render them to text first, e.g. with the tokenizer's chat template)" if "messages" in data.column_names else ""
-        raise ValueError(f"`{name}` needs the columns {' or '.join(map(str, columns))}; it has {data.column_names}{chat}")
+        hints = {"messages": " (`messages` rows are SFT data; the other trainers read a `prompt` column, text or a list of messages)",
+                 "input_ids": " (give the text: the trainers tokenize it themselves, with the chat template where the rows are messages)"}
+        hint = "".join(h for column, h in hints.items() if column in data.column_names)
+        raise ValueError(f"`{name}` needs the columns {' or '.join(map(str, columns))}; it has {data.column_names}{hint}")
     return data
 
 # %% ../nbs/02_data.ipynb #b544bbcf
