@@ -169,7 +169,8 @@ def trl_arguments(
         raise TypeError(f"{name}(model, ref_model=None, args=None, processing_class=None, train_dataset=None, eval_dataset=None, "
                         f"reward_funcs=None, peft_config=None, callbacks=None): the config goes in `args=`, not first")
     if ref_model is not None and (not isinstance(ref_model, nn.Module) or isinstance(ref_model, (RewardModel, WeightedReward))):
-        raise TypeError(f"{name}'s second argument is `ref_model`, got a {type(ref_model).__name__}: pass rewards as reward_funcs=...")
+        raise TypeError(f"{name}'s second argument is `ref_model` (a model or None), got a {type(ref_model).__name__}: "
+                        "rewards go in reward_funcs=...")
     for old, value in renamed.items():
         if old not in _RENAMED: raise TypeError(f"{name}() got an unexpected keyword argument {old!r}")
         if given[_RENAMED[old]] is not None: raise TypeError(f"`{old}` is the old name of `{_RENAMED[old]}`: give only `{_RENAMED[old]}`")

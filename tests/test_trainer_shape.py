@@ -62,8 +62,8 @@ def test_old_argument_orders_fail_in_one_line(tmp_path):
     cases = [  # RLOO's old order; TRL's GRPOTrainer(model, reward_funcs); a config of another algorithm
         (lambda: RLOOTrainer(config("rloo", tmp_path), tok, model, None, length, PROMPTS),
          r"RLOOTrainer\(model, ref_model=None, args=None, processing_class=None, train_dataset=None, .*the config goes in `args=`"),
-        (lambda: GRPOTrainer(model, length), "GRPOTrainer's second argument is `ref_model`, got a function: pass rewards as reward_funcs="),
-        (lambda: GRPOTrainer(model, [length], GRPOConfig()), "got a list: pass rewards as reward_funcs="),
+        (lambda: GRPOTrainer(model, length), r"GRPOTrainer's second argument is `ref_model` \(a model or None\), got a function: rewards go in reward_funcs="),
+        (lambda: GRPOTrainer(model, [length], GRPOConfig()), "got a list: rewards go in reward_funcs="),
         (lambda: RLOOTrainer(model, args=config("grpo", tmp_path)), "`args` must be a RLOOConfig, got a GRPOConfig"),
     ]
     for make, message in cases:
