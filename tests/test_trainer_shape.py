@@ -132,3 +132,18 @@ def test_callbacks_see_each_step_and_can_stop_the_run(algo, tmp_path):
     assert steps.events == [("begin", 0, 3), ("log", 1, 1), ("step", 1), ("save", 1), ("end", 1, 1)]
     assert sorted(p.name for p in (tmp_path / algo).glob("checkpoint-*")) == ["checkpoint-1"]
     assert (tmp_path / algo / "model.safetensors").is_file()              # the model is saved as at the end of a run
+
+
+def test_cli_and_yaml_take_either_name(tmp_path, capsys):
+    from instruct_goose.cli import GRPOCommand, RLOOCommand, parse_config
+    flags = parse_config(RLOOCommand, ["--rloo_k", "2", "--beta", "0.1"], "goose rloo")
+    assert (flags.num_generations, flags.rloo_k, flags.kl_coef, flags.beta) == (2, 2, 0.1, 0.1)
+    settings = tmp_path / "rloo.yaml"
+    settings.write_text("num_generations: 2\nmax_completion_length: '8'\nkl_coef: 1e-2\n")   # YAML 1.1 reads 1e-2 as text
+    yaml = parse_config(RLOOCommand, ["--config", str(settings)], "goose rloo")
+    assert (yaml.rloo_k, yaml.response_length, yaml.beta) == (2, 8, 0.01)
+    grpo = parse_config(GRPOCommand, ["--num_ppo_epochs", "2"], "goose grpo")
+    assert (grpo.num_iterations, grpo.beta, grpo.kl_coef) == (2, 0.0, 0.0)             # GRPO's defaults: no KL term
+    with pytest.raises(SystemExit):
+        parse_config(RLOOCommand, ["--num_generations", "2", "--rloo_k", "8"], "goose rloo")
+    assert "`num_generations`=2 and `rloo_k`=8 name one setting twice" in capsys.readouterr().err
