@@ -245,8 +245,8 @@ def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, bat
         for i in range(0, n, batch_size):
             batch, pairs = self.encode(dataset[i:i + batch_size], None if cache is None else cache[i:i + batch_size])
             loss_sum, stats = self.pair_loss_sum(model, batch)
-            for k, v in {"loss": loss_sum / pairs, **stats}.items(): totals[k] = totals.get(k, 0.0) + v.item() * pairs / n
-    return {f"eval/{k}": totals[k] for k in ("loss", "rewards/accuracies", "rewards/margins")}
+            for k, v in {"loss": loss_sum / pairs, **stats}.items(): totals[k] = totals.get(k, 0.0) + v * pairs / n
+    return {f"eval/{k}": totals[k].item() for k in ("loss", "rewards/accuracies", "rewards/margins")}   # the host waits once per metric, not per batch
 
 # %% ../nbs/09c_dpo.ipynb #d0005dac
 @patch
