@@ -10,7 +10,7 @@ __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMComman
            'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
 
 # %% ../nbs/10_cli.ipynb #91472c31
-import argparse, copy, dataclasses, importlib, inspect, json, logging, os, re, shlex, sys, time
+import argparse, dataclasses, importlib, inspect, json, logging, os, re, shlex, sys, time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import UnionType
@@ -24,7 +24,6 @@ from rich.table import Table
 from transformers.utils import logging as transformers_logging
 
 from . import __version__
-from .agent import Agent, create_reference_model
 from .core import check_number
 from .data import gold_score, load_task, read_dataset, task_tokenizer, tiny_causal_lm
 from .loop import TrainingInterrupted, coerce_numbers, read_metrics

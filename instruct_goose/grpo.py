@@ -14,15 +14,13 @@ from accelerate import Accelerator
 from fastcore.basics import patch
 from torch import Tensor, nn
 from jaxtyping import Bool, Float
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .agent import _load, disable_dropout, response_logits
+from .agent import response_logits
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, typecheck
 from .loop import TrainLoop
 from .losses import kl_penalty
-from .reward import WeightedReward
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns, frozen_reference
+from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
 @dataclass

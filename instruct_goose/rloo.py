@@ -13,14 +13,13 @@ import torch
 from accelerate import Accelerator
 from fastcore.basics import patch
 from torch import Tensor, nn
-from transformers import PreTrainedModel
 
-from .agent import disable_dropout, response_logits
+from .agent import response_logits
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns, frozen_reference
+from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass

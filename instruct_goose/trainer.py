@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-from transformers import PreTrainedModel
 
 from .agent import (Agent, ResponseStats, create_reference_model, disable_dropout, eval_mode, generate_responses,
                                   lm_nll, load_tokenizer, response_logits, with_peft)
