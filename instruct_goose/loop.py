@@ -336,8 +336,8 @@ def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) 
     if self.accelerator.state.deepspeed_plugin is not None:   # DeepSpeed reads its micro-batch from a dataloader, else from here
         self.accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = c.per_device_train_batch_size
     params = [p for p in model.parameters() if p.requires_grad]
-    # one fused kernel for the whole update on a GPU (TRL's default `adamw_torch_fused`); DeepSpeed brings its own optimizer step
-    fused = self.accelerator.device.type == "cuda" and self.accelerator.state.deepspeed_plugin is None
+    # one fused kernel for the whole update (🤗/TRL's default `adamw_torch_fused` since torch 2.8); DeepSpeed brings its own step
+    fused = self.accelerator.device.type in ("cuda", "cpu") and self.accelerator.state.deepspeed_plugin is None
     optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=c.weight_decay, fused=fused or None)
     scheduler = get_scheduler(c.lr_scheduler_type, optimizer, num_warmup_steps=c.warmup_steps,
                               num_training_steps=num_training_steps)
