@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TrainingConfig', 'coerce_numbers', 'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState',
            'fresh_accelerator', 'enable_gradient_checkpointing', 'TrainLoop', 'as_callbacks', 'trainer_state',
-           'read_metrics', 'TrainingInterrupted']
+           'read_metrics', 'save_trained', 'TrainingInterrupted']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
 import json, logging, math, os, re, shutil, signal, sys, threading, warnings
@@ -16,7 +16,7 @@ from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import DistributedType, set_seed
@@ -529,14 +529,25 @@ def _prune_checkpoints(self: TrainLoop):
     for _, path in found[:-limit]: shutil.rmtree(path)
 
 # %% ../nbs/05_loop.ipynb #efc23964
+def save_trained(
+    model: nn.Module,            # anything with `save_pretrained`: a 🤗 model, an `Agent`, a `RewardModel`
+    tokenizer,                   # its tokenizer, or None
+    output_dir: str | Path,      # where
+):
+    "`model` and `tokenizer` in 🤗 format in `output_dir`, written by the main process (the others wait): what every trainer's `save_model` does."
+    state = PartialState()
+    if state.is_main_process:
+        model.save_pretrained(output_dir)
+        if tokenizer is not None: tokenizer.save_pretrained(output_dir)
+    state.wait_for_everyone()
+
 @patch
-def save_model(self: TrainLoop, model: nn.Module | None = None):
-    "Save `model` (default: the prepared one, unwrapped) in 🤗 format, and the loop's tokenizer if any, to `output_dir`."
+def save_model(self: TrainLoop,
+               model: nn.Module | None = None,      # default: the prepared one
+               output_dir: str | Path | None = None):  # default: `output_dir` of the config
+    "Save `model` (unwrapped) in 🤗 format, and the loop's tokenizer if any, to `output_dir`."
     model = self.accelerator.unwrap_model(model if model is not None else self.prepared)
-    if self.accelerator.is_main_process:
-        model.save_pretrained(self.config.output_dir)
-        if self.tokenizer is not None: self.tokenizer.save_pretrained(self.config.output_dir)
-    self.accelerator.wait_for_everyone()
+    save_trained(model, self.tokenizer, output_dir or self.config.output_dir)
 
 # %% ../nbs/05_loop.ipynb #e69a418d
 class TrainingInterrupted(KeyboardInterrupt):

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from .agent import eval_mode, load_tokenizer, token_logprobs, with_peft
 from .core import check_number, masked_sum
 from .data import as_dataset, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
-from .loop import TrainLoop, TrainingConfig, batch_indices
+from .loop import TrainLoop, TrainingConfig, batch_indices, save_trained
 from .losses import PairwiseLoss, pairwise_accuracy
 from .reward import RewardModel
 
@@ -211,6 +211,12 @@ def train(self: SFTTrainer) -> PreTrainedModel:
     loop.end()
     return self.model
 
+# %% ../nbs/06_sft.ipynb #23515391
+@patch
+def save_model(self: SFTTrainer, output_dir: str | None = None):  # where (default: `output_dir` of the config)
+    "The model and its tokenizer in 🤗 format, as TRL's `save_model`; `train` has already saved them to `output_dir`."
+    save_trained(self.model, self.tokenizer, output_dir or self.config.output_dir)
+
 # %% ../nbs/06_sft.ipynb #0abcbf15
 def _reward_model(model, tokenizer) -> RewardModel:
     "The `RewardTrainer`'s `model` as a `RewardModel` that reads text with `tokenizer` (or its own)."
@@ -306,3 +312,9 @@ def train(self: RewardTrainer) -> RewardModel:
     loop.save_model(self.reward_model)
     loop.end()
     return self.reward_model
+
+# %% ../nbs/06_sft.ipynb #fcf3b032
+@patch
+def save_model(self: RewardTrainer, output_dir: str | None = None):  # where (default: `output_dir` of the config)
+    "The reward model (a 🤗 classifier) and its tokenizer, as TRL's `save_model`; `train` has already saved them to `output_dir`."
+    save_trained(self.reward_model, None, output_dir or self.config.output_dir)   # a RewardModel saves its own tokenizer
