@@ -45,6 +45,9 @@ class TrainingConfig:
     per_device_train_batch_size: int = 8          # examples (prompts for RL) per step and process
     gradient_accumulation_steps: int = 1          # micro-batches whose gradients make one optimizer step
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # autocast precision, through Accelerate (a memory lever)
+    bf16: bool = False                            # 🤗/TRL's switch for `mixed_precision="bf16"`
+    fp16: bool = False                            # 🤗/TRL's switch for `mixed_precision="fp16"`
+    warmup_ratio: float = 0.0                     # warm-up as a fraction of the optimizer steps (🤗's; `warmup_steps` wins when both are set)
     gradient_checkpointing: bool = False          # recompute activations in the backward pass instead of keeping them (a memory lever)
     logging_steps: int = 1                        # log metrics every this many steps
     save_steps: int = 0                           # write a checkpoint every this many steps (0: only at the end)
@@ -65,6 +68,11 @@ class TrainingConfig:
             check_number(name, getattr(self, name), low=1)
         if self.mixed_precision not in ("no", "fp16", "bf16"):
             raise ValueError(f"`mixed_precision` must be 'no', 'fp16' or 'bf16', got {self.mixed_precision!r}")
+        switched = [p for p in ("bf16", "fp16") if getattr(self, p)]
+        if switched and self.mixed_precision not in ("no", *switched) or len(switched) > 1:
+            raise ValueError(f"`mixed_precision`={self.mixed_precision!r} and {', '.join(f'`{p}`=True' for p in switched)} disagree: give one")
+        if switched: self.mixed_precision = switched[0]
+        check_number("warmup_ratio", self.warmup_ratio, high=1)
         check_tracker(self.report_to)
 
 # %% ../nbs/05_loop.ipynb #cbaa7574
@@ -339,7 +347,8 @@ def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) 
     # one fused kernel for the whole update (🤗/TRL's default `adamw_torch_fused` since torch 2.8); DeepSpeed brings its own step
     fused = self.accelerator.device.type in ("cuda", "cpu") and self.accelerator.state.deepspeed_plugin is None
     optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=c.weight_decay, fused=fused or None)
-    scheduler = get_scheduler(c.lr_scheduler_type, optimizer, num_warmup_steps=c.warmup_steps,
+    warmup = c.warmup_steps or math.ceil(c.warmup_ratio * num_training_steps)
+    scheduler = get_scheduler(c.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=num_training_steps)
     model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
     self.prepared = model
