@@ -13,7 +13,7 @@ from instruct_goose.data import chat_task_tokenizer, gold_score, load_task, tiny
 from instruct_goose.sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from instruct_goose.trainer import evaluate_policy
 
-SEED = int(os.environ.get("CHAT_RL_SEED", 0))   # the RL runs' seed; 0 in the suite (the margins below were set from seeds 0-2)
+SEED = int(os.environ.get("CHAT_RL_SEED", 0))   # the RL runs' seed: 0 in the suite (the margins below were set from seeds 0-5)
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +30,7 @@ def chat_sft(tmp_path_factory):
 def chat_rm(chat_sft, tmp_path_factory):
     "A reward model trained on the chat preference pairs from a copy of the SFT model (the RM shares its trunk: the SFT model stays as it was)."
     tok, sft = chat_sft
+    torch.manual_seed(0)   # the new score head is drawn here, before the trainer seeds its run: the same head whichever tests ran first
     config = RewardConfig(output_dir=str(tmp_path_factory.mktemp("chat_rm")), learning_rate=3e-3, per_device_train_batch_size=16,
                           max_steps=20, warmup_steps=2, disable_tqdm=True, seed=0)
     trainer = RewardTrainer(copy.deepcopy(sft), args=config, train_dataset=load_task("preferences", chat=True), processing_class=tok)
@@ -77,7 +78,8 @@ def test_chat_sft_samples_start_at_the_generation_prompt_and_end_the_turn(chat_s
     assert torch.equal(last == eos, stopped)                                  # a response that stops ends at the stop: nothing after it
     # The SFT replies are 13.5 tokens on average with their <|im_end|> (20 at most), so 24 leave room: 56 of these 64 rows stopped (0.875).
     assert stopped.float().mean() > 0.75, stopped.float().mean()
-    # The untrained model stops by chance: about 1 − (513/514)^24 ≈ 4.6% of rows if its next token were uniform over the 514 tokens.
+    # The untrained model stops by chance: about 1 − (513/514)^24 ≈ 4.6% of rows if its next token were uniform over the 514 tokens
+    # (2 of these 64 rows stopped).
     raw = RLOOTrainer(model=tiny_causal_lm(tok, seed=0), args=args, processing_class=tok, train_dataset=load_task("prompts", chat=True),
                       reward_funcs=record)
     _, untrained = raw.sample_rollout(raw.model, rows, seed=0)
@@ -103,14 +105,14 @@ def test_chat_ppo_with_a_trl_style_reward_function_raises_the_score(chat_sft, tm
 def test_chat_rloo_with_a_chat_reward_model_raises_the_score(chat_sft, chat_rm, tmp_path):
     tok, sft = chat_sft
     args = RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, num_generations=4, max_completion_length=12, beta=0.02,
-                      max_steps=12, learning_rate=1e-3, num_sample_generations=0, disable_tqdm=True, seed=SEED)
+                      max_steps=16, learning_rate=1e-3, num_sample_generations=0, disable_tqdm=True, seed=SEED)
     trainer = RLOOTrainer(model=copy.deepcopy(sft), args=args, processing_class=tok, train_dataset=load_task("prompts", chat=True),
                           reward_funcs=chat_rm)
     trainer.train()
     metrics, _ = score_before_after(trainer.model, sft, tok, chat_rm, 12)
     before, after, win = metrics["eval/reward_ref"], metrics["eval/reward"], metrics["eval/reward_win_rate"]
-    # The reward model scores the SFT model's completions −1.89 on average (std 0.81 over the 256 samples: standard error 0.05). Seeds
-    # 0-4 of this run measured rises of 0.84, 0.73, 0.74, 0.70, 0.64 and win rates 0.84-0.92: a rise of 0.3 is 6 standard errors of the
-    # measurement and under half the smallest rise.
-    assert after - before > 0.3 and win > 0.7, (before, after, win)
+    # The reward model scores the SFT model's completions −0.71 on average (std 0.72 over the 256 samples: standard error 0.045). Seeds
+    # 0-5 of this run measured rises of 0.92, 1.26, 0.79, 1.17, 0.73, 0.47 and win rates 0.81-0.99 (at 12 steps seed 5 rose only 0.33,
+    # hence 16): a rise of 0.25 is over 5 standard errors of the measurement and about half the smallest rise.
+    assert after - before > 0.25 and win > 0.7, (before, after, win)
     assert math.isfinite(metrics["eval/kl"])
