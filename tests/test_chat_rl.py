@@ -30,7 +30,7 @@ def chat_sft(tmp_path_factory):
 def chat_rm(chat_sft, tmp_path_factory):
     "A reward model trained on the chat preference pairs from a copy of the SFT model (the RM shares its trunk: the SFT model stays as it was)."
     tok, sft = chat_sft
-    torch.manual_seed(0)   # the new score head is drawn here, before the trainer seeds its run: the same head whichever tests ran first
+    torch.manual_seed(0)   # RewardTrainer draws the new score head before it applies `seed` (reported): the same head whichever tests ran first
     config = RewardConfig(output_dir=str(tmp_path_factory.mktemp("chat_rm")), learning_rate=3e-3, per_device_train_batch_size=16,
                           max_steps=20, warmup_steps=2, disable_tqdm=True, seed=0)
     trainer = RewardTrainer(copy.deepcopy(sft), args=config, train_dataset=load_task("preferences", chat=True), processing_class=tok)
