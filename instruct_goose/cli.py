@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['field_help', 'build_parser', 'parse_config', 'SFTCommand', 'RMCommand', 'OnPolicyCommand', 'PPOCommand',
            'RLOOCommand', 'GRPOCommand', 'DPOCommand', 'EvalCommand', 'PipelineCommand', 'PlotCommand', 'UsageError',
-           'load_tokenizer_and_model', 'load_data', 'set_threads', 'import_function', 'reward_from', 'run_sft',
+           'load_tokenizer_and_model', 'load_data', 'set_threads', 'import_function', 'command_reward', 'run_sft',
            'run_rm', 'lora_config', 'run_ppo', 'run_rloo', 'run_grpo', 'run_dpo', 'run_eval', 'comparison_table',
            'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
 
@@ -314,7 +314,7 @@ def import_function(spec: str, flag: str):
     return function
 
 # %% ../nbs/10_cli.ipynb #eae9ee85
-def reward_from(args) -> "RewardModel | WeightedReward | callable":
+def command_reward(args) -> "RewardModel | WeightedReward | callable":
     "The reward a command names: its `--reward_funcs` (weighted), the task's gold scorer, or a saved reward model."
     if args.reward_funcs:
         functions = [import_function(s, "--reward_funcs") for s in args.reward_funcs.split(",")]
@@ -331,7 +331,7 @@ def reward_from(args) -> "RewardModel | WeightedReward | callable":
 def _stage_config(
     command,                 # the parsed command (a subclass of the stage's config)
     config_class,            # the stage's config class
-    skip: tuple = (),        # fields the command means differently (e.g. `reward_weights`, already applied by `reward_from`)
+    skip: tuple = (),        # fields the command means differently (e.g. `reward_weights`, already applied by `command_reward`)
 ):
     "The stage config inside a command: the fields the two have in common."
     names = {f.name for f in fields(config_class)} - set(skip)
@@ -381,13 +381,13 @@ def lora_config(
     targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
     return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets)
 
-_WEIGHED = ("reward_weights",)   # an on-policy command's reward comes weighted from `reward_from`
+_WEIGHED = ("reward_weights",)   # an on-policy command's reward comes weighted from `command_reward`
 
 # %% ../nbs/10_cli.ipynb #7720cd93
 def _rl_inputs(args: OnPolicyCommand) -> tuple:
     "What every on-policy command starts from, seeded: (prompts, reward, tokenizer, SFT model with torch threads set for its size)."
     set_seed(args.seed)
-    prompts, reward = load_data(args.dataset, "prompts", columns=args.columns), reward_from(args)
+    prompts, reward = load_data(args.dataset, "prompts", columns=args.columns), command_reward(args)
     tokenizer, sft_model = load_tokenizer_and_model(args.policy, args.seed, "--policy")
     set_threads(sft_model)
     return prompts, reward, tokenizer, sft_model
@@ -448,7 +448,7 @@ def run_eval(args: EvalCommand) -> dict:
     prompts = list(load_data(args.dataset, "prompts", "eval", args.columns)["prompt"])
     gold = _auto(args.gold, args.dataset, "vader", "gold judge", console)
     gold = None if gold == "none" else gold_score if gold == "vader" else import_function(gold, "--gold")
-    reward = reward_from(args)
+    reward = command_reward(args)
     tokenizer, policy = load_tokenizer_and_model(args.policy, flag="--policy")
     _, reference = load_tokenizer_and_model(args.reference, flag="--reference")
     set_threads(policy)

@@ -30,13 +30,15 @@ class RLOOConfig(OnPolicyConfig):
     max_completion_length: int = 53          # tokens sampled per response (TRL ≤ 0.21 and PPO: `response_length`)
     epsilon: float = 0.2                     # ε: clip range of the ratio (TRL ≤ 0.21 and PPO: `cliprange`)
     rloo_k: int = 2                          # TRL ≤ 0.21's name of `num_generations`
+    num_iterations: int = 4                  # passes over each rollout (TRL ≥ 0.22's name, its default 1; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
     normalize_reward: bool = False           # standardise the scores over the rollout (Reinforce++)
     reward_clip_range: float | None = None   # clip the scores to [-c, c] (Reinforce++); None: no clipping
     normalize_advantages: bool = False       # whiten the advantages over the rollout (Reinforce++; TRL ≤ 0.21: `normalize_advantage`)
     normalize_advantage: bool = False        # TRL ≤ 0.21's name of `normalize_advantages`
     token_level_kl: bool = False             # per-token KL penalty, returns-to-go and per-token ratios (Reinforce++)
     same_setting: ClassVar[dict[str, str]] = {"num_generations": "rloo_k", "beta": "kl_coef", "max_completion_length": "response_length",
-                                              "epsilon": "cliprange", "normalize_advantages": "normalize_advantage"}
+                                              "epsilon": "cliprange", "normalize_advantages": "normalize_advantage",
+                                              "num_iterations": "num_ppo_epochs"}
 
     def __post_init__(self):
         super().__post_init__()

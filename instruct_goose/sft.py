@@ -10,6 +10,7 @@ import copy, math, warnings
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import set_seed
 from datasets import Dataset
 from fastcore.basics import patch
 from torch import Tensor, nn
@@ -218,9 +219,11 @@ def save_model(self: SFTTrainer, output_dir: str | None = None):  # where (defau
     save_trained(self.model, self.tokenizer, output_dir or self.config.output_dir)
 
 # %% ../nbs/06_sft.ipynb #0abcbf15
-def _reward_model(model, tokenizer) -> RewardModel:
-    "The `RewardTrainer`'s `model` as a `RewardModel` that reads text with `tokenizer` (or its own)."
-    if not isinstance(model, RewardModel): model = RewardModel(model, tokenizer=tokenizer)
+def _reward_model(model, tokenizer, seed: int) -> RewardModel:
+    "The `RewardTrainer`'s `model` as a `RewardModel` that reads text with `tokenizer` (or its own); a new score head is drawn from `seed`."
+    if not isinstance(model, RewardModel):
+        set_seed(seed)                # as 🤗's Trainer seeds in __init__: the same config gives the same new head
+        model = RewardModel(model, tokenizer=tokenizer)
     elif tokenizer is not None and model.tokenizer is not None and tokenizer is not model.tokenizer:
         raise ValueError("`model` is a RewardModel with its own tokenizer and `processing_class` is another: give one of them")
     elif model.tokenizer is None: model = RewardModel(model.model, tokenizer=tokenizer)
@@ -254,7 +257,8 @@ class RewardTrainer:
         *, tokenizer=None, config=None,  # the old names of `processing_class` and `args`
     ):
         self.config = _stage_args(_renamed(args, config, "args", "config"), RewardConfig, _RM_ORDER)
-        self.reward_model = _reward_model(model, load_tokenizer(_renamed(processing_class, tokenizer, "processing_class", "tokenizer"), model))
+        self.reward_model = _reward_model(model, load_tokenizer(_renamed(processing_class, tokenizer, "processing_class", "tokenizer"), model),
+                                          self.config.seed)
         if peft_config is not None: _trunk_adapters(self.reward_model, peft_config)
         self.callbacks, self.loss_fn = callbacks, PairwiseLoss()
         self.max_length = fit_to_context(self.config.max_length, self.reward_model)

@@ -129,3 +129,15 @@ def test_trainers_take_trl_keywords_and_refuse_the_old_order(tmp_path):
     rm = RewardTrainer(model, args=RewardConfig(output_dir=str(tmp_path / "rm")), train_dataset=pairs, processing_class=tok,
                        callbacks=[callback])
     assert rm.reward_model.tokenizer is tok and rm.callbacks == [callback]
+
+
+def test_reward_trainer_seeds_the_new_head():
+    "`args.seed` decides a new score head, whatever the global random state (🤗's Trainer seeds in __init__ too)."
+    from instruct_goose import RewardConfig, RewardTrainer
+    tok, heads = task_tokenizer(), []
+    base = tiny_causal_lm(tok, seed=0)
+    for noise in (1, 2):
+        torch.manual_seed(noise)
+        trainer = RewardTrainer(copy.deepcopy(base), args=RewardConfig(seed=0), processing_class=tok)
+        heads.append(trainer.reward_model.head.weight.detach().clone())
+    assert torch.equal(*heads)

@@ -147,3 +147,35 @@ def test_cli_and_yaml_take_either_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_config(RLOOCommand, ["--num_generations", "2", "--rloo_k", "8"], "goose rloo")
     assert "`num_generations`=2 and `rloo_k`=8 name one setting twice" in capsys.readouterr().err
+
+
+def test_trl_ppo_names_value_model_and_token_id_prompts(tmp_path):
+    "TRL's PPO script: PPOConfig/PPOTrainer, a separate value_model, prompts given as token ids, a 🤗 classifier as reward, save_model."
+    from transformers import AutoModelForSequenceClassification, GPT2Config
+    from instruct_goose import PPOConfig, PPOTrainer, RewardModel
+    tok = task_tokenizer()
+    assert PPOConfig is RLHFConfig and PPOTrainer is RLHFTrainer
+    classifier = RewardModel(tiny_causal_lm(tok, seed=1)).model                 # a 🤗 GPT2ForSequenceClassification
+    value_model = AutoModelForSequenceClassification.from_config(GPT2Config(**classifier.config.to_dict()))
+    ids = [{"input_ids": tok(row["prompt"]).input_ids} for row in PROMPTS]
+    trainer = PPOTrainer(args=config("ppo", tmp_path), processing_class=tok, model=tiny_causal_lm(tok, seed=0),
+                         reward_funcs=classifier, value_model=value_model, train_dataset=ids)
+    assert list(trainer.train_dataset["prompt"]) == [row["prompt"] for row in PROMPTS]   # the text back, tokenized again by the trainer
+    assert trainer.model.value_model is not None                                      # values from the separate critic's trunk
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    trained = trainer.model.model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in saved.state_dict().items())
+    assert (tmp_path / "saved" / "value_head.safetensors").is_file()
+    with pytest.raises(ValueError, match="has its critic already"):
+        PPOTrainer(Agent(tiny_causal_lm(tok, seed=0)), value_model=value_model)
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo"])
+def test_save_model_writes_the_trained_policy(algo, tmp_path):
+    trainer = trl_script(algo, tiny_causal_lm(task_tokenizer(), seed=0), tmp_path)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in saved.items())
