@@ -1,10 +1,6 @@
 """A script written the TRL way runs unchanged (issue 17): examples/trl_style/*.py, each TRL's own script with only the
 import line changed, run as a subprocess on tiny settings. Each must exit 0, leave a model 🤗 `from_pretrained` reads,
 and a metrics.jsonl with the metric names a TRL user charts.
-
-Where the library still lacks something a TRL script needs, the run fails with a known error: the test is then
-xfail naming the gap (see `GAPS`; described with the proposed fix in the project's gaps notes), and passes by itself
-once the gap is closed. Any other failure fails the test.
 """
 import importlib.util
 import json
@@ -23,16 +19,6 @@ _make_tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_make_tiny)
 make_tiny = _make_tiny.make_tiny
 
-# gap name -> a line of the error a script stops with while the gap is open
-GAPS = {
-    "G1 trainer.save_model": "has no attribute 'save_model'",
-    "G4 PPOConfig/PPOTrainer names": "cannot import name 'PPO",
-    "G5 PPOTrainer(value_model=...)": "unexpected keyword argument 'value_model'",
-    "G6 PPO's tokenized rows (input_ids)": "it has ['input_ids']",
-    "G7 a 🤗 sequence classifier as reward_model": "list indices must be integers or slices, not tuple",
-}
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     "The Hub's stand-ins: a tiny chat LM (tiny/model), a reward model on it (tiny/reward_model), the task's data as JSON."
@@ -43,15 +29,12 @@ def tiny(tmp_path_factory):
 
 
 def run_script(name: str, out: Path, *args) -> Path:
-    "Run examples/trl_style/`name` with `--output_dir out`; xfail on a known gap's error, fail on any other."
+    "Run examples/trl_style/`name` with `--output_dir out`; fail with the end of its stderr if it does not exit 0."
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, str(SCRIPTS / name), "--output_dir", str(out), *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=600)
     if done.returncode:
-        tail = done.stderr[-3000:]
-        open_gaps = [gap for gap, line in GAPS.items() if line in tail]
-        if open_gaps: pytest.xfail(f"gap {open_gaps[0]} (see tests/test_trl_scripts.py GAPS)")
-        pytest.fail(f"{name} exited {done.returncode}:\n{tail}")
+        pytest.fail(f"{name} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return out
 
 
