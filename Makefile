@@ -40,7 +40,7 @@ test: check-export
 	@echo "== nbdev_test: every notebook"
 	$(BIN)/nbdev_test --n_workers 2
 	@echo "== pytest"
-	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile --durations=10
 
 demo: $(STAMP)
 	$(BIN)/goose pipeline --output_dir runs/demo --overwrite_output_dir

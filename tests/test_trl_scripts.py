@@ -76,6 +76,7 @@ def test_rloo(tiny, tmp_path):
     AutoModelForCausalLM.from_pretrained(out)
 
 
+@pytest.mark.slow   # the answer column reaching a TRL-style function is also checked in process (tests/test_rewards.py)
 def test_grpo(tiny, tmp_path):
     "GRPO with a reward function reading the `answer` column: its mean logged as rewards/accuracy/mean; eval at the end."
     out = run_script("grpo.py", tmp_path / "grpo", "--model_name_or_path", tiny / "model", "--dataset", tiny / "arithmetic",
