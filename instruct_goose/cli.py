@@ -409,22 +409,22 @@ def run_ppo(args: PPOCommand):
     return trainer
 
 # %% ../nbs/10_cli.ipynb #a35d12ec
-def run_rloo(args: RLOOCommand):
-    "goose rloo"
+def _run_sampled(args, trainer_class, config_class):
+    "RLOO and GRPO from the command line: the shared inputs, the command's settings, one trainer, trained."
     prompts, reward, tokenizer, sft_model = _rl_inputs(args)
-    trainer = RLOOTrainer(sft_model, args=_stage_config(args, RLOOConfig, skip=_WEIGHED), processing_class=tokenizer,
-                          train_dataset=prompts, reward_funcs=reward, peft_config=lora_config(args))
+    trainer = trainer_class(sft_model, args=_stage_config(args, config_class, skip=_WEIGHED), processing_class=tokenizer,
+                            train_dataset=prompts, reward_funcs=reward, peft_config=lora_config(args))
     trainer.train()
     return trainer
+
+def run_rloo(args: RLOOCommand):
+    "goose rloo"
+    return _run_sampled(args, RLOOTrainer, RLOOConfig)
 
 # %% ../nbs/10_cli.ipynb #1186c8b4
 def run_grpo(args: GRPOCommand):
     "goose grpo"
-    prompts, reward, tokenizer, sft_model = _rl_inputs(args)
-    trainer = GRPOTrainer(sft_model, args=_stage_config(args, GRPOConfig, skip=_WEIGHED), processing_class=tokenizer,
-                          train_dataset=prompts, reward_funcs=reward, peft_config=lora_config(args))
-    trainer.train()
-    return trainer
+    return _run_sampled(args, GRPOTrainer, GRPOConfig)
 
 # %% ../nbs/10_cli.ipynb #f3eb3e16
 def run_dpo(args: DPOCommand):
