@@ -315,6 +315,14 @@ def apply_levers(levers):
             gen = am.generate_responses
             def generate_static(*x, **k): return gen(*x, cache_implementation="static", **k)
             am.generate_responses = tm.generate_responses = generate_static
+        elif lever == "unpacked":
+            # the 🤗 default linear layers while sampling on the CPU (the library packs them for oneDNN: `packed_linears`)
+            gen = am.generate_responses
+            def generate_unpacked(*x, **k): return gen(*x, packed=False, **k)
+            am.generate_responses = tm.generate_responses = generate_unpacked
+        elif lever == "no_kept_pass":
+            # a separate no-grad policy pass in the rollout (the library keeps the rollout's pass for the update: `first_pass`)
+            tm.OnPolicyTrainer.keeps_first_pass = False
         else: sys.exit(f"unknown lever {lever}")
 
 
@@ -488,7 +496,7 @@ def main():
     p.add_argument("--trl_ppo_path", default=os.environ.get("TRL_PPO_PATH", "/tmp/trl112"),
                    help="a --target install of trl==1.12.0 (for PPO; RLOO uses the installed TRL)")
     p.add_argument("--tok_dir", help="a tokenizer saved by an earlier run (else one is trained)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache; or take one back: unpacked, no_kept_pass")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--report", help="only print the tables from a file written by --json")

@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'response_logits', 'token_logprobs', 'lm_nll',
            'AgentOutput', 'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode',
-           'own_generation_config', 'generate_responses', 'Agent', 'AdapterOffReference', 'create_reference_model',
-           'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective']
+           'own_generation_config', 'packed_linears', 'generate_responses', 'Agent', 'AdapterOffReference',
+           'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import copy, inspect, os, weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PretrainedConfig
+from transformers.pytorch_utils import Conv1D
 
 from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
                                  truncate_after_stop, typecheck)
@@ -187,6 +188,31 @@ def own_generation_config(model: nn.Module):
     try: yield
     finally: base.generation_config = saved
 
+# %% ../nbs/03_agent.ipynb #c3c6cb39
+def _packable_weight(m: nn.Module) -> Tensor | None:
+    "The (out, in) float32 CPU weight of a plain linear layer (`nn.Linear`, or GPT-2's `Conv1D`, which stores it transposed); None for anything else."
+    if "forward" in vars(m): return None                     # a forward already replaced (e.g. accelerate's hooks): leave it
+    w = m.weight if type(m) is nn.Linear else m.weight.t() if type(m) is Conv1D else None
+    return w if w is not None and w.dtype == torch.float32 and w.device.type == "cpu" else None
+
+@contextmanager
+def packed_linears(
+    model: nn.Module,  # any model; only its plain float32 linear layers on the CPU change, and only inside the block
+    rows: int,         # rows a call will multiply (the batch of a decoding step): oneDNN picks its layout for it
+):
+    "Inside the block (no gradients), the model's linear layers multiply through oneDNN with their weights packed once: faster at the few rows of a decoding step on the CPU, the same numbers up to float rounding."
+    if torch.is_grad_enabled(): raise ValueError("packed_linears: packed weights have no gradient; use it under torch.no_grad()")
+    packed = []
+    if torch.backends.mkldnn.is_available():
+        for m in model.modules():
+            if (w := _packable_weight(m)) is None: continue
+            p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+            m.forward = lambda x, p=p, b=m.bias: torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+            packed.append(m)
+    try: yield model
+    finally:
+        for m in packed: del m.forward
+
 # %% ../nbs/03_agent.ipynb #aca1722a
 @torch.no_grad()
 @typecheck
@@ -199,6 +225,7 @@ def generate_responses(
     pad_token_id: int,                                    # id written after each response's first stop token
     temperature: float = 1.0,                             # T: sample from softmax(z / T)
     static_cache: bool | None = None,                     # a preallocated KV cache (🤗 `cache_implementation="static"`), several times faster on a GPU; None: on when the prompts are on a GPU
+    packed: bool | None = None,                           # linear layers through oneDNN with packed weights (`packed_linears`), faster on the CPU; None: on when the prompts are on the CPU and no CPU autocast is active
     **generate_kwargs,                                    # passed on to 🤗 `generate` (anything that changes the distribution, e.g. `sequence_bias`, makes sampling differ from scoring: the trainers pass none)
 ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
     "Sample one response per prompt from softmax(z / T) (the model's own `generation_config` ignored), cut after its first stop token, pad to `max_new_tokens`."
@@ -209,7 +236,8 @@ def generate_responses(
                               eos_token_id=stop_token_ids)
     if query_ids.is_cuda if static_cache is None else static_cache:   # sized up to a multiple of 64: the next chunk reuses it
         config.cache_implementation, config.max_cache_len = "static", -(-(query_ids.shape[1] + max_new_tokens) // 64) * 64
-    with eval_mode(model), own_generation_config(model):
+    if packed is None: packed = query_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+    with eval_mode(model), own_generation_config(model), packed_linears(model, len(query_ids)) if packed else nullcontext():
         out = model.generate(input_ids=query_ids, attention_mask=query_attention_mask.long(), generation_config=config,
                              **generate_kwargs)
     response = out[:, query_ids.shape[1]:]

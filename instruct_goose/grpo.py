@@ -150,6 +150,10 @@ class GRPOTrainer(OnPolicyTrainer):
         units = {"grpo": rows, "dr_grpo": rows * c.max_completion_length}.get(c.loss_type, part.loss_mask.sum())
         return {"policy": units}
 
+    def policy_pass(self, policy: nn.Module, part) -> Tensor:
+        "The policy's logits at a micro-batch's response positions."
+        return response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)[0]
+
 # %% ../nbs/09b_grpo.ipynb #cc149a71
 @patch
 @torch.no_grad()
@@ -166,7 +170,10 @@ def sample_rollout(
     x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
     inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
     zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
-    logprobs = zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs)
+    if self.reuses_current_logprobs: logprobs = zeros              # π_θold is the loss's own pass, detached
+    else:                                                           # several passes: π_θold from the first (kept) or its own
+        kept = self.first_pass(policy, x, loop)
+        logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature)
     ref_logprobs = zeros
     if self.ref_model is not None:
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
@@ -196,10 +203,11 @@ def micro_batch_loss(
     policy: nn.Module,       # the causal LM being trained
     part: GRPORollout,       # a micro-batch of the rollout
     draw: int,               # the global micro-batch index (unused: GRPO has no pretraining term)
+    kept: Tensor | None = None,  # the micro-batch's `policy_pass`, already made (`first_pass`)
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     "The clipped surrogate + β·k3 of one micro-batch, averaged as `loss_type` says, with TRL's GRPO statistics."
     c, mask = self.config, part.loss_mask
-    logits, _ = response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)
+    logits = self.policy_pass(policy, part) if kept is None else kept
     logprobs = logprobs_from_logits(logits, part.response_ids, c.temperature)
     old = logprobs.detach() if self.reuses_current_logprobs else part.logprobs
     ref = part.ref_logprobs if self.ref_model is not None else None

@@ -75,11 +75,12 @@ class RLOOTrainer(OnPolicyTrainer):
     @torch.no_grad()
     def sample_rollout(self, policy: nn.Module, rows: dict | list, seed: int | None = None, first_row: int = 0,
                        loop: TrainLoop | None = None) -> tuple[RLOORollout, Samples]:
-        "Sample k responses per prompt in one batched call (each carrying its row's columns to the reward), score them, and compute log-probabilities and advantages."
+        "Sample k responses per prompt in one batched call (each carrying its row's columns to the reward), score them, and compute log-probabilities (from the pass `first_pass` keeps for the update, else chunked) and advantages."
         c = self.config
         x = self.sample_and_score(policy, _prompt_columns(rows, c.rloo_k), seed, first_row, loop)
         inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
-        logprobs = logprobs_in_chunks(policy, *inputs)
+        kept = self.first_pass(policy, x, loop)
+        logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature)
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
         scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, x.response_mask,
                                                                          None if loop is None else loop.accelerator)
@@ -90,10 +91,13 @@ class RLOOTrainer(OnPolicyTrainer):
         "The surrogate is a mean over sequences (over tokens with `token_level_kl`)."
         return {"policy": part.response_mask.sum() if self.config.token_level_kl else torch.tensor(len(part))}
 
-    def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy."
-        logits, _ = response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)
-        loss, stats = self.loss(part, logits)
+    def policy_pass(self, policy: nn.Module, part) -> Tensor:
+        "The policy's logits at a micro-batch's response positions."
+        return response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)[0]
+
+    def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int, kept: Tensor | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy (`kept`: that pass, already made)."
+        loss, stats = self.loss(part, self.policy_pass(policy, part) if kept is None else kept)
         return {"policy": loss}, stats
 
     def rollout_stats(self, rollout: RLOORollout) -> dict:

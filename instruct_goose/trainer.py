@@ -223,6 +223,7 @@ class OnPolicyTrainer:
     needs_reference: bool = True      # whether the algorithm uses π_ref (GRPO: only when `beta` > 0)
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
+    keeps_first_pass: bool = True     # when the update's first micro-batch is the whole rollout, the rollout's policy pass (with gradients) is that micro-batch's pass too (`first_pass`); False: a separate no-grad pass
     progress_keys: tuple = ("objective/scores", "objective/kl", "objective/kl_coef")  # metrics shown on the progress bar
 
     # What each algorithm supplies (the rest of the loop is shared):
@@ -235,8 +236,12 @@ class OnPolicyTrainer:
         "For each loss term of a micro-batch, what its mean is over (real tokens, sequences): the weights come from these."
         raise NotImplementedError
 
-    def micro_batch_loss(self, model: nn.Module, part, draw: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        "(each loss term as a mean over its units, the statistics to log) for one micro-batch of a rollout."
+    def policy_pass(self, model: nn.Module, part):
+        "The forward pass of the policy that the loss of micro-batch `part` needs (with gradients): logits, or the agent's `ResponseStats`."
+        raise NotImplementedError
+
+    def micro_batch_loss(self, model: nn.Module, part, draw: int, kept=None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        "(each loss term as a mean over its units, the statistics to log) for one micro-batch of a rollout; `kept`: its `policy_pass`, already made (`first_pass`)."
         raise NotImplementedError
 
     def rollout_stats(self, rollout) -> dict[str, Tensor]:
@@ -320,12 +325,14 @@ class RLHFTrainer(OnPolicyTrainer):
     @torch.no_grad()
     def sample_rollout(self, agent: Agent, rows: dict | list, seed: int | None = None, first_row: int = 0,
                        loop: TrainLoop | None = None) -> tuple[Rollout, Samples]:
-        "Sample and score a response per prompt, then the agent's log-probabilities and values (chunked) and `make_rollout`."
+        "Sample and score a response per prompt, then the agent's log-probabilities and values (kept for the update by `first_pass`, else chunked) and `make_rollout`."
         c, x = self.config, self.sample_and_score(agent.model, rows, seed, first_row, loop)
-        stats = chunked(lambda q, m, r, rm: agent.response_stats(q, m, r, rm, c.temperature, entropy="skip"),
-                        x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, size=c.local_rollout_forward_batch_size)
-        return self.make_rollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, x.scores, stats.logprobs,
-                                 stats.values, loop), x
+        stats = self.first_pass(agent, x, loop)
+        if stats is None: stats = chunked(lambda q, m, r, rm: agent.response_stats(q, m, r, rm, c.temperature, entropy="skip"),
+                                          x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask,
+                                          size=c.local_rollout_forward_batch_size)
+        return self.make_rollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, x.scores,
+                                 stats.logprobs.detach(), stats.values.detach(), loop), x
 
     def loss_units(self, part: Rollout, draw: int) -> dict[str, Tensor]:
         "PPO's terms are means over the response tokens; PPO-ptx's over the predicted tokens of its pretraining texts."
@@ -333,11 +340,15 @@ class RLHFTrainer(OnPolicyTrainer):
         if self.config.ptx_coef > 0: units["ptx"] = self.ptx_batch(draw, part.response_ids.device)[2].sum()
         return units
 
-    def micro_batch_loss(self, agent: Agent, part: Rollout, draw: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        "−L^CLIP + c₁·L^VF − c₂·S on the micro-batch, and γ × the NLL of pretraining batch `draw` (PPO-ptx)."
+    def policy_pass(self, agent: Agent, part) -> ResponseStats:
+        "The agent's log-probabilities, values and entropy (with gradients when the loss has an entropy bonus) on a micro-batch."
+        return agent.response_stats(part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask,
+                                    self.config.temperature, "grad" if self.config.ent_coef > 0 else "no_grad")
+
+    def micro_batch_loss(self, agent: Agent, part: Rollout, draw: int, kept: ResponseStats | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        "−L^CLIP + c₁·L^VF − c₂·S on the micro-batch (its `policy_pass`, or `kept`), and γ × the NLL of pretraining batch `draw` (PPO-ptx)."
         c = self.config
-        current = agent.response_stats(part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask,
-                                       c.temperature, "grad" if c.ent_coef > 0 else "no_grad")
+        current = self.policy_pass(agent, part) if kept is None else kept
         loss, stats = self.ppo_loss(part, current)
         losses = {"ppo": loss}
         if c.ptx_coef > 0:
@@ -598,6 +609,28 @@ def report(
     if sample_every and (loop.state.step % sample_every == 0 or last):
         loop.sample_table(f"samples at step {loop.state.step}", samples.prompts, samples.completions, samples.scores)
 
+# %% ../nbs/08_trainer.ipynb #42ed0e76
+def _take_rows(stats, rows: Tensor):
+    "Rows `rows` of a tensor, or of each tensor of a named tuple (None stays None)."
+    if isinstance(stats, Tensor): return stats[rows]
+    return type(stats)(*(None if t is None else t[rows] for t in stats))
+
+@patch
+def first_pass(
+    self: OnPolicyTrainer,
+    model: nn.Module,         # the policy being trained (PPO: the `Agent`)
+    samples: Samples,         # the rollout's prompts and responses
+    loop: TrainLoop | None,   # the run's loop (None: outside training, nothing kept)
+):                            # its `policy_pass` over the whole rollout, with gradients; None when the update cannot use it
+    "The policy's pass over the rollout, made with gradients and kept for the update when the update's first micro-batch is the whole rollout (`num_mini_batches` = `gradient_accumulation_steps` = 1)."
+    c = self.config
+    self.kept_pass = None
+    if not (self.keeps_first_pass and loop is not None and c.num_mini_batches == 1 and c.gradient_accumulation_steps == 1):
+        return None
+    model.train()                                   # as in `update`: gradient checkpointing works in train mode
+    with torch.enable_grad(), loop.accelerator.autocast(): self.kept_pass = self.policy_pass(model, samples)
+    return self.kept_pass
+
 # %% ../nbs/08_trainer.ipynb #b4abc6a3
 @patch
 def update(
@@ -608,6 +641,7 @@ def update(
 ) -> dict:                   # the statistics, token-weighted means over the minibatches, and the last gradient norm
     "`num_ppo_epochs` × `num_mini_batches` optimizer steps on one rollout; each loss term a mean over its units in the whole minibatch."
     c, acc, sums, count = self.config, loop.accelerator, {}, 0
+    kept, self.kept_pass = getattr(self, "kept_pass", None), None   # the rollout's pass: the first micro-batch's (`first_pass`)
     model.train()                                  # dropout is off; train mode lets gradient checkpointing work
     for epoch in range(c.num_ppo_epochs):
         cuts = minibatches(len(rollout), c.per_device_train_batch_size, c.gradient_accumulation_steps, c.num_mini_batches)
@@ -618,8 +652,9 @@ def update(
             parts = [rollout[rows] for rows in micro_batches]
             units = [self.loss_units(part, draw) for part, draw in zip(parts, draws)]
             weights = {name: _micro_batch_weights([u[name] for u in units], loop) for name in units[0]}
-            for i, (part, draw) in enumerate(zip(parts, draws)):
-                with acc.autocast(): losses, stats = self.micro_batch_loss(model, part, draw)
+            for i, (part, draw, rows) in enumerate(zip(parts, draws, micro_batches)):
+                reuse = {} if kept is None or (epoch, m, i) != (0, 0, 0) else {"kept": _take_rows(kept, rows)}
+                with acc.autocast(): losses, stats = self.micro_batch_loss(model, part, draw, **reuse)
                 loop.backward(sum(loss * weights[name][i] for name, loss in losses.items()))
                 primary = weights[next(iter(weights))][i]      # statistics weighted like the first loss term
                 for k, v in stats.items(): sums[k] = sums.get(k, 0) + v * primary

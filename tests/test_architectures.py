@@ -5,7 +5,8 @@ Every check runs on a tiny model of each family, built from the family's own con
 with its `generation_config.json` (a chat checkpoint's: sampling on, repetition penalty, top-k/top-p, temperature,
 no-repeat n-grams). The expected numbers need no reference implementation:
 
-- a PPO/RLOO step's first epoch scores the rollout with the very policy that sampled it: ratio 1, variance 0, approx-KL 0;
+- a PPO/RLOO step's first epoch scores the rollout with the very policy that sampled it: ratio 1, variance 0, approx-KL 0
+  (with the rollout's pass made apart, `keeps_first_pass=False`: a kept pass would make the ratio 1 by construction);
 - log π_old, as the library computes it, is the log-probability `generate` actually sampled from (its processed scores);
 - left padding and batching change nothing but float error;
 - a reward model scores like the 🤗 classifier it was built from, and what it saves loads back to the same scores,
@@ -25,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from instruct_goose import (Agent, RewardConfig, RewardModel, RewardTrainer, RLHFConfig, RLHFTrainer, RLOOConfig,
                             RLOOTrainer, SFTConfig, SFTTrainer, create_reference_model, encode_prompts, eval_mode, generate_responses, load_task,
-                            logprobs_from_logits, response_logits, task_tokenizer)
+                            logprobs_from_logits, packed_linears, response_logits, task_tokenizer)
 
 from _families import BY_NAME, CAUSAL, ENCODERS, build_causal, build_classifier
 
@@ -88,6 +89,7 @@ def test_ppo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
     agent = Agent(causal(family))
     trainer = RLHFTrainer(agent, create_reference_model(agent), RLHFConfig(**on_policy(tmp_path)), processing_class=tokenizer,
                           reward_funcs=length_reward, train_dataset=load_task("prompts"))
+    trainer.keeps_first_pass = False            # two passes that must agree, not one pass reused
     trainer.train()
     assert_first_epoch_is_on_policy(trainer.loop.state.history[0])
 
@@ -97,6 +99,7 @@ def test_rloo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
     policy = causal(family)
     trainer = RLOOTrainer(policy, create_reference_model(policy), RLOOConfig(num_generations=2, **on_policy(tmp_path)),
                           processing_class=tokenizer, reward_funcs=length_reward, train_dataset=load_task("prompts"))
+    trainer.keeps_first_pass = False            # two passes that must agree, not one pass reused
     trainer.train()
     assert_first_epoch_is_on_policy(trainer.loop.state.history[0])
 
@@ -144,6 +147,23 @@ def test_static_cache_samples_the_same_tokens(family, causal, tokenizer):
     for static in (False, True):
         torch.manual_seed(0)
         samples.append(generate_responses(model, q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, static_cache=static))
+    assert torch.equal(samples[0][0], samples[1][0]) and torch.equal(samples[0][1], samples[1][1]), family
+
+
+@pytest.mark.parametrize("family", CAUSAL_NAMES)
+def test_packed_linears_sample_the_same_tokens(family, causal, tokenizer):
+    "oneDNN-packed linear layers (on by default on the CPU) give the same logits to float rounding and the same samples."
+    model = causal(family)
+    q, m = encode_prompts(tokenizer, PROMPTS)
+    with torch.no_grad():
+        plain = model(input_ids=q, attention_mask=m).logits
+        with packed_linears(model, len(q)): packed = model(input_ids=q, attention_mask=m).logits
+    torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-5)
+    assert not any("forward" in vars(layer) for layer in model.modules())           # every layer's own forward is back
+    samples = []
+    for pack in (False, True):
+        torch.manual_seed(0)
+        samples.append(generate_responses(model, q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, packed=pack))
     assert torch.equal(samples[0][0], samples[1][0]) and torch.equal(samples[0][1], samples[1][1]), family
 
 
