@@ -8,6 +8,7 @@ from instruct_goose import (Agent, RLHFConfig, RLHFTrainer, create_reference_mod
                             tiny_causal_lm)
 from instruct_goose import trainer as trainer_mod
 from instruct_goose.loop import TrainLoop
+from instruct_goose.reward import reward_from
 
 
 def quiet():
@@ -44,7 +45,8 @@ class Timers:
     def __init__(self, trainer):
         self.t = {}
         self.trainer = trainer
-        orig_gen, orig_score = trainer_mod.generate_responses, trainer_mod.score_completions
+        orig_gen = trainer_mod.generate_responses
+        trainer.reward_model = reward = reward_from(trainer.reward_model)   # the one reward `train` calls (functions, weights)
         orig_sas, orig_opt = trainer.sample_and_score, trainer.loop.optimizer_step
         def timed(name, fn):
             def w(*a, **k):
@@ -52,7 +54,7 @@ class Timers:
                 return r
             return w
         trainer_mod.generate_responses = timed("_gen", orig_gen)
-        trainer_mod.score_completions = timed("_score_fn", orig_score)
+        reward.forward = timed("_score_fn", reward.forward)
         trainer.sample_and_score = timed("_sas", orig_sas)
         trainer.loop.optimizer_step = timed("optimizer", orig_opt)
 
@@ -61,7 +63,7 @@ class Timers:
         tr, loop, c = self.trainer, self.trainer.loop, self.trainer.config
         self.t = {}
         t0 = time.perf_counter()
-        rollout, samples = tr.sample_rollout(agent, prompts)
+        rollout, samples = tr.sample_rollout(agent, prompts, loop=loop)   # with the loop, as `train` calls it (`first_pass`)
         t1 = time.perf_counter()
         rstats = tr.rollout_stats(rollout)
         t2 = time.perf_counter()

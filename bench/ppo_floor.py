@@ -4,10 +4,13 @@ Library step = `sample_rollout` + `rollout_stats` + `update` + the logging of `O
 perf_counter around the library's own functions. Floor = only the unavoidable work written directly with
 torch/transformers: `model.generate` (KV cache) for the same number of new tokens, one reference forward, one policy
 forward (old logprobs + values), `num_ppo_epochs` × (policy forward + backward) and the optimizer steps.
+`lean=True` (`--lean`) gives the floor the library's levers, so that it stays a floor: sampling through oneDNN-packed
+linear layers on the CPU (`packed_linears`), and no separate old-logprob pass (the first epoch's forward is π_θold).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/ppo_floor.py --reps 7
 """
 import argparse, copy, sys, time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -16,16 +19,18 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import Timers, make_trainer, median, quiet  # noqa: E402
+from instruct_goose import packed_linears  # noqa: E402
 
 
-def floor_step(agent, ref, opt, q_ids, q_mask, n_new, epochs, pad_id):
-    "The unavoidable work of one PPO step, timed per phase."
+def floor_step(agent, ref, opt, q_ids, q_mask, n_new, epochs, pad_id, lean=False):
+    "The unavoidable work of one PPO step, timed per phase (`lean`: with the library's levers, see the module's doc)."
     t = {}
     s = time.perf_counter()
     gen_cfg = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, max_new_tokens=n_new, eos_token_id=None,
                                pad_token_id=pad_id, use_cache=True)
     agent.model.eval()
-    with torch.no_grad():
+    packed = packed_linears(agent.model, len(q_ids)) if lean and not q_ids.is_cuda else nullcontext()
+    with torch.no_grad(), packed:
         out = agent.model.generate(input_ids=q_ids, attention_mask=q_mask, generation_config=gen_cfg)
     t["generate"] = time.perf_counter() - s
     resp = out[:, q_ids.shape[1]:]
@@ -37,15 +42,17 @@ def floor_step(agent, ref, opt, q_ids, q_mask, n_new, epochs, pad_id):
     s = time.perf_counter()
     with torch.no_grad():
         ref_lp = logp(ref(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits)
-        o = agent.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=True)
-        old_lp, old_v = logp(o.logits), agent.value_head(o.hidden_states[-1][:, -n - 1:-1]).squeeze(-1)
+        if not lean:
+            o = agent.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=True)
+            old_lp, old_v = logp(o.logits), agent.value_head(o.hidden_states[-1][:, -n - 1:-1]).squeeze(-1)
     t["rollout stats"] = time.perf_counter() - s
-    adv = torch.randn_like(old_lp)  # stand-in for GAE (its cost is a few elementwise ops)
+    adv = torch.randn_like(ref_lp)  # stand-in for GAE (its cost is a few elementwise ops)
     t["PPO epochs (fwd+bwd)"] = t["optimizer"] = 0.0
-    for _ in range(epochs):
+    for epoch in range(epochs):
         s = time.perf_counter()
         o = agent.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=True)
         lp, v = logp(o.logits), agent.value_head(o.hidden_states[-1][:, -n - 1:-1]).squeeze(-1)
+        if lean and epoch == 0: old_lp, old_v = lp.detach(), v.detach()   # the first epoch's pass is π_θold's
         ratio = (lp - old_lp).exp()
         loss = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean() + 0.1 * F.mse_loss(v, old_v + adv)
         loss.backward()
@@ -72,7 +79,7 @@ def main():
     timers = Timers(trainer)
     f_agent = copy.deepcopy(agent).train()
     f_ref = copy.deepcopy(trainer.ref_model)
-    f_opt = torch.optim.AdamW([q for q in f_agent.parameters() if q.requires_grad], lr=1e-5)
+    f_opt = torch.optim.AdamW([q for q in f_agent.parameters() if q.requires_grad], lr=1e-5, fused=True)  # as the library and TRL
     from instruct_goose.data import encode_prompts
     q_ids, q_mask = encode_prompts(trainer.tokenizer, prompts, trainer.config.max_prompt_length)
     pad = trainer.tokenizer.pad_token_id

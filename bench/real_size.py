@@ -1,8 +1,7 @@
 """instruct_goose against TRL at the size people train: a GPT-2-small-shaped (or ~0.5B Qwen2-shaped) model.
 
 Algorithms: PPO with the critic sharing the policy's trunk (`ppo_shared`), PPO with a separate critic trunk
-(`ppo_separate`), RLOO (`rloo`); GRPO is not in the library yet (see `ALGOS`: add its two builders there). TRL's side:
-TRL 1.16's `RLOOTrainer`; for PPO, `trl.experimental.ppo.PPOTrainer` from TRL 1.12.0, the last release that ships it
+(`ppo_separate`), RLOO (`rloo`), GRPO (`grpo`). TRL's side: TRL 1.16's `RLOOTrainer` and `GRPOTrainer`; for PPO, `trl.experimental.ppo.PPOTrainer` from TRL 1.12.0, the last release that ships it
 (TRL 1.13 dropped it), loaded from `--trl_ppo_path` (`pip install --no-deps --target DIR trl==1.12.0`). TRL's PPO has
 only a separate critic, so `ppo_shared` compares our shared-trunk PPO with TRL's (separate) PPO, and `ppo_separate` is
 the like-for-like comparison.
@@ -144,8 +143,8 @@ def patch_optimizer(clock):
 def run_ours(algo, a, tok, out, clock):
     import torch
     import instruct_goose.trainer as tm
-    from instruct_goose import (Agent, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, RewardModel,
-                                create_reference_model)
+    from instruct_goose import (Agent, GRPOConfig, GRPOTrainer, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
+                                RewardModel, create_reference_model)
     from instruct_goose.loop import TrainLoop
     from instruct_goose.trainer import OnPolicyTrainer
     policy, value, reward = build_models(a.model_shape, tok)
@@ -162,10 +161,16 @@ def run_ours(algo, a, tok, out, clock):
         agent = Agent(policy, value_model=value if algo == "ppo_separate" else None)
         tr, cls = RLHFTrainer(agent, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=rm,
                               train_dataset=prompts_dataset()), RLHFTrainer
-    else:
+    elif algo == "rloo":
         cfg = RLOOConfig(**common, num_generations=RLOO_K, num_ppo_epochs=1, num_mini_batches=1, max_grad_norm=1.0)
         tr, cls = RLOOTrainer(policy, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=rm,
                               train_dataset=prompts_dataset()), RLOOTrainer
+    else:   # GRPO: β = KL_COEF (k3 in the loss, so both sides run a reference), DAPO token averaging, group scaling
+        cfg = GRPOConfig(**common, num_generations=RLOO_K, num_iterations=1, num_mini_batches=1, max_grad_norm=1.0,
+                         loss_type="dapo", scale_rewards="group")
+        assert cfg.beta == KL_COEF and cfg.max_completion_length == a.response_length, (cfg.beta, cfg.max_completion_length)
+        tr, cls = GRPOTrainer(policy, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=rm,
+                              train_dataset=prompts_dataset()), GRPOTrainer
     apply_levers(a.lever)
     # measure training, not the writing of the final checkpoint and model (TRL's side saves nothing: save_strategy="no")
     TrainLoop.save_checkpoint = lambda self: None
@@ -245,16 +250,18 @@ def run_trl(algo, a, tok, out, clock):
             mark_end()
         clock.step_end = step_end
     else:
-        from trl import RLOOConfig, RLOOTrainer
-        cfg = RLOOConfig(output_dir=out, per_device_train_batch_size=a.batch, num_generations=RLOO_K,
-                         steps_per_generation=1, num_iterations=1, max_completion_length=a.response_length,
-                         learning_rate=LR, beta=KL_COEF, seed=0, max_steps=steps, logging_steps=1, report_to="none",
-                         save_strategy="no", use_cpu=not cuda, bf16=a.dtype == "bf16", temperature=1.0, top_p=1.0,
-                         top_k=0, disable_dropout=True, normalize_advantages=False, epsilon=0.2, max_grad_norm=1.0,
-                         lr_scheduler_type="linear", disable_tqdm=True, dataloader_num_workers=0)
+        from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+        shared = dict(output_dir=out, per_device_train_batch_size=a.batch, num_generations=RLOO_K,
+                      steps_per_generation=1, num_iterations=1, max_completion_length=a.response_length,
+                      learning_rate=LR, beta=KL_COEF, seed=0, max_steps=steps, logging_steps=1, report_to="none",
+                      save_strategy="no", use_cpu=not cuda, bf16=a.dtype == "bf16", temperature=1.0, top_p=1.0,
+                      top_k=0, disable_dropout=True, epsilon=0.2, max_grad_norm=1.0,
+                      lr_scheduler_type="linear", disable_tqdm=True, dataloader_num_workers=0)
+        if algo == "rloo": cfg, Trainer = RLOOConfig(**shared, normalize_advantages=False), RLOOTrainer
+        else: cfg, Trainer = GRPOConfig(**shared, loss_type="dapo", scale_rewards="group"), GRPOTrainer
         policy.save_pretrained(f"{out}/policy")   # with beta > 0 TRL loads its reference from the policy's path
-        tr = RLOOTrainer(model=f"{out}/policy", reward_funcs=reward, reward_processing_classes=tok, args=cfg,
-                         train_dataset=ds, processing_class=tok, callbacks=[Mark()])
+        tr = Trainer(model=f"{out}/policy", reward_funcs=reward, reward_processing_classes=tok, args=cfg,
+                     train_dataset=ds, processing_class=tok, callbacks=[Mark()])
         C = type(tr)
         C._generate_single_turn = clock.wrap("generation", C._generate_single_turn)
         C._generate = clock.wrap("_gen_all", C._generate)
@@ -368,11 +375,11 @@ def run_child(a, algo, side, extra_env=None):
     return r
 
 
-ALGOS = {  # algorithm -> (our trainer, TRL's trainer); GRPO: add "grpo" with its builders in run_ours/run_trl
+ALGOS = {  # algorithm -> (our trainer, TRL's trainer)
     "ppo_shared": ("RLHFTrainer, shared critic", "trl.experimental.ppo.PPOTrainer (1.12.0, separate critic)"),
     "ppo_separate": ("RLHFTrainer, separate critic", "trl.experimental.ppo.PPOTrainer (1.12.0, separate critic)"),
     "rloo": ("RLOOTrainer", "trl.RLOOTrainer"),
-    # "grpo": ("GRPOTrainer (not in the library yet)", "trl.GRPOTrainer"),
+    "grpo": ("GRPOTrainer", "trl.GRPOTrainer"),
 }
 
 
@@ -445,7 +452,7 @@ def floor(a):
     dev = loop.device
     f_agent = copy.deepcopy(agent).train()
     f_ref = copy.deepcopy(trainer.ref_model)
-    f_opt = torch.optim.AdamW([q for q in f_agent.parameters() if q.requires_grad], lr=1e-5)
+    f_opt = torch.optim.AdamW([q for q in f_agent.parameters() if q.requires_grad], lr=1e-5, fused=True)  # as the library and TRL
     q_ids, q_mask = (t.to(dev) for t in encode_prompts(tok, prompts, config.max_prompt_length))
     cuda = a.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -458,7 +465,7 @@ def floor(a):
             sync(); return r
         def floor_s():
             sync()
-            with autocast(): r = floor_step(f_agent, f_ref, f_opt, q_ids, q_mask, a.response_length, a.epochs, tok.pad_token_id)
+            with autocast(): r = floor_step(f_agent, f_ref, f_opt, q_ids, q_mask, a.response_length, a.epochs, tok.pad_token_id, a.lean)
             sync(); return r
         if i % 2 == 0: L = lib_step(); F_ = floor_s()
         else: F_ = floor_s(); L = lib_step()
@@ -466,7 +473,7 @@ def floor(a):
     keys = ["generate", "score", "rollout stats", "PPO epochs (fwd+bwd)", "optimizer", "logging", "total"]
     print(f"PPO step vs floor: {a.model_shape}, {a.device} {a.dtype}, batch {a.batch}, response {a.response_length}, "
           f"{a.epochs} epochs; medians of {a.reps} after {a.warmup} warm-up; levers {a.lever or 'none'}; "
-          f"torch threads {torch.get_num_threads()}. Note: phase timers are not synchronised inside a step on GPU.")
+          f"torch threads {torch.get_num_threads()}; lean floor: {a.lean}. Note: phase timers are not synchronised inside a step on GPU.")
     print(f"{'phase':<22}{'library ms':>12}{'floor ms':>10}{'lib/floor':>10}")
     table = {}
     for k in keys:
@@ -498,6 +505,7 @@ def main():
     p.add_argument("--tok_dir", help="a tokenizer saved by an earlier run (else one is trained)")
     p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache; or take one back: unpacked, no_kept_pass")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
+    p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--report", help="only print the tables from a file written by --json")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -533,7 +541,7 @@ def main():
     summary = summarise(res, a)
     meta = (f"{a.model_shape} on {a.device} ({machine}), {a.dtype}; torch {torch.__version__}, transformers "
             f"{transformers.__version__}; batch {a.batch}, response {a.response_length} tokens, PPO {a.epochs} epochs x 1 "
-            f"minibatch, RLOO k={RLOO_K} x {a.batch // RLOO_K} prompts, 1 epoch; {a.warmup} warm-up + {a.steps} timed steps "
+            f"minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, 1 epoch; {a.warmup} warm-up + {a.steps} timed steps "
             f"x {a.reps} runs per side; levers on ours: {a.lever or 'none'}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
             f"whole bench {time.perf_counter() - t0:.0f} s; {library}")
     report(summary, a, meta)
