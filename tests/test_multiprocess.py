@@ -12,7 +12,9 @@ What makes the runs equal:
 - the learning-rate schedule steps once per optimizer step (Accelerate's default steps it once per process).
 
 Every forward pass cuts its rows' prompts to the longest among them, so a chunk or micro-batch is padded the same
-whichever process holds it: the matrix shapes match and the runs agree to float precision, prompts of any length.
+whichever process holds it: the matrix shapes match and the runs agree to float precision, prompts of any length. The
+rollout's no-grad passes take a micro-batch's 4 rows at a time: each of 2 processes keeps its rollout pass for its one
+micro-batch (`first_pass`) while 1 process × 2 micro-batches makes a separate pass, and equal widths keep the shapes equal.
 """
 import json
 import os
@@ -36,7 +38,7 @@ tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.f
 prompts = [{"prompt": p} for p in json.load(open(os.path.join(policy, "prompts.json")))]
 reward = lambda prompts, completions: [len(c) / 10 for c in completions]
 common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, total_episodes=32,
-              response_length=6, local_rollout_forward_batch_size=2, num_ppo_epochs=2, num_sample_generations=0,
+              response_length=6, local_rollout_forward_batch_size=4, num_ppo_epochs=2, num_sample_generations=0,
               disable_tqdm=True, learning_rate=1e-3, save_steps=2, resume_from_checkpoint=resume)
 if algo == "ppo":
     torch.manual_seed(0)
