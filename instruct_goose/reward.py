@@ -313,14 +313,25 @@ def forward(
     raws = [_raw_scores(f, prompts, completions, columns) for f in self.functions]
     scores = torch.stack(_checked_scores(self.functions, raws, len(completions)))   # (rewards, batch), NaN where None
     applies = ~scores.isnan()
-    self.last_stats = {}
-    for name, s, a in zip(self.names, scores, applies):
-        self.last_stats[f"rewards/{name}/mean"], self.last_stats[f"rewards/{name}/std"] = masked_mean(s, a), masked_var(s, a).sqrt()
+    self.last_scores, self.last_stats = scores, self.stats(scores)
     if not applies.any(0).all() and not self.warned:
         self.warned = True
         warnings.warn(f"every reward function returned None for completions {(~applies.any(0)).nonzero().flatten().tolist()[:5]}: "
                       "they score 0 (make at least one reward apply to each completion)")
     return masked_sum(scores * torch.tensor(self.weights)[:, None], applies, dim=0)
+
+# %% ../nbs/04_reward.ipynb #a7c3e1f2
+@patch
+def stats(
+    self: WeightedReward,
+    scores: Tensor,              # (rewards, completions) each reward's scores, NaN where it returned None (`last_scores`)
+) -> dict[str, Tensor]:          # `rewards/<name>/mean` and `/std` (n − 1) over the completions each reward applies to
+    "Each reward's mean and standard deviation under TRL's names; the trainers pass every process's `last_scores`, gathered, as TRL computes them."
+    out = {}
+    for name, s in zip(self.names, scores):
+        applies = ~s.isnan()
+        out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = masked_mean(s, applies), masked_var(s, applies).sqrt()
+    return out
 
 # %% ../nbs/04_reward.ipynb #a5e1b0c3
 def _as_reward(

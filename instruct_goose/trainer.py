@@ -541,7 +541,8 @@ def train(self: OnPolicyTrainer) -> nn.Module:
             with loop.accelerator.autocast(), loop.gathered_for_generation():  # π_old in the update's precision; ZeRO-3: whole weights
                 rollout, samples = self.sample_rollout(model, self.train_dataset[rows], sampling_seed(c.seed, loop.state.step),
                                                        rank * c.rollout_size, loop)   # the rows' columns reach the reward
-            reward_stats = {k: v.to(loop.device) for k, v in self.reward_model.last_stats.items()}   # rewards/<name>/mean, /std
+            reward = self.reward_model         # rewards/<name>/mean, /std over every process's completions, as TRL gathers them
+            reward_stats = reward.stats(loop.accelerator.gather(reward.last_scores.to(loop.device).T.contiguous()).T)
             # 2. K epochs of minibatch updates; statistics averaged over processes
             stats = {**self.rollout_stats(rollout), **reward_stats, **self.update(model, rollout, loop)}
             stats = {k: loop.accelerator.reduce(v, reduction="mean") for k, v in stats.items()}

@@ -38,7 +38,7 @@ def length(prompts, completions):
 tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
 prompts = [{"prompt": p} for p in json.load(open(os.path.join(policy, "prompts.json")))]
 args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, max_steps=int(os.environ.get("STEPS", "4")),
-                  num_generations=2, max_completion_length=6, local_rollout_forward_batch_size=2, num_iterations=2,
+                  num_generations=2, max_completion_length=6, local_rollout_forward_batch_size=4, num_iterations=2,
                   beta=0.1, scale_rewards="batch", loss_type="dapo", num_sample_generations=0, disable_tqdm=True,
                   learning_rate=1e-3, save_steps=int(os.environ.get("SAVE_STEPS", "2")), logging_steps=1, resume_from_checkpoint=resume)
 trainer = GRPOTrainer(model, args=args, processing_class=tokenizer, train_dataset=prompts, reward_funcs=length)
