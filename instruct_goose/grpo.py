@@ -15,7 +15,6 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from jaxtyping import Bool, Float
 
-from .agent import response_logits
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, typecheck
 from .loop import TrainLoop
 from .losses import kl_penalty
@@ -149,10 +148,6 @@ class GRPOTrainer(OnPolicyTrainer):
         c, rows = self.config, torch.tensor(float(len(part)))
         units = {"grpo": rows, "dr_grpo": rows * c.max_completion_length}.get(c.loss_type, part.loss_mask.sum())
         return {"policy": units}
-
-    def policy_pass(self, policy: nn.Module, part) -> Tensor:
-        "The policy's logits at a micro-batch's response positions."
-        return response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)[0]
 
 # %% ../nbs/09b_grpo.ipynb #cc149a71
 @patch

@@ -91,10 +91,6 @@ class RLOOTrainer(OnPolicyTrainer):
         "The surrogate is a mean over sequences (over tokens with `token_level_kl`)."
         return {"policy": part.response_mask.sum() if self.config.token_level_kl else torch.tensor(len(part))}
 
-    def policy_pass(self, policy: nn.Module, part) -> Tensor:
-        "The policy's logits at a micro-batch's response positions."
-        return response_logits(policy, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)[0]
-
     def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int, kept: Tensor | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy (`kept`: that pass, already made)."
         loss, stats = self.loss(part, self.policy_pass(policy, part) if kept is None else kept)

@@ -237,8 +237,8 @@ class OnPolicyTrainer:
         raise NotImplementedError
 
     def policy_pass(self, model: nn.Module, part):
-        "The forward pass of the policy that the loss of micro-batch `part` needs (with gradients): logits, or the agent's `ResponseStats`."
-        raise NotImplementedError
+        "The forward pass of the policy that the loss of micro-batch `part` needs, with gradients: its logits at the response positions (PPO: the agent's `ResponseStats`)."
+        return response_logits(model, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)[0]
 
     def micro_batch_loss(self, model: nn.Module, part, draw: int, kept=None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "(each loss term as a mean over its units, the statistics to log) for one micro-batch of a rollout; `kept`: its `policy_pass`, already made (`first_pass`)."
@@ -611,11 +611,6 @@ def report(
         loop.sample_table(f"samples at step {loop.state.step}", samples.prompts, samples.completions, samples.scores)
 
 # %% ../nbs/08_trainer.ipynb #42ed0e76
-def _take_rows(stats, rows: Tensor):
-    "Rows `rows` of a tensor, or of each tensor of a named tuple (None stays None)."
-    if isinstance(stats, Tensor): return stats[rows]
-    return type(stats)(*(None if t is None else t[rows] for t in stats))
-
 @patch
 def first_pass(
     self: OnPolicyTrainer,
@@ -653,8 +648,8 @@ def update(
             parts = [rollout[rows] for rows in micro_batches]
             units = [self.loss_units(part, draw) for part, draw in zip(parts, draws)]
             weights = {name: _micro_batch_weights([u[name] for u in units], loop) for name in units[0]}
-            for i, (part, draw, rows) in enumerate(zip(parts, draws, micro_batches)):
-                reuse = {} if kept is None or (epoch, m, i) != (0, 0, 0) else {"kept": _take_rows(kept, rows)}
+            for i, (part, draw) in enumerate(zip(parts, draws)):   # with a kept pass, (0, 0, 0) is the whole rollout in order
+                reuse = {} if kept is None or (epoch, m, i) != (0, 0, 0) else {"kept": kept}
                 with acc.autocast(): losses, stats = self.micro_batch_loss(model, part, draw, **reuse)
                 loop.backward(sum(loss * weights[name][i] for name, loss in losses.items()))
                 primary = weights[next(iter(weights))][i]      # statistics weighted like the first loss term
