@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from .agent import disable_dropout, eval_mode, load_tokenizer, positions_for, with_peft
 from .core import check_number, logprobs_from_logits, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset
-from .loop import TrainLoop
+from .loop import TrainLoop, fuse_activations
 from .sft import StageConfig, drop_long_prompts, fit_to_context
 from .trainer import frozen_reference
 
@@ -148,7 +148,7 @@ class DPOTrainer:
         self.processing_class = load_tokenizer(processing_class, model)
         if self.processing_class is None: raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a path")
         model = with_peft(model, peft_config)
-        self.model = disable_dropout(model) if self.args.disable_dropout else model
+        self.model = fuse_activations(disable_dropout(model) if self.args.disable_dropout else model)
         cached_self = ref_model is None and self.args.precompute_ref_log_probs   # the policy scores its own start: no copy
         self.ref_model = None if cached_self else frozen_reference(self.model, None if ref_model is None else with_peft(ref_model))
         self.max_length = fit_to_context(self.args.max_length, model)

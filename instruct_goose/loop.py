@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['TrainingConfig', 'coerce_numbers', 'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState',
-           'fresh_accelerator', 'enable_gradient_checkpointing', 'TrainLoop', 'as_callbacks', 'trainer_state',
-           'read_metrics', 'save_trained', 'TrainingInterrupted']
+           'fresh_accelerator', 'enable_gradient_checkpointing', 'fuse_activations', 'TrainLoop', 'as_callbacks',
+           'trainer_state', 'read_metrics', 'save_trained', 'TrainingInterrupted']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
 import json, logging, math, os, re, shutil, signal, sys, threading, warnings
@@ -23,9 +23,10 @@ from accelerate.utils import DistributedType, set_seed
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor, nn
+import torch.nn.functional as F
 from fastcore.basics import patch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, TrainerControl, TrainerState, get_scheduler
+from transformers import PreTrainedModel, TrainerControl, TrainerState, activations, get_scheduler
 
 from .core import check_number
 
@@ -170,6 +171,20 @@ def enable_gradient_checkpointing(
         if hasattr(m, "activation_checkpointing_enable"):       # its name from transformers 5 on
             m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+# %% ../nbs/05_loop.ipynb #a3cfb1c5
+def _gelu_tanh(x: Tensor) -> Tensor: return F.gelu(x, approximate="tanh")
+
+# tanh-GELU written out in Python: `gelu_new` (GPT-2, GPT-J, GPT-Neo, CodeGen, Phi-1/2) and `gelu_fast`
+_WRITTEN_OUT_GELUS = (activations.NewGELUActivation, activations.FastGELUActivation)
+
+def fuse_activations(
+    model: nn.Module,   # any model; only its tanh-GELU modules written out in Python change
+) -> nn.Module:         # `model`
+    "Run each tanh-GELU written out in Python (`gelu_new`, `gelu_fast`) as PyTorch's fused kernel (🤗's `gelu_pytorch_tanh`): the same function to float rounding, one tensor kept for the backward instead of four."
+    for m in model.modules():
+        if type(m) in _WRITTEN_OUT_GELUS and "forward" not in vars(m): m.forward = _gelu_tanh   # a forward set on the instance (a library's hook) stays
     return model
 
 # %% ../nbs/05_loop.ipynb #f77769e1
@@ -338,8 +353,9 @@ def claim_output_dir(self: TrainLoop):
 # %% ../nbs/05_loop.ipynb #921d40f2
 @patch
 def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) -> nn.Module:
-    "AdamW over `model`'s trainable parameters with the configured schedule; returns the prepared model."
+    "AdamW over `model`'s trainable parameters with the configured schedule (`model`'s written-out GELUs fused first); returns the prepared model."
     c = self.config
+    fuse_activations(model)
     if c.gradient_checkpointing: enable_gradient_checkpointing(model)
     if self.accelerator.state.deepspeed_plugin is not None:   # DeepSpeed reads its micro-batch from a dataloader, else from here
         self.accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = c.per_device_train_batch_size

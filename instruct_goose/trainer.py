@@ -27,7 +27,7 @@ from .data import as_dataset, encode_prompts, encode_sft, prompt_text
 from .reward import RewardModel, WeightedReward, reward_from
 from .core import (check_number, logprobs_from_logits, masked_mean, masked_sum, masked_var, masked_whiten,
                                  pad_to_side, typecheck)
-from .loop import TrainLoop, TrainingConfig, as_callbacks, batch_indices, save_trained
+from .loop import TrainLoop, TrainingConfig, as_callbacks, batch_indices, fuse_activations, save_trained
 from .losses import (AdaptiveKLController, FixedKLController, KLController, KLEstimator, PPOLoss,
                                    compute_gae, compute_rewards)
 from .rollout import (RowBatch, Samples, chunked, logprobs_in_chunks, micro_batch_index, minibatches,
@@ -136,13 +136,13 @@ def frozen_reference(
     policy: nn.Module,                 # the causal LM being trained
     ref_model: nn.Module | None,       # the reference the user gave, or None
 ) -> nn.Module:                        # π_ref, frozen (requires_grad=False, eval())
-    "π_ref: `ref_model` frozen, or when None a frozen copy of `policy` (LoRA: its adapter-off base); refuses a reference that shares weights with the policy."
-    if ref_model is None: return create_reference_model(policy)
+    "π_ref: `ref_model` frozen, or when None a frozen copy of `policy` (LoRA: its adapter-off base); refuses a reference that shares weights with the policy. Its GELUs are fused as the policy's are (`fuse_activations`): the same kernels on both sides, so π_θ = π_ref gives a KL of exactly 0."
+    if ref_model is None: return fuse_activations(create_reference_model(policy))
     shared = {p.data_ptr() for p in policy.parameters()} & {p.data_ptr() for p in ref_model.parameters()}
     if shared:
         raise ValueError(f"`ref_model` shares {len(shared)} parameter tensors with the policy, so freezing it would freeze the policy: "
                          "pass ref_model=None (a frozen copy is made) or create_reference_model(model)")
-    return ref_model.eval().requires_grad_(False)
+    return fuse_activations(ref_model.eval().requires_grad_(False))
 
 # %% ../nbs/08_trainer.ipynb #40a4ec9a
 def _micro_batch_weights(
@@ -216,7 +216,7 @@ class OnPolicyTrainer:
         self.train_dataset, self.eval_dataset = (None if d is None else as_dataset(_prompts_from_ids(d, self.tokenizer), name, [("prompt",)])
                                                  for d, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
         self.callbacks, self.kl_ctl = as_callbacks(callbacks), FixedKLController(self.config.kl_coef)
-        self.model = self.policy_from(model, peft_config)
+        self.model = fuse_activations(self.policy_from(model, peft_config))   # before anything samples or scores with it
         policy = self.model.model if isinstance(self.model, Agent) else self.model
         self.ref_model = frozen_reference(policy, ref_model) if self.needs_reference else None
 
