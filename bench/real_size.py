@@ -148,6 +148,7 @@ def run_ours(algo, a, tok, out, clock):
     from instruct_goose.loop import TrainLoop
     from instruct_goose.trainer import OnPolicyTrainer
     policy, value, reward = build_models(a.model_shape, tok)
+    apply_levers(a.lever)   # before the trainer: it fuses the models' activations when it takes them
     steps = a.warmup + a.steps
     common = dict(output_dir=out, per_device_train_batch_size=a.batch, response_length=a.response_length,
                   learning_rate=LR, kl_coef=KL_COEF, seed=0, total_episodes=a.batch * steps, num_sample_generations=0,
@@ -171,7 +172,6 @@ def run_ours(algo, a, tok, out, clock):
         assert cfg.beta == KL_COEF and cfg.max_completion_length == a.response_length, (cfg.beta, cfg.max_completion_length)
         tr, cls = GRPOTrainer(policy, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=rm,
                               train_dataset=prompts_dataset()), GRPOTrainer
-    apply_levers(a.lever)
     # measure training, not the writing of the final checkpoint and model (TRL's side saves nothing: save_strategy="no")
     TrainLoop.save_checkpoint = lambda self: None
     Agent.save_pretrained = lambda self, *x, **k: None
@@ -327,6 +327,10 @@ def apply_levers(levers):
             gen = am.generate_responses
             def generate_unpacked(*x, **k): return gen(*x, packed=False, **k)
             am.generate_responses = tm.generate_responses = generate_unpacked
+        elif lever == "unfused":
+            # GPT-2's GELU as 🤗 writes it, seven tensor operations (the library runs PyTorch's fused kernel: `fuse_activations`)
+            import instruct_goose.loop as lm
+            lm._WRITTEN_OUT_GELUS = ()
         elif lever == "no_kept_pass":
             # a separate no-grad policy pass in the rollout (the library keeps the rollout's pass for the update: `first_pass`)
             tm.OnPolicyTrainer.keeps_first_pass = False
@@ -503,7 +507,7 @@ def main():
     p.add_argument("--trl_ppo_path", default=os.environ.get("TRL_PPO_PATH", "/tmp/trl112"),
                    help="a --target install of trl==1.12.0 (for PPO; RLOO uses the installed TRL)")
     p.add_argument("--tok_dir", help="a tokenizer saved by an earlier run (else one is trained)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache; or take one back: unpacked, no_kept_pass")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache; or take one back: unpacked, no_kept_pass, unfused")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--json", help="write the results here")

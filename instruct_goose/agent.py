@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PretrainedConfig
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig, PreTrainedModel, PretrainedConfig)
 from transformers.pytorch_utils import Conv1D
 
 from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
@@ -142,6 +143,13 @@ def _zero_drop_floats(obj):
 def _load(model, auto_class, **kwargs):
     return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
 
+def _load_critic(value_model, **kwargs):
+    "A separate critic as given, or loaded from a name/path: a 1-label classifier checkpoint (TRL's critic, usually the reward model) with its score head, anything else as its trunk."
+    if not isinstance(value_model, (str, Path)): return value_model
+    config = AutoConfig.from_pretrained(value_model)
+    classifier = config.num_labels == 1 and any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    return _load(value_model, AutoModelForSequenceClassification if classifier else AutoModel, **kwargs)
+
 # %% ../nbs/03_agent.ipynb #038a14a5
 def disable_dropout(model: nn.Module) -> nn.Module:
     "Set every dropout probability in `model` to 0: `nn.Dropout` modules, float attributes (OPT's `dropout` and `layerdrop`, Falcon's `hidden_dropout`) and the config fields some families read in `forward`; returns `model`."
@@ -250,17 +258,22 @@ class Agent(nn.Module):
     def __init__(
         self,
         model: PreTrainedModel | str,               # the policy: a 🤗 causal LM, or a name/path to load one
-        value_model: PreTrainedModel | str | None = None,  # a separate critic trunk (any 🤗 model); None shares the policy's
-        value_head_std: float = 0.01,               # std of the value head's initial weights
+        value_model: PreTrainedModel | str | None = None,  # a separate critic (any 🤗 model; a 1-label classifier such as the reward model starts the value head from its score head); None shares the policy's trunk
+        value_head_std: float = 0.01,               # std of a new value head's initial weights
         **from_pretrained_kwargs,                   # passed to `from_pretrained` when names are given
     ):
         super().__init__()
         self.model = disable_dropout(_load(model, AutoModelForCausalLM, **from_pretrained_kwargs))
-        value_model = _load(value_model, AutoModel, **from_pretrained_kwargs)
+        value_model = _load_critic(value_model, **from_pretrained_kwargs)
         self.value_model = None if value_model is None else disable_dropout(value_model.base_model)
         self.value_head = nn.Linear(_hidden_size((self.model if value_model is None else value_model).config), 1)
         nn.init.normal_(self.value_head.weight, std=check_number("value_head_std", value_head_std))
         nn.init.zeros_(self.value_head.bias)
+        score = getattr(value_model, "score", None)   # InstructGPT (and TRL) start the value function from the reward model
+        if isinstance(score, nn.Linear) and score.out_features == 1:
+            with torch.no_grad():
+                self.value_head.weight.copy_(score.weight)
+                if score.bias is not None: self.value_head.bias.copy_(score.bias)
 
     @property
     def config(self): return self.model.config

@@ -232,7 +232,8 @@ class TrainLoop:
     steps_per_epoch: float | None = None  # steps per pass over the training set, for `trainer_state.epoch` (`begin`)
 
 # %% ../nbs/05_loop.ipynb #5bb7eddf
-_EVENTS = ("on_init_end", "on_train_begin", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
+_EVENTS = ("on_init_end", "on_train_begin", "on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log",
+           "on_evaluate", "on_save", "on_train_end")
 
 def as_callbacks(
     callbacks,           # None, or a list of callbacks: `TrainerCallback` instances or classes, or objects with some of its methods
@@ -436,12 +437,15 @@ def optimizer_step(self: TrainLoop, model: nn.Module, stats: dict | None = None)
     max_norm = self.config.max_grad_norm or math.inf
     grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
     if self.accelerator.distributed_type == DistributedType.DEEPSPEED:   # the engine clipped and stepped in `backward`
+        self.fire("on_pre_optimizer_step"); self.fire("on_optimizer_step")
         return torch.as_tensor(math.nan if grad_norm is None else grad_norm)
     if not torch.isfinite(grad_norm) and self.accelerator.scaler is None:  # one host sync per step; fp16's scaler skips such steps itself
         self.optimizer.zero_grad(set_to_none=True)
         self._nonfinite(grad_norm, stats or {})
         return grad_norm
+    self.fire("on_pre_optimizer_step")
     self.optimizer.step()
+    self.fire("on_optimizer_step")
     self.scheduler.step()
     self.optimizer.zero_grad(set_to_none=True)
     return grad_norm
@@ -696,6 +700,7 @@ def fit(
     self.begin(num_training_steps, n_examples / per_step)
     try:
         while self.state.step < num_training_steps:
+            self.fire("on_step_begin")
             rows = batch_indices(n_examples, per_step, self.state.step, c.seed, acc.process_index, acc.num_processes)
             stats = self.fit_step(model, rows, encode, loss_fn, loss_name)
             self.state.step += 1

@@ -308,7 +308,7 @@ class RLHFTrainer(OnPolicyTrainer):
         **renamed,                    # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
     ):
         super().__init__(model, ref_model, args, processing_class, train_dataset, eval_dataset, reward_funcs, peft_config, callbacks, **renamed)
-        if value_model is not None:     # the critic is the given trunk with a fresh value head, as `Agent(policy, value_model)` builds it
+        if value_model is not None:     # the given critic's trunk, its value head from a 1-label classifier's score head (else new), as `Agent(policy, value_model)` builds it
             if isinstance(model, Agent): raise ValueError("`model` is an Agent, which has its critic already: give `value_model` with a causal LM")
             self.model = Agent(self.model.model, value_model)
         self.pretrain_dataset = None if pretrain_dataset is None else as_dataset(pretrain_dataset, "pretrain_dataset", [("text",)])
@@ -490,10 +490,11 @@ def sample_and_score(
         if seed is not None: torch.manual_seed(seed + first_row + int(rows[0]))   # a chunk's samples do not depend on the process
         return generate_responses(model, ids, mask, c.response_length, self.stop_token_id, tok.pad_token_id, c.temperature)
     r_ids, r_mask = chunked(sample, q_ids, q_mask, torch.arange(len(prompts)), size=c.local_rollout_forward_batch_size)
-    completions = [tok.decode(ids[m], skip_special_tokens=True) for ids, m in zip(r_ids.cpu(), r_mask.cpu())]
+    completion_ids = [ids[m].tolist() for ids, m in zip(r_ids.cpu(), r_mask.cpu())]   # the tokens, up to and with the stop token
+    completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
     reward = reward_from(self.reward_model)
-    with self.on_device(reward, None if loop is None else loop.device):
-        scores = reward(prompts, completions, **columns).to(device)
+    with self.on_device(reward, None if loop is None else loop.device):   # functions may read the tokens too, as TRL passes them
+        scores = reward(prompts, completions, **{**columns, "completion_ids": completion_ids}).to(device)
     if c.missing_eos_penalty is not None:
         stopped = ((r_ids == self.stop_token_id) & r_mask).any(1)
         scores = scores - c.missing_eos_penalty * (~stopped).float()
@@ -536,6 +537,7 @@ def train(self: OnPolicyTrainer) -> nn.Module:
     try:
         while loop.state.step < steps:
             start = time.perf_counter()
+            loop.fire("on_step_begin")
             # 1. this process's share of the step's prompts; sample and score responses, compute the rollout (no gradients)
             rows = batch_indices(len(self.train_dataset), prompts_per_step, loop.state.step, c.seed, rank, procs)
             with loop.accelerator.autocast(), loop.gathered_for_generation():  # π_old in the update's precision; ZeRO-3: whole weights

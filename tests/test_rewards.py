@@ -46,6 +46,23 @@ def trainer(algo, tmp_path, reward_funcs, data=ARITHMETIC, tokenizer=None, eval_
 
 # --- the dataset's columns reach the reward, row by row ---------------------------------------------------------------
 
+@pytest.mark.parametrize("algo", ["ppo", "rloo", "grpo"])
+def test_completion_ids_reach_reward_functions(algo, tmp_path):
+    "TRL passes each completion's token ids as `completion_ids`: the sampled tokens up to and with the stop token, decoding to the completion."
+    seen = {}
+    def tokens(completions, completion_ids, **kwargs):
+        seen.update(completions=completions, ids=completion_ids)
+        return [float(len(ids)) for ids in completion_ids]
+    t = trainer(algo, tmp_path, tokens)
+    samples = t.sample_and_score(t.model.model if algo == "ppo" else t.model, ARITHMETIC[[0, 1, 2, 3]], seed=0)
+    tok = t.tokenizer
+    assert seen["ids"] == [row[mask].tolist() for row, mask in zip(samples.response_ids, samples.response_mask)]
+    assert [tok.decode(ids, skip_special_tokens=True) for ids in seen["ids"]] == seen["completions"]
+    assert samples.scores.tolist() == samples.response_mask.sum(1).float().tolist()        # the reward counted real tokens
+    assert all(isinstance(i, int) for ids in seen["ids"] for i in ids)                      # plain lists, as TRL gives them
+
+
+
 @pytest.mark.parametrize("algo,k", [("ppo", 1), ("rloo", 2), ("grpo", 2)])
 def test_answer_column_reaches_every_sample(algo, k, tmp_path):
     seen = []

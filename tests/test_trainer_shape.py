@@ -114,6 +114,10 @@ class Steps(TrainerCallback):
     "Records what the callbacks hear, and stops the run after `stop_at` steps."
     def __init__(self, stop_at=None): self.events, self.stop_at = [], stop_at
     def on_train_begin(self, args, state, control, **kwargs): self.events.append(("begin", state.global_step, state.max_steps))
+    def on_step_begin(self, args, state, control, **kwargs): self.events.append(("step_begin", state.global_step))
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):   # the gradients are there to read
+        self.events.append(("pre_optimizer", all(p.grad is not None for group in optimizer.param_groups for p in group["params"])))
+    def on_optimizer_step(self, args, state, control, **kwargs): self.events.append(("optimizer", state.global_step))
     def on_log(self, args, state, control, logs=None, **kwargs): self.events.append(("log", state.global_step, logs["step"]))
     def on_save(self, args, state, control, **kwargs): self.events.append(("save", state.global_step))
     def on_step_end(self, args, state, control, **kwargs):
@@ -126,10 +130,11 @@ class Steps(TrainerCallback):
 def test_callbacks_see_each_step_and_can_stop_the_run(algo, tmp_path):
     steps = Steps(stop_at=1)
     trainer_class, _ = TRAINERS[algo]
-    trainer = trainer_class(tiny_causal_lm(task_tokenizer(), seed=0), args=config(algo, tmp_path, max_steps=3), processing_class=task_tokenizer(),
-                            train_dataset=PROMPTS, reward_funcs=length, callbacks=[steps])
+    trainer = trainer_class(tiny_causal_lm(task_tokenizer(), seed=0), args=config(algo, tmp_path, max_steps=3, num_mini_batches=2),
+                            processing_class=task_tokenizer(), train_dataset=PROMPTS, reward_funcs=length, callbacks=[steps])
     trainer.train()                                                        # returns normally: no TrainingInterrupted
-    assert steps.events == [("begin", 0, 3), ("log", 1, 1), ("step", 1), ("save", 1), ("end", 1, 1)]
+    optimizer_steps = [("pre_optimizer", True), ("optimizer", 0)] * 2      # 2 minibatches: 2 optimizer steps in step 1
+    assert steps.events == [("begin", 0, 3), ("step_begin", 0), *optimizer_steps, ("log", 1, 1), ("step", 1), ("save", 1), ("end", 1, 1)]
     assert sorted(p.name for p in (tmp_path / algo).glob("checkpoint-*")) == ["checkpoint-1"]
     assert (tmp_path / algo / "model.safetensors").is_file()              # the model is saved as at the end of a run
 
