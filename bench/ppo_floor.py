@@ -6,6 +6,7 @@ torch/transformers: `model.generate` (KV cache) for the same number of new token
 forward (old logprobs + values), `num_ppo_epochs` × (policy forward + backward) and the optimizer steps.
 `lean=True` (`--lean`) gives the floor the library's levers, so that it stays a floor: sampling through oneDNN-packed
 linear layers on the CPU (`packed_linears`), and no separate old-logprob pass (the first epoch's forward is π_θold).
+Both floors run the library's fused GELU (`fuse_activations`): their model is a copy of the one the library trains.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/ppo_floor.py --reps 7
 """
