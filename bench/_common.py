@@ -6,7 +6,7 @@ from transformers.utils import logging as hf_logging
 
 from instruct_goose import (Agent, RLHFConfig, RLHFTrainer, create_reference_model, load_task, task_tokenizer,
                             tiny_causal_lm)
-from instruct_goose import trainer as trainer_mod
+from instruct_goose import onpolicy as trainer_mod
 from instruct_goose.loop import TrainLoop
 from instruct_goose.reward import reward_from
 

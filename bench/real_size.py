@@ -146,7 +146,7 @@ def run_ours(algo, a, tok, out, clock):
     from instruct_goose import (Agent, GRPOConfig, GRPOTrainer, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
                                 RewardModel, create_reference_model)
     from instruct_goose.loop import TrainLoop
-    from instruct_goose.trainer import OnPolicyTrainer
+    from instruct_goose.onpolicy import OnPolicyTrainer
     policy, value, reward = build_models(a.model_shape, tok)
     apply_levers(a.lever)   # before the trainer: it fuses the models' activations when it takes them
     steps = a.warmup + a.steps

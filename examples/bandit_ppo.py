@@ -41,7 +41,7 @@ def train(steps=40, batch=64, epochs=4, minibatches=4, seed=0, log_every=5, verb
     reference = torch.zeros(LENGTH, VOCAB)                      # π_ref: the policy we started from
     value_head = torch.zeros(LENGTH, requires_grad=True)        # V(t), one value per position
     optimizer = torch.optim.Adam([policy, value_head], lr=0.05)
-    ppo = PPOLoss(epsilon=0.2, value_clip_range=0.2, value_coeff=0.5)
+    ppo = PPOLoss(cliprange=0.2, cliprange_value=0.2, vf_coef=0.5)
     kl_ctl = AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=500)
     history = []
     for step in range(steps):

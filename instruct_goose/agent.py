@@ -9,7 +9,7 @@ __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'respons
            'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
-import copy, inspect, os, weakref
+import copy, inspect, os
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -126,19 +126,21 @@ def _hidden_size(config) -> int:
     return config.get_text_config().hidden_size
 
 # %% ../nbs/03_agent.ipynb #0477115e
-_configured_dropout: dict[int, tuple] = {}   # id(config) -> (a weak reference to it, its drop rates before `disable_dropout`)
-
-def _drop_rates(config) -> dict:
-    "The drop rates `config` had before `disable_dropout` zeroed them (configs are unhashable, so they are found by id)."
-    ref, rates = _configured_dropout.get(id(config), (lambda: None, {}))
-    return rates if ref() is config else {}
-
-def _zero_drop_floats(obj):
-    "Set each float attribute of `obj` named like a drop rate (`dropout`, `hidden_dropout`, `resid_pdrop`, `layerdrop`…) to 0; a config's old values are kept."
+def _zero_drop_floats(obj) -> dict[str, float]:   # the nonzero rates it had, by attribute name
+    "Set each float attribute of `obj` named like a drop rate (`dropout`, `hidden_dropout`, `resid_pdrop`, `layerdrop`…) to 0."
     rates = {name: value for name, value in vars(obj).items()
              if "drop" in name and isinstance(value, float) and not name.startswith("_") and value != 0.0}
-    if isinstance(obj, PretrainedConfig): _configured_dropout[id(obj)] = (weakref.ref(obj), {**_drop_rates(obj), **rates})
     for name in rates: setattr(obj, name, 0.0)
+    return rates
+
+def _configs_of(module: nn.Module) -> list[tuple[str, PretrainedConfig]]:
+    "The config a module carries and its sub-configs (a vision-language model's text config…), by key ('' for the config itself)."
+    config = getattr(module, "config", None)
+    if not isinstance(config, PretrainedConfig): return []
+    subs = [(k, getattr(config, k, None)) for k in getattr(config, "sub_configs", {})]
+    return [("", config), *((k, s) for k, s in subs if isinstance(s, PretrainedConfig))]
+
+def _sub_config(config: PretrainedConfig, key: str) -> PretrainedConfig: return config if key == "" else getattr(config, key)
 
 def _load(model, auto_class, **kwargs):
     return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
@@ -156,19 +158,17 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, nn.Dropout): module.p = 0.0
         _zero_drop_floats(module)
-        config = getattr(module, "config", None)
-        if isinstance(config, PretrainedConfig):
-            for sub in [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}))]:
-                if isinstance(sub, PretrainedConfig): _zero_drop_floats(sub)
+        for key, config in _configs_of(module):     # the config's rates stay with the module, for `dropout_as_configured`
+            before = module.__dict__.setdefault("_drop_rates_before", {})
+            before[key] = {**before.get(key, {}), **_zero_drop_floats(config)}
     return model
 
 # %% ../nbs/03_agent.ipynb #6d9dd51f
 @contextmanager
 def dropout_as_configured(model: nn.Module):
     "Inside the block the configs in `model` carry their drop rates from before `disable_dropout`: a saved checkpoint keeps its user's dropout for later fine-tuning."
-    configs = {id(m.config): m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)}
-    subs = [s for cfg in configs.values() for s in [cfg, *(getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", {}))]]
-    saved = [(cfg, _drop_rates(cfg)) for cfg in subs if isinstance(cfg, PretrainedConfig)]
+    saved = [(_sub_config(m.config, key), rates) for m in model.modules()
+             for key, rates in m.__dict__.get("_drop_rates_before", {}).items() if rates]
     for cfg, rates in saved:
         for name, value in rates.items(): setattr(cfg, name, value)
     try: yield model

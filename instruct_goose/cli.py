@@ -32,7 +32,8 @@ from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from .rloo import RLOOConfig, RLOOTrainer
 from .grpo import GRPOConfig, GRPOTrainer
 from .dpo import DPOConfig, DPOTrainer
-from .trainer import OnPolicyConfig, RLHFConfig, RLHFTrainer, evaluate_policy
+from .onpolicy import OnPolicyConfig, evaluate_policy
+from .ppo import RLHFConfig, RLHFTrainer
 
 # %% ../nbs/10_cli.ipynb #007801a0
 _FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")

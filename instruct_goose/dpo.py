@@ -25,7 +25,7 @@ from .core import check_number, logprobs_from_logits, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset
 from .loop import TrainLoop, fuse_activations
 from .sft import StageConfig, drop_long_prompts, fit_to_context
-from .trainer import frozen_reference
+from .onpolicy import frozen_reference
 
 # %% ../nbs/09c_dpo.ipynb #cb13c4eb
 _LossType = Literal["sigmoid", "ipo", "hinge"]   # the `loss_type`s

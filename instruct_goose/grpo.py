@@ -19,7 +19,7 @@ from .core import check_number, entropy_from_logits, logprobs_from_logits, maske
 from .loop import TrainLoop
 from .losses import kl_penalty
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
 @dataclass
@@ -123,6 +123,7 @@ class GRPORollout(RowBatch):
     advantages: Tensor           # (batch,) Â_i
     logprobs: Tensor             # (batch, resp) log π_θold (zeros when the current policy stands in for it, μ = 1)
     ref_logprobs: Tensor         # (batch, resp) log π_ref (zeros when beta = 0)
+    kept: object = None          # the policy's pass over the whole rollout, with gradients (`first_pass`), for the update's first micro-batch; None: none kept
 
 # %% ../nbs/09b_grpo.ipynb #06ce3611
 class GRPOTrainer(OnPolicyTrainer):
@@ -165,6 +166,7 @@ def sample_rollout(
     x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
     inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
     zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
+    kept = None
     if self.reuses_current_logprobs: logprobs = zeros              # π_θold is the loss's own pass, detached
     else:                                                           # several passes: π_θold from the first (kept) or its own
         kept = self.first_pass(policy, x, loop)
@@ -176,7 +178,7 @@ def sample_rollout(
     if c.mask_truncated_completions: loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
     advantages = self.advantages(x.scores, None if loop is None else loop.accelerator)
     return GRPORollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, loss_mask, x.scores, advantages,
-                       logprobs, ref_logprobs), x
+                       logprobs, ref_logprobs, kept), x
 
 # %% ../nbs/09b_grpo.ipynb #4a044a4b
 @patch

@@ -5,15 +5,15 @@
 # %% auto #0
 __all__ = ['TrainingConfig', 'coerce_numbers', 'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState',
            'fresh_accelerator', 'enable_gradient_checkpointing', 'fuse_activations', 'TrainLoop', 'as_callbacks',
-           'trainer_state', 'read_metrics', 'save_trained', 'TrainingInterrupted']
+           'trainer_state', 'read_metrics', 'save_trained', 'TrainingInterrupted', 'Trainer', 'trainer_arguments']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
-import json, logging, math, os, re, shutil, signal, sys, threading, warnings
+import inspect, json, logging, math, os, re, shutil, signal, sys, threading, warnings
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import UnionType
-from typing import Literal, Union, get_args, get_origin
+from typing import ClassVar, Literal, Union, get_args, get_origin
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -59,6 +59,9 @@ class TrainingConfig:
     report_to: Literal[_TRACKERS] = "none"        # experiment tracker, through Accelerate (metrics.jsonl is always written)
     disable_tqdm: bool = False                    # hide the progress bar (each logged step is then printed as a line)
     skip_nonfinite: bool = False                  # skip an optimizer step whose gradient is NaN/inf (default: stop with an error)
+    may_change_on_resume: ClassVar[frozenset] = frozenset({   # where and how often to log and save: a resumed run may change these
+        "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "save_steps", "save_total_limit",
+        "save_only_model", "report_to", "disable_tqdm", "gradient_checkpointing"})
 
     def __post_init__(self):
         coerce_numbers(self)
@@ -320,20 +323,15 @@ def maybe_resume(self: TrainLoop) -> bool:
     return True
 
 # %% ../nbs/05_loop.ipynb #c856095d
-TrainLoop._may_differ = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "save_steps",
-                         "save_total_limit", "save_only_model", "report_to", "disable_tqdm", "num_sample_generations",
-                         "gradient_checkpointing", "offload_models", "eval_steps",
-                         "total_episodes", "num_train_epochs", "max_steps"}   # the last three: a resumed run may be extended
-
 @patch
 def _check_compatible(self: TrainLoop, saved: dict):
-    "Every setting that shapes the steps (all but where and how often to log and save, and the run's length) must match the checkpoint's."
+    "Every setting that shapes the steps must match the checkpoint's; the config's class names those that may change (`may_change_on_resume`: where and how often to log and save, the run's length)."
     now = json.loads(json.dumps({**asdict(self.config), "num_processes": self.accelerator.num_processes}, default=str))
     for settings in (saved, now):   # 2 processes × 1 micro-batch is the same step as 1 process × 2 micro-batches
         settings["micro-batches per step (processes × gradient_accumulation_steps)"] = (
             settings.pop("num_processes", 1) * settings.pop("gradient_accumulation_steps", 1))
     wrong = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-             if k not in self._may_differ and saved.get(k) != now.get(k)]
+             if k not in self.config.may_change_on_resume and saved.get(k) != now.get(k)]
     if wrong: raise ValueError("`resume_from_checkpoint` was written with settings that change what its steps meant ("
                                + "; ".join(wrong) + "): use the checkpoint's values, or start a new run")
 
@@ -715,3 +713,49 @@ def fit(
     progress.close()
     self.save_checkpoint()
     return acc.unwrap_model(model)
+
+# %% ../nbs/05_loop.ipynb #e33efecb
+class Trainer:
+    "What every trainer shares under TRL's names: `args` (its config) and `processing_class` (its tokenizer), set by `trainer_arguments`, and one `save_model`. `config` and `tokenizer` are their old names, read-only."
+    config_class: type = TrainingConfig   # the class `args` must be an instance of (None: its defaults)
+    config = property(lambda self: self.args, doc="The old name of `args` (read-only).")
+    tokenizer = property(lambda self: self.processing_class, doc="The old name of `processing_class` (read-only).")
+
+    def model_to_save(self) -> nn.Module:
+        "What `save_model` writes: the trained model (a trainer whose model saves differently says so here)."
+        return self.model
+
+# %% ../nbs/05_loop.ipynb #3f9d75b9
+_OLD_NAMES = {"config": "args", "tokenizer": "processing_class", "reward_model": "reward_funcs"}   # our names before TRL's
+
+def _signature(trainer: type) -> str:
+    "How the trainer is called, for messages: `SFTTrainer(model, args, train_dataset, …)`."
+    params = [p.name for p in inspect.signature(trainer.__init__).parameters.values()
+              if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.KEYWORD_ONLY)]
+    return f"{trainer.__name__}({', '.join(params)})"
+
+def trainer_arguments(
+    trainer: type,           # the trainer's class (its `config_class` and signature)
+    given: dict,             # the arguments with TRL's names, as given: `args`, `processing_class`, perhaps `reward_funcs`
+    renamed: dict,           # the other keywords: old names (config=, tokenizer=, reward_model=) or mistakes
+) -> dict:                   # `given`, old names moved to TRL's, `args` the config (None: `config_class()`)
+    "Every trainer's one argument check: old keywords as aliases (not both), unknown keywords refused, `args` of the trainer's config class."
+    for old, value in renamed.items():
+        new = _OLD_NAMES.get(old)
+        if new not in given: raise TypeError(f"{trainer.__name__}() got an unexpected keyword argument {old!r}")
+        if given[new] is not None: raise TypeError(f"`{old}` is the old name of `{new}`: give only `{new}`")
+        given[new] = value
+    if given["args"] is None: given["args"] = trainer.config_class()
+    elif not isinstance(given["args"], trainer.config_class):
+        raise TypeError(f"`args` must be a {trainer.config_class.__name__}, got a {type(given['args']).__name__}: "
+                        f"the arguments are {_signature(trainer)}")
+    return given
+
+# %% ../nbs/05_loop.ipynb #4855e343
+@patch
+def save_model(
+    self: Trainer,
+    output_dir: str | None = None,   # where (default: `args.output_dir`)
+):
+    "The trained model (`model_to_save`) and the tokenizer in 🤗 format, as TRL's `save_model`; `train` has already saved them to `args.output_dir`."
+    save_trained(self.model_to_save(), self.processing_class, output_dir or self.args.output_dir)

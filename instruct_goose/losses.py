@@ -133,16 +133,16 @@ class PPOLoss(nn.Module):
     "PPO's clipped surrogate, clipped value loss and entropy bonus as one loss to minimise."
     def __init__(
         self,
-        epsilon: float = 0.1,           # ε: clip range of the policy ratio
-        value_clip_range: float = 0.2,  # ε_v: clip range of the value update
-        value_coeff: float = 0.1,       # c₁: weight of the value loss
-        entropy_coeff: float = 0.0,     # c₂: weight of the entropy bonus
+        cliprange: float = 0.2,         # ε: clip range of the policy ratio
+        cliprange_value: float = 0.2,   # ε_v: clip range of the value update
+        vf_coef: float = 0.1,           # c₁: weight of the value loss
+        ent_coef: float = 0.0,          # c₂: weight of the entropy bonus
     ):
         super().__init__()
-        self.epsilon = check_number("epsilon", epsilon, low_open=True)
-        self.value_clip_range = check_number("value_clip_range", value_clip_range, low_open=True)
-        self.value_coeff = check_number("value_coeff", value_coeff)
-        self.entropy_coeff = check_number("entropy_coeff", entropy_coeff)
+        self.cliprange = check_number("cliprange", cliprange, low_open=True)
+        self.cliprange_value = check_number("cliprange_value", cliprange_value, low_open=True)
+        self.vf_coef = check_number("vf_coef", vf_coef)
+        self.ent_coef = check_number("ent_coef", ent_coef)
 
     @typecheck
     def forward(
@@ -155,7 +155,7 @@ class PPOLoss(nn.Module):
         returns: Float[Tensor, "batch resp"],           # R̂_t
         padding_masks: Bool[Tensor, "batch resp"] | None = None,        # True on real tokens; None: all count
         value_padding_masks: Bool[Tensor, "batch resp"] | None = None,  # mask for the value loss; None: `padding_masks`
-        entropy: Float[Tensor, "batch resp"] | None = None,  # H_t per token; needed when `entropy_coeff` > 0
+        entropy: Float[Tensor, "batch resp"] | None = None,  # H_t per token; needed when `ent_coef` > 0
     ) -> tuple[Float[Tensor, ""], Float[Tensor, ""], Float[Tensor, ""], Float[Tensor, ""], Float[Tensor, ""]]:  # (loss, policy_loss, value_loss, ratios, clipfrac)
         t = self.terms(pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns,
                        padding_masks, value_padding_masks, entropy)
@@ -167,13 +167,13 @@ class PPOLoss(nn.Module):
         "The same computation as `forward`, returning every term (`PPOTerms`) for logging."
         if padding_masks is None: padding_masks = torch.ones_like(pi_logprobs, dtype=torch.bool)
         if value_padding_masks is None: value_padding_masks = padding_masks
-        pg_loss, ratios, clipfrac = policy_loss(pi_old_logprobs, pi_logprobs, advantages, padding_masks, self.epsilon)
-        vf_loss, vf_clipfrac = value_loss(phi_old_values, phi_values, returns, value_padding_masks, self.value_clip_range)
-        loss = pg_loss + self.value_coeff * vf_loss
+        pg_loss, ratios, clipfrac = policy_loss(pi_old_logprobs, pi_logprobs, advantages, padding_masks, self.cliprange)
+        vf_loss, vf_clipfrac = value_loss(phi_old_values, phi_values, returns, value_padding_masks, self.cliprange_value)
+        loss = pg_loss + self.vf_coef * vf_loss
         mean_entropy = torch.zeros_like(loss) if entropy is None else masked_mean(entropy, padding_masks)
-        if self.entropy_coeff > 0:
-            if entropy is None: raise ValueError("`entropy` is required when `entropy_coeff` > 0")
-            loss = loss - self.entropy_coeff * mean_entropy
+        if self.ent_coef > 0:
+            if entropy is None: raise ValueError("`entropy` is required when `ent_coef` > 0")
+            loss = loss - self.ent_coef * mean_entropy
         return PPOTerms(loss, pg_loss.detach(), vf_loss.detach(), mean_entropy.detach(), ratios.detach(),
                         clipfrac.detach(), vf_clipfrac.detach())
 

@@ -279,7 +279,7 @@ def score_completions(
 
 # %% ../nbs/04_reward.ipynb #0d3960b9
 class WeightedReward(nn.Module):
-    "The weighted sum of several rewards (TRL's `reward_funcs` with `reward_weights`): None-aware, each one's mean and std of the last call kept in `last_stats`."
+    "The weighted sum of several rewards (TRL's `reward_funcs` with `reward_weights`): None-aware; `each` scores, `combine` sums, `stats` summarises."
     def __init__(
         self,
         functions: list,         # `RewardModel`s or reward functions
@@ -289,7 +289,7 @@ class WeightedReward(nn.Module):
         if len(weights) != len(functions): raise ValueError(f"`reward_weights` has {len(weights)} numbers for {len(functions)} reward functions")
         bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, Real) or not math.isfinite(w)]
         if bad: raise ValueError(f"`reward_weights` must be finite numbers; got {bad[0]!r}")
-        self.functions, self.weights, self.last_stats, self.warned = list(functions), [float(w) for w in weights], {}, False
+        self.functions, self.weights, self.warned = list(functions), [float(w) for w in weights], False
         self.models = nn.ModuleList([f for f in functions if isinstance(f, nn.Module)])   # `.to(device)` moves the reward models
         names = [_reward_name(f) for f in functions]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]   # two lambdas stay apart
@@ -302,31 +302,49 @@ def _reward_name(f) -> str:
 
 # %% ../nbs/04_reward.ipynb #9c0779be
 @patch
+def each(
+    self: WeightedReward,
+    prompts: list,              # one prompt per completion: texts or conversations
+    completions: list[str],     # the decoded completions
+    **columns,                  # the data's other columns, one value per completion
+) -> Float[Tensor, "rewards batch"]:  # every reward's scores, NaN where it returned None
+    "Score with every reward (async ones concurrently): one row per reward, in the order of `functions`."
+    _check_columns(columns, len(completions))
+    raws = [_raw_scores(f, prompts, completions, columns) for f in self.functions]
+    return torch.stack(_checked_scores(self.functions, raws, len(completions)))
+
+# %% ../nbs/04_reward.ipynb #ed83fe2f
+@patch
+def combine(
+    self: WeightedReward,
+    scores: Float[Tensor, "rewards batch"],  # `each`'s scores, NaN where a reward returned None
+) -> Float[Tensor, "batch"]:    # Σ_j w_j·r_j over the rewards that apply to each completion (0 where none does)
+    "The weighted sum, leaving out None (TRL's GRPO: `nansum`); the first completion no reward applies to is warned about once."
+    applies = ~scores.isnan()
+    if not applies.any(0).all() and not self.warned:
+        self.warned = True
+        warnings.warn(f"every reward function returned None for completions {(~applies.any(0)).nonzero().flatten().tolist()[:5]}: "
+                      "they score 0 (make at least one reward apply to each completion)")
+    return masked_sum(scores * torch.tensor(self.weights, device=scores.device)[:, None], applies, dim=0)
+
+# %% ../nbs/04_reward.ipynb #6e6c8cd7
+@patch
 def forward(
     self: WeightedReward,
     prompts: list,              # one prompt per completion: texts or conversations
     completions: list[str],     # the decoded completions
     **columns,                  # the data's other columns, one value per completion
-) -> Float[Tensor, "batch"]:    # Σ_j w_j·r_j over the rewards that apply to each completion (0 where none does)
-    "Score with every reward (async ones concurrently) and sum with the weights, leaving out None (TRL's GRPO: `nansum`)."
-    _check_columns(columns, len(completions))
-    raws = [_raw_scores(f, prompts, completions, columns) for f in self.functions]
-    scores = torch.stack(_checked_scores(self.functions, raws, len(completions)))   # (rewards, batch), NaN where None
-    applies = ~scores.isnan()
-    self.last_scores, self.last_stats = scores, self.stats(scores)
-    if not applies.any(0).all() and not self.warned:
-        self.warned = True
-        warnings.warn(f"every reward function returned None for completions {(~applies.any(0)).nonzero().flatten().tolist()[:5]}: "
-                      "they score 0 (make at least one reward apply to each completion)")
-    return masked_sum(scores * torch.tensor(self.weights)[:, None], applies, dim=0)
+) -> Float[Tensor, "batch"]:    # the weighted sum of the rewards that apply
+    "`combine(each(...))`: what a reward model returns, for any caller that needs only the total."
+    return self.combine(self.each(prompts, completions, **columns))
 
 # %% ../nbs/04_reward.ipynb #a7c3e1f2
 @patch
 def stats(
     self: WeightedReward,
-    scores: Tensor,              # (rewards, completions) each reward's scores, NaN where it returned None (`last_scores`)
+    scores: Tensor,              # (rewards, completions) each reward's scores, NaN where it returned None (`each`)
 ) -> dict[str, Tensor]:          # `rewards/<name>/mean` and `/std` (n − 1) over the completions each reward applies to
-    "Each reward's mean and standard deviation under TRL's names; the trainers pass every process's `last_scores`, gathered, as TRL computes them."
+    "Each reward's mean and standard deviation under TRL's names; the trainers pass every process's `each` scores, gathered, as TRL computes them."
     out = {}
     for name, s in zip(self.names, scores):
         applies = ~s.isnan()

@@ -14,12 +14,11 @@ from accelerate import Accelerator
 from fastcore.basics import patch
 from torch import Tensor, nn
 
-from .agent import response_logits
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, policy_loss, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
@@ -63,6 +62,7 @@ class RLOORollout(RowBatch):
     non_score_reward: Tensor     # (batch, resp) −β·KL_t
     rlhf_reward: Tensor          # (batch,) R = score − β·Σ KL
     advantages: Tensor           # (batch,) per response, or (batch, resp) per token with `token_level_kl`
+    kept: object = None          # the policy's pass over the whole rollout, with gradients (`first_pass`), for the update's first micro-batch; None: none kept
 
 # %% ../nbs/09_rloo.ipynb #37d8d791
 class RLOOTrainer(OnPolicyTrainer):
@@ -70,13 +70,13 @@ class RLOOTrainer(OnPolicyTrainer):
     config_class = RLOOConfig          # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords); `model` is a causal LM (no value head)
 
     @property
-    def samples_per_prompt(self) -> int: return self.config.rloo_k
+    def samples_per_prompt(self) -> int: return self.args.rloo_k
 
     @torch.no_grad()
     def sample_rollout(self, policy: nn.Module, rows: dict | list, seed: int | None = None, first_row: int = 0,
                        loop: TrainLoop | None = None) -> tuple[RLOORollout, Samples]:
         "Sample k responses per prompt in one batched call (each carrying its row's columns to the reward), score them, and compute log-probabilities (from the pass `first_pass` keeps for the update, else chunked) and advantages."
-        c = self.config
+        c = self.args
         x = self.sample_and_score(policy, _prompt_columns(rows, c.rloo_k), seed, first_row, loop)
         inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
         kept = self.first_pass(policy, x, loop)
@@ -85,11 +85,11 @@ class RLOOTrainer(OnPolicyTrainer):
         scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, x.response_mask,
                                                                          None if loop is None else loop.accelerator)
         return RLOORollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, scores, logprobs, kl,
-                           non_score, rlhf_reward, advantages), x
+                           non_score, rlhf_reward, advantages, kept), x
 
     def loss_units(self, part: RLOORollout, draw: int) -> dict[str, Tensor]:
         "The surrogate is a mean over sequences (over tokens with `token_level_kl`)."
-        return {"policy": part.response_mask.sum() if self.config.token_level_kl else torch.tensor(len(part))}
+        return {"policy": part.response_mask.sum() if self.args.token_level_kl else torch.tensor(len(part))}
 
     def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int, kept: Tensor | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy (`kept`: that pass, already made)."
@@ -117,7 +117,7 @@ def advantages(
     accelerator: Accelerator | None = None,  # the run's accelerator, for whitening over all processes (None: one process)
 ) -> tuple:                                  # (scores, kl, non_score_reward, rlhf_reward, advantages)
     "Rewards and leave-one-out advantages for k·B responses laid out as `rloo_advantages` expects."
-    c = self.config
+    c = self.args
     every = lambda x: torch.ones_like(x, dtype=torch.bool)
     whiten = lambda x, m, shift_mean=True: self.whiten(x, m, shift_mean, accelerator)   # over all processes' rows
     if c.normalize_reward: scores = whiten(scores, every(scores))
@@ -141,7 +141,7 @@ def loss(
     logits: Tensor,          # (batch, resp, vocab) the policy's logits at the response positions, with gradients
 ) -> tuple[Tensor, dict[str, Tensor]]:  # (the loss, its statistics under TRL's names)
     "The clipped surrogate on sequence-level ratios (per-token with `token_level_kl`)."
-    c, mask = self.config, part.response_mask
+    c, mask = self.args, part.response_mask
     logprobs = logprobs_from_logits(logits, part.response_ids, c.temperature)
     if c.token_level_kl:
         loss, ratios, clipfrac = policy_loss(part.logprobs, logprobs, part.advantages, mask, c.cliprange)

@@ -27,10 +27,11 @@ class Samples(NamedTuple):
     scores: Tensor                # (batch,) reward, after the missing-EOS penalty
     prompts: list                 # the prompt texts
     completions: list             # the decoded responses
+    reward_scores: Tensor | None = None  # (rewards, batch) each reward's scores (`WeightedReward.each`), NaN where it returned None
 
 # %% ../nbs/07_rollout.ipynb #de8d00d4
 class RowBatch:
-    "Row access for a dataclass of per-row tensors with `query_ids` and `query_attention_mask`: its length and the minibatch of some rows."
+    "Row access for a dataclass of per-row tensors with `query_ids` and `query_attention_mask`: its length and the minibatch of some rows (without `kept`, the whole rollout's policy pass)."
     def __len__(self): return self.query_ids.shape[0]
 
     def __getitem__(self, rows: Tensor | slice):
@@ -38,7 +39,7 @@ class RowBatch:
         if not hasattr(self, "_query_lengths"): self._query_lengths = self.query_attention_mask.sum(1).cpu()  # one sync per rollout
         width = int(self._query_lengths[rows].max())
         index = rows.to(self.query_ids.device) if isinstance(rows, Tensor) else rows
-        part = type(self)(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        part = type(self)(**{f.name: getattr(self, f.name)[index] for f in fields(self) if f.name != "kept"})
         part.query_ids, part.query_attention_mask = part.query_ids[:, -width:], part.query_attention_mask[:, -width:]
         return part
 

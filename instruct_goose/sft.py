@@ -8,6 +8,7 @@ __all__ = ['StageConfig', 'SFTConfig', 'RewardConfig', 'fit_to_context', 'drop_l
 # %% ../nbs/06_sft.ipynb #f7d06a5c
 import copy, math, warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from accelerate.utils import set_seed
@@ -19,7 +20,7 @@ from transformers import PreTrainedModel
 from .agent import eval_mode, load_tokenizer, token_logprobs, with_peft
 from .core import check_number, masked_sum
 from .data import as_dataset, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
-from .loop import TrainLoop, TrainingConfig, batch_indices, save_trained
+from .loop import Trainer, TrainLoop, TrainingConfig, trainer_arguments
 from .losses import PairwiseLoss, pairwise_accuracy
 from .reward import RewardModel
 
@@ -31,6 +32,7 @@ class StageConfig(TrainingConfig):
     max_steps: int = 0              # optimizer steps in all; 0: from `num_train_epochs`
     max_length: int = 256           # longest tokenized sequence; longer ones are cut
     eval_steps: int = 0             # evaluate every this many steps (0: at the end only)
+    may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {"eval_steps", "num_train_epochs", "max_steps"}  # a resumed run may be extended
 
     def __post_init__(self):
         super().__post_init__()
@@ -109,26 +111,15 @@ def drop_long_prompts(
     drop = set(long)
     return dataset.select([i for i in range(len(dataset)) if i not in drop])
 
-# %% ../nbs/06_sft.ipynb #90ce692c
-def _renamed(value, old_value, name: str, old_name: str):
-    "An argument given by its name or by its old name (one of them, not both)."
-    if value is not None and old_value is not None: raise TypeError(f"`{old_name}` is the old name of `{name}`: give only `{name}`")
-    return old_value if value is None else value
-
-def _stage_args(args, config_class: type, order: str):
-    "A trainer's `args`: the config given, or `config_class()`'s defaults; anything else is a one-line error giving the argument order."
-    if args is None: return config_class()
-    if not isinstance(args, config_class): raise TypeError(f"`args` must be a {config_class.__name__}, got a {type(args).__name__}: the arguments are {order}")
-    return args
-
 # %% ../nbs/06_sft.ipynb #0f6a8392
 def _merged(model: nn.Module) -> nn.Module:
     "A model trained with peft adapters as a plain 🤗 model, the adapters merged into its weights (others as they are)."
     return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
 
 # %% ../nbs/06_sft.ipynb #54dfe776
-class SFTTrainer:
+class SFTTrainer(Trainer):
     "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS), conversations (loss on the assistant's turns) or plain text. TRL 1.16's `SFTTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
+    config_class = SFTConfig
     def __init__(
         self,
         model: PreTrainedModel | str,    # a 🤗 causal LM, or its name/path
@@ -138,33 +129,31 @@ class SFTTrainer:
         processing_class=None,           # the tokenizer (with a pad token); None: loaded from `model` when that is a name/path
         peft_config=None,                # a peft config (e.g. `LoraConfig`): train adapters only, merged into the model at the end
         callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
-        *, tokenizer=None, config=None,  # the old names of `processing_class` and `args`
+        **renamed,                       # the old names `config` and `tokenizer` (see `trainer_arguments`)
     ):
-        self.config = _stage_args(_renamed(args, config, "args", "config"), SFTConfig, _SFT_ORDER)
-        self.tokenizer = load_tokenizer(_renamed(processing_class, tokenizer, "processing_class", "tokenizer"), model)
-        if self.tokenizer is None: raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a name/path")
+        a = trainer_arguments(SFTTrainer, dict(args=args, processing_class=processing_class), renamed)
+        self.args, self.processing_class = a["args"], load_tokenizer(a["processing_class"], model)
+        if self.processing_class is None: raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a name/path")
         self.model, self.callbacks = with_peft(model, peft_config), callbacks
-        self.max_length = fit_to_context(self.config.max_length, self.model)
+        self.max_length = fit_to_context(self.args.max_length, self.model)
         self.train_dataset, self.eval_dataset = (None if data is None else self.rows(data, name)
                                                  for data, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
 
 # %% ../nbs/06_sft.ipynb #e552dcb4
-_SFT_ORDER = "SFTTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks)"
-
 @patch
 def rows(self: SFTTrainer, data, name: str) -> Dataset:
     "`data` as a Dataset of SFT rows (text, prompt/completion or conversations), without those whose prompt fills `max_length`."
     data = as_dataset(data, name, [("messages",), ("prompt", "completion"), ("text",)])
-    return drop_long_prompts(data, self.tokenizer, self.max_length, name)
+    return drop_long_prompts(data, self.processing_class, self.max_length, name)
 
 # %% ../nbs/06_sft.ipynb #2f427c3e
 @patch
 def encode(self: SFTTrainer, rows: dict) -> tuple[tuple[Tensor, Tensor, Tensor], int]:
     "((ids, mask, loss_mask), number of loss tokens) for a batch of rows (dict of column lists): conversations through the chat template."
-    if _chat_rows(rows): ids, mask, loss_mask = encode_chat(self.tokenizer, *_render_sft(self.tokenizer, rows), self.max_length)
+    if _chat_rows(rows): ids, mask, loss_mask = encode_chat(self.processing_class, *_render_sft(self.processing_class, rows), self.max_length)
     else:
         prompts = rows.get("prompt")
-        ids, mask, loss_mask = encode_sft(self.tokenizer, prompts, rows["completion"] if prompts else rows["text"], self.max_length)
+        ids, mask, loss_mask = encode_sft(self.processing_class, prompts, rows["completion"] if prompts else rows["text"], self.max_length)
     return (ids, mask, loss_mask), int(loss_mask.sum())
 
 # %% ../nbs/06_sft.ipynb #b4f6635d
@@ -200,23 +189,17 @@ def evaluate(self: SFTTrainer, model: nn.Module | None = None, dataset=None, bat
 def train(self: SFTTrainer) -> PreTrainedModel:
     "Fine-tune, log `loss/sft` (and `eval/loss`), checkpoint, and save the model (LoRA adapters merged in) and tokenizer to `output_dir`."
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
-    self.loop = loop = TrainLoop(self.config, self.tokenizer, callbacks=self.callbacks)
+    self.loop = loop = TrainLoop(self.args, self.processing_class, callbacks=self.callbacks)
     loop.progress_keys = ("loss/sft", "eval/loss")
-    steps = self.config.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
+    steps = self.args.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
     encode = lambda indices: self.encode(self.train_dataset[indices])
     loss_fn = lambda model, batch: (self.nll_sum(model, batch), {})
     evaluate = self.evaluate if self.eval_dataset is not None else None
-    self.model = _merged(loop.fit(self.model, len(self.train_dataset), steps, encode, loss_fn, evaluate, self.config.eval_steps,
+    self.model = _merged(loop.fit(self.model, len(self.train_dataset), steps, encode, loss_fn, evaluate, self.args.eval_steps,
                                   "sft", loss_name="loss/sft"))
     loop.save_model(self.model)
     loop.end()
     return self.model
-
-# %% ../nbs/06_sft.ipynb #23515391
-@patch
-def save_model(self: SFTTrainer, output_dir: str | None = None):  # where (default: `output_dir` of the config)
-    "The model and its tokenizer in 🤗 format, as TRL's `save_model`; `train` has already saved them to `output_dir`."
-    save_trained(self.model, self.tokenizer, output_dir or self.config.output_dir)
 
 # %% ../nbs/06_sft.ipynb #0abcbf15
 def _reward_model(model, tokenizer, seed: int) -> RewardModel:
@@ -241,10 +224,9 @@ def _trunk_adapters(reward_model: RewardModel, peft_config, merge: bool = False)
     return reward_model
 
 # %% ../nbs/06_sft.ipynb #ede62ba5
-_RM_ORDER = "RewardTrainer(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks)"
-
-class RewardTrainer:
+class RewardTrainer(Trainer):
     "Fits a reward model to preference pairs (`preference_dataset`: explicit, implicit-prompt or conversational) with the Bradley–Terry loss; normalises it afterwards. TRL 1.16's `RewardTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
+    config_class = RewardConfig
     def __init__(
         self,
         model: RewardModel | PreTrainedModel | str,  # a `RewardModel`, a 🤗 sequence classifier or causal LM (its trunk), or a name/path
@@ -254,14 +236,15 @@ class RewardTrainer:
         processing_class=None,           # the tokenizer that reads the pairs; None: the `RewardModel`'s own, or loaded from a name/path
         peft_config=None,                # a peft config (e.g. `LoraConfig`): adapters on the trunk and the whole score head trained, merged in at the end
         callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
-        *, tokenizer=None, config=None,  # the old names of `processing_class` and `args`
+        **renamed,                       # the old names `config` and `tokenizer` (see `trainer_arguments`)
     ):
-        self.config = _stage_args(_renamed(args, config, "args", "config"), RewardConfig, _RM_ORDER)
-        self.reward_model = _reward_model(model, load_tokenizer(_renamed(processing_class, tokenizer, "processing_class", "tokenizer"), model),
-                                          self.config.seed)
+        a = trainer_arguments(RewardTrainer, dict(args=args, processing_class=processing_class), renamed)
+        self.args = a["args"]
+        self.reward_model = _reward_model(model, load_tokenizer(a["processing_class"], model), self.args.seed)
+        self.processing_class = self.reward_model.tokenizer
         if peft_config is not None: _trunk_adapters(self.reward_model, peft_config)
         self.callbacks, self.loss_fn = callbacks, PairwiseLoss()
-        self.max_length = fit_to_context(self.config.max_length, self.reward_model)
+        self.max_length = fit_to_context(self.args.max_length, self.reward_model)
         rows = lambda data, name: drop_long_prompts(preference_dataset(data, name, self.reward_model.tokenizer), self.reward_model.tokenizer, self.max_length, name)
         self.train_dataset, self.eval_dataset = (None if data is None else rows(data, name)
                                                  for data, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
@@ -300,15 +283,15 @@ def evaluate(self: RewardTrainer, model: nn.Module | None = None, dataset=None, 
 def train(self: RewardTrainer) -> RewardModel:
     "Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir` (LoRA adapters merged in)."
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
-    self.loop = loop = TrainLoop(self.config, callbacks=self.callbacks)
+    self.loop = loop = TrainLoop(self.args, callbacks=self.callbacks)
     loop.progress_keys = ("loss/reward", "reward/accuracy", "eval/accuracy")
-    steps = self.config.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
+    steps = self.args.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
     encode = lambda indices: (self.train_dataset[indices], len(indices))
     evaluate = self.evaluate if self.eval_dataset is not None else None
     self.reward_model = loop.fit(self.reward_model, len(self.train_dataset), steps, encode, self.pair_loss_sum, evaluate,
-                                 self.config.eval_steps, "reward", loss_name="loss/reward")
+                                 self.args.eval_steps, "reward", loss_name="loss/reward")
     _trunk_adapters(self.reward_model, None, merge=True)
-    if self.config.normalize:
+    if self.args.normalize:
         with torch.no_grad(), eval_mode(self.reward_model):
             train = self.train_dataset
             pairs = [self.pair_scores(self.reward_model, train[i:i + 64]) for i in range(0, len(train), 64)]
@@ -319,6 +302,6 @@ def train(self: RewardTrainer) -> RewardModel:
 
 # %% ../nbs/06_sft.ipynb #fcf3b032
 @patch
-def save_model(self: RewardTrainer, output_dir: str | None = None):  # where (default: `output_dir` of the config)
-    "The reward model (a 🤗 classifier) and its tokenizer, as TRL's `save_model`; `train` has already saved them to `output_dir`."
-    save_trained(self.reward_model, None, output_dir or self.config.output_dir)   # a RewardModel saves its own tokenizer
+def model_to_save(self: RewardTrainer) -> RewardModel:
+    "The reward model: a 🤗 classifier, its tokenizer beside it (`save_model`, as TRL's)."
+    return self.reward_model

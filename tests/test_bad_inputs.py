@@ -205,8 +205,8 @@ def test_left_padded_response_mask_is_refused_by_gae():
 
 
 def test_ppo_loss_entropy_required():
-    with pytest.raises(ValueError, match="`entropy` is required when `entropy_coeff` > 0"):
-        PPOLoss(entropy_coeff=0.1)(*[torch.zeros(1, 2)] * 6)
+    with pytest.raises(ValueError, match="`entropy` is required when `ent_coef` > 0"):
+        PPOLoss(ent_coef=0.1)(*[torch.zeros(1, 2)] * 6)
 
 
 # --- checkpoints and output -------------------------------------------------------------------------------------

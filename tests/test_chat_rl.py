@@ -11,7 +11,7 @@ import torch
 from instruct_goose import RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer
 from instruct_goose.data import chat_task_tokenizer, gold_score, load_task, tiny_causal_lm
 from instruct_goose.sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
-from instruct_goose.trainer import evaluate_policy
+from instruct_goose.onpolicy import evaluate_policy
 
 SEED = int(os.environ.get("CHAT_RL_SEED", 0))   # the RL runs' seed: 0 in the suite (the margins below were set from seeds 0-5)
 

@@ -81,7 +81,7 @@ def test_same_seed_same_metrics(policy_dir, tmp_path):
 def _stops_at_step_end():
     "Whether the on-policy trainers call the loop's end-of-step hook (where a Ctrl-C is honoured)."
     import inspect
-    from instruct_goose.trainer import OnPolicyTrainer
+    from instruct_goose.onpolicy import OnPolicyTrainer
     return "end_step" in inspect.getsource(OnPolicyTrainer.train)
 
 

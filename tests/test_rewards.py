@@ -96,7 +96,7 @@ def test_weighted_sum_by_hand():
     total = reward(["1+1=", "2+2="], [" 2", " four"])
     # " 2": 2·1 − 0.5·2 = 1.0; " four": 2·0 − 0.5·5 = −2.5
     torch.testing.assert_close(total, torch.tensor([1.0, -2.5]))
-    stats = {k: round(v.item(), 4) for k, v in reward.last_stats.items()}
+    stats = {k: round(v.item(), 4) for k, v in reward.stats(reward.each(["1+1=", "2+2="], [" 2", " four"])).items()}
     assert stats == {"rewards/first_token_is_digit/mean": 0.5, "rewards/first_token_is_digit/std": round(0.5 ** 0.5, 4),
                      "rewards/length/mean": 3.5, "rewards/length/std": round(4.5 ** 0.5, 4)}
 

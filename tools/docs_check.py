@@ -29,7 +29,7 @@ SITE = Path(__file__).resolve().parents[1] / "_site"
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-API = {"agent.html": ["Agent", "AgentObjective"], "trainer.html": ["RLHFTrainer.compute_loss"], "losses.html": ["PPOLoss"]}
+API = {"agent.html": ["Agent", "AgentObjective"], "ppo.html": ["RLHFTrainer.compute_loss"], "losses.html": ["PPOLoss"]}
 CLASSES = {"Agent", "AgentObjective", "PPOLoss"}                 # their entries read `class Name(`, not `def Name(`
 SHAPE = re.compile(r"\b(?:Float|Int|Bool|Shaped|Num)\[Tensor, '[^']*'\]")
 RAW_MATH = re.compile(r"\$\$|\$[^\s$][^$\n]*\$|\\\(|\\\[")
