@@ -4,13 +4,13 @@
 
 # %% auto #0
 __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'response_logits', 'token_logprobs', 'lm_nll',
-           'AgentOutput', 'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode',
-           'own_generation_config', 'packed_linears', 'generate_responses', 'Agent', 'AdapterOffReference',
-           'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective']
+           'AgentOutput', 'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode', 'Agent',
+           'AdapterOffReference', 'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms',
+           'AgentObjective']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import copy, inspect, os
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -21,11 +21,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          GenerationConfig, PreTrainedModel, PretrainedConfig)
-from transformers.pytorch_utils import Conv1D
+                          PreTrainedModel, PretrainedConfig)
 
-from .core import (check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum,
-                                 truncate_after_stop, typecheck)
+from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, typecheck
 
 # %% ../nbs/03_agent.ipynb #758228eb
 @typecheck
@@ -186,72 +184,6 @@ def eval_mode(*models: nn.Module):
     finally:
         for m, mode in zip(models, modes): m.train(mode)
 
-# %% ../nbs/03_agent.ipynb #a402eaa1
-@contextmanager
-def own_generation_config(model: nn.Module):
-    "Inside the block `model.generation_config` (a peft model's: its base's) is 🤗's default: none of a checkpoint's sampling options reach `generate`."
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    saved = getattr(base, "generation_config", None)
-    base.generation_config = GenerationConfig()
-    try: yield
-    finally: base.generation_config = saved
-
-# %% ../nbs/03_agent.ipynb #c3c6cb39
-def _packable_weight(m: nn.Module) -> Tensor | None:
-    "The (out, in) float32 CPU weight of a plain linear layer (`nn.Linear`, or GPT-2's `Conv1D`, which stores it transposed); None for anything else."
-    if "forward" in vars(m): return None                     # a forward already replaced (e.g. accelerate's hooks): leave it
-    w = m.weight if type(m) is nn.Linear else m.weight.t() if type(m) is Conv1D else None
-    return w if w is not None and w.dtype == torch.float32 and w.device.type == "cpu" else None
-
-@contextmanager
-def packed_linears(
-    model: nn.Module,  # any model; only its plain float32 linear layers on the CPU change, and only inside the block
-    rows: int,         # rows a call will multiply (the batch of a decoding step): oneDNN picks its layout for it
-):
-    "Inside the block (no gradients), the model's linear layers multiply through oneDNN with their weights packed once: faster at the few rows of a decoding step on the CPU, the same numbers up to float rounding."
-    if torch.is_grad_enabled(): raise ValueError("packed_linears: packed weights have no gradient; use it under torch.no_grad()")
-    packed = []
-    if torch.backends.mkldnn.is_available():
-        for m in model.modules():
-            if (w := _packable_weight(m)) is None: continue
-            p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-            m.forward = lambda x, p=p, b=m.bias: torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
-            packed.append(m)
-    try: yield model
-    finally:
-        for m in packed: del m.forward
-
-# %% ../nbs/03_agent.ipynb #aca1722a
-@torch.no_grad()
-@typecheck
-def generate_responses(
-    model: nn.Module,                                     # a 🤗 causal LM
-    query_ids: Int[Tensor, "batch query"],                # prompts, left-padded
-    query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
-    max_new_tokens: int,                                  # response length (tokens)
-    stop_token_ids: int | list[int],                      # id(s) that end a response, e.g. the EOS id
-    pad_token_id: int,                                    # id written after each response's first stop token
-    temperature: float = 1.0,                             # T: sample from softmax(z / T)
-    static_cache: bool | None = None,                     # a preallocated KV cache (🤗 `cache_implementation="static"`), several times faster on a GPU; None: on when the prompts are on a GPU
-    packed: bool | None = None,                           # linear layers through oneDNN with packed weights (`packed_linears`), faster on the CPU; None: on when the prompts are on the CPU and no CPU autocast is active
-    **generate_kwargs,                                    # passed on to 🤗 `generate` (anything that changes the distribution, e.g. `sequence_bias`, makes sampling differ from scoring: the trainers pass none)
-) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
-    "Sample one response per prompt from softmax(z / T) (the model's own `generation_config` ignored), cut after its first stop token, pad to `max_new_tokens`."
-    _check_left_padded(query_attention_mask)
-    check_number("max_new_tokens", max_new_tokens, low=1)
-    config = GenerationConfig(do_sample=True, temperature=check_number("temperature", temperature, low_open=True),
-                              top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
-                              eos_token_id=stop_token_ids)
-    if query_ids.is_cuda if static_cache is None else static_cache:   # sized up to a multiple of 64: the next chunk reuses it
-        config.cache_implementation, config.max_cache_len = "static", -(-(query_ids.shape[1] + max_new_tokens) // 64) * 64
-    if packed is None: packed = query_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-    with eval_mode(model), own_generation_config(model), packed_linears(model, len(query_ids)) if packed else nullcontext():
-        out = model.generate(input_ids=query_ids, attention_mask=query_attention_mask.long(), generation_config=config,
-                             **generate_kwargs)
-    response = out[:, query_ids.shape[1]:]
-    response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_token_id)  # all rows stopped early
-    return truncate_after_stop(response, stop_token_ids, pad_token_id)
-
 # %% ../nbs/03_agent.ipynb #3286621d
 class Agent(nn.Module):
     "A causal LM policy with a value head: the actor and critic PPO trains."
@@ -319,14 +251,6 @@ class Agent(nn.Module):
             hidden = self._critic_hidden(input_ids, mask)[:, -response_ids.shape[1] - 1:-1]
         entropies = None if entropy == "skip" else entropy_from_logits(logits if entropy == "grad" else logits.detach(), temperature)
         return ResponseStats(logprobs_from_logits(logits, response_ids, temperature), entropies, self._values(hidden))
-
-# %% ../nbs/03_agent.ipynb #587fffec
-@patch
-def generate(self: Agent, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id,
-             temperature=1.0, **generate_kwargs):
-    "Sample one response per prompt from the policy: `generate_responses` on `self.model`."
-    return generate_responses(self.model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids,
-                              pad_token_id, temperature, **generate_kwargs)
 
 # %% ../nbs/03_agent.ipynb #8e79b330
 @patch

@@ -25,7 +25,8 @@ from transformers.utils import logging as transformers_logging
 
 from . import __version__
 from .core import check_number
-from .data import gold_score, load_task, read_dataset, task_tokenizer, tiny_causal_lm
+from .data import read_dataset
+from .toy import gold_score, load_task, task_tokenizer, tiny_causal_lm
 from .loop import TrainingInterrupted, coerce_numbers, read_metrics
 from .reward import RewardModel, WeightedReward
 from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer

@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['assert_tensor', 'ShapeError', 'typecheck', 'check_number', 'masked_sum', 'masked_mean', 'masked_var', 'masked_whiten',
-           'last_true_index', 'pad_to_side', 'logprobs_from_logits', 'entropy_from_logits', 'truncate_after_stop']
+           'last_true_index', 'pad_to_side', 'logprobs_from_logits', 'entropy_from_logits', 'truncate_after_stop',
+           'quiet_progress']
 
 # %% ../nbs/00_core.ipynb #27f526c8
-import functools, inspect, math
+import contextlib, functools, inspect, math
 from collections.abc import Sequence
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
@@ -244,3 +245,16 @@ def truncate_after_stop(
     is_stop = torch.isin(ids, stops)
     after_first_stop = (is_stop.cumsum(-1) - is_stop.long()) > 0
     return ids.masked_fill(after_first_stop, pad_token_id), ~after_first_stop
+
+# %% ../nbs/00_core.ipynb #129a86d2
+@contextlib.contextmanager
+def quiet_progress():
+    "Inside the block 🤗 datasets' and transformers' progress bars are off; their settings are restored afterwards."
+    import datasets.utils.logging as ds_logging
+    import transformers.utils.logging as tf_logging
+    was = ds_logging.is_progress_bar_enabled(), tf_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar(); tf_logging.disable_progress_bar()
+    try: yield
+    finally:
+        if was[0]: ds_logging.enable_progress_bar()
+        if was[1]: tf_logging.enable_progress_bar()

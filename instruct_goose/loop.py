@@ -28,7 +28,7 @@ from fastcore.basics import patch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, TrainerControl, TrainerState, activations, get_scheduler
 
-from .core import check_number
+from .core import check_number, quiet_progress
 
 # %% ../nbs/05_loop.ipynb #45858a92
 _TRACKERS = ("none", "tensorboard", "wandb", "trackio", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
@@ -543,8 +543,9 @@ def _save_weights(self: TrainLoop, path: Path):
     model = self.accelerator.unwrap_model(self.prepared)
     if self.accelerator.is_main_process:
         path.mkdir(parents=True)
-        if hasattr(model, "save_pretrained"): model.save_pretrained(path)
-        else: self.accelerator.save_model(model, path)
+        with quiet_progress():
+            if hasattr(model, "save_pretrained"): model.save_pretrained(path)
+            else: self.accelerator.save_model(model, path)
         (path / "train_state.json").write_text(json.dumps(self.state.state_dict()))
 
 # %% ../nbs/05_loop.ipynb #7c2e626f
@@ -564,8 +565,9 @@ def save_trained(
     "`model` and `tokenizer` in 🤗 format in `output_dir`, written by the main process (the others wait): what every trainer's `save_model` does."
     state = PartialState()
     if state.is_main_process:
-        model.save_pretrained(output_dir)
-        if tokenizer is not None: tokenizer.save_pretrained(output_dir)
+        with quiet_progress():
+            model.save_pretrained(output_dir)
+            if tokenizer is not None: tokenizer.save_pretrained(output_dir)
     state.wait_for_everyone()
 
 @patch
@@ -714,7 +716,7 @@ def fit(
     self.save_checkpoint()
     return acc.unwrap_model(model)
 
-# %% ../nbs/05_loop.ipynb #e33efecb
+# %% ../nbs/05_loop.ipynb #ab800919
 class Trainer:
     "What every trainer shares under TRL's names: `args` (its config) and `processing_class` (its tokenizer), set by `trainer_arguments`, and one `save_model`. `config` and `tokenizer` are their old names, read-only."
     config_class: type = TrainingConfig   # the class `args` must be an instance of (None: its defaults)
@@ -725,7 +727,7 @@ class Trainer:
         "What `save_model` writes: the trained model (a trainer whose model saves differently says so here)."
         return self.model
 
-# %% ../nbs/05_loop.ipynb #3f9d75b9
+# %% ../nbs/05_loop.ipynb #2359f47d
 _OLD_NAMES = {"config": "args", "tokenizer": "processing_class", "reward_model": "reward_funcs"}   # our names before TRL's
 
 def _signature(trainer: type) -> str:
@@ -751,7 +753,7 @@ def trainer_arguments(
                         f"the arguments are {_signature(trainer)}")
     return given
 
-# %% ../nbs/05_loop.ipynb #4855e343
+# %% ../nbs/05_loop.ipynb #6e68b094
 @patch
 def save_model(
     self: Trainer,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from jaxtyping import Bool, Float
 
-from .core import check_number, last_true_index, masked_mean, masked_whiten, typecheck
+from .core import check_number, last_true_index, masked_mean, typecheck
 
 # %% ../nbs/01_losses.ipynb #bc71f610
 KLEstimator = Literal["k1", "k2", "mse", "k3", "abs"]
@@ -182,7 +182,6 @@ class PPOLoss(nn.Module):
 def rloo_advantages(
     rewards: Float[Tensor, "batch"],  # one reward per completion; element b*k + i is completion i of prompt b
     k: int,                           # completions per prompt (≥ 2)
-    normalize: bool = False,          # whiten the advantages over the batch (zero mean, unit variance)
 ) -> Float[Tensor, "batch"]:          # reward minus the mean reward of the prompt's other k−1 completions
     "Leave-one-out advantages for `k` completions per prompt, vectorised over the batch."
     if k < 2: raise ValueError(f"`k` must be at least 2 (the baseline needs another completion), got {k}")
@@ -190,8 +189,7 @@ def rloo_advantages(
         raise ValueError(f"`rewards` has {rewards.shape[0]} items, which is not a multiple of `k`={k} completions per prompt")
     grouped = rewards.reshape(-1, k)
     baseline = (grouped.sum(1, keepdim=True) - grouped) / (k - 1)
-    advantages = (grouped - baseline).flatten()
-    return masked_whiten(advantages, torch.ones_like(advantages, dtype=torch.bool)) if normalize else advantages
+    return (grouped - baseline).flatten()
 
 # %% ../nbs/01_losses.ipynb #4e9cd340
 class KLController:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from .agent import _accepts, _hidden_size, _load, context_length, eval_mode, position_ids_from_mask
+from .agent import _accepts, _load, context_length, eval_mode, position_ids_from_mask
 from .core import last_true_index, masked_mean, masked_sum, masked_var, pad_to_side, typecheck
 from .data import apply_chat, is_conversational, prompt_text
 
@@ -313,7 +313,7 @@ def each(
     raws = [_raw_scores(f, prompts, completions, columns) for f in self.functions]
     return torch.stack(_checked_scores(self.functions, raws, len(completions)))
 
-# %% ../nbs/04_reward.ipynb #ed83fe2f
+# %% ../nbs/04_reward.ipynb #91605342
 @patch
 def combine(
     self: WeightedReward,
@@ -327,7 +327,7 @@ def combine(
                       "they score 0 (make at least one reward apply to each completion)")
     return masked_sum(scores * torch.tensor(self.weights, device=scores.device)[:, None], applies, dim=0)
 
-# %% ../nbs/04_reward.ipynb #6e6c8cd7
+# %% ../nbs/04_reward.ipynb #ad13b63d
 @patch
 def forward(
     self: WeightedReward,

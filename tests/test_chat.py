@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from instruct_goose.data import chat_task_tokenizer, load_task, task_tokenizer, tiny_causal_lm
+from instruct_goose.toy import chat_task_tokenizer, load_task, task_tokenizer, tiny_causal_lm
 from instruct_goose.reward import RewardModel
 from instruct_goose.sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from instruct_goose import RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer
-from instruct_goose.data import chat_task_tokenizer, gold_score, load_task, tiny_causal_lm
+from instruct_goose.toy import chat_task_tokenizer, gold_score, load_task, tiny_causal_lm
 from instruct_goose.sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from instruct_goose.onpolicy import evaluate_policy
 

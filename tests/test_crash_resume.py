@@ -78,13 +78,6 @@ def test_same_seed_same_metrics(policy_dir, tmp_path):
 
 # --- Ctrl-C and SIGTERM: finish the step, keep everything, resume to the same result --------------------------------
 
-def _stops_at_step_end():
-    "Whether the on-policy trainers call the loop's end-of-step hook (where a Ctrl-C is honoured)."
-    import inspect
-    from instruct_goose.onpolicy import OnPolicyTrainer
-    return "end_step" in inspect.getsource(OnPolicyTrainer.train)
-
-
 def interrupt_midway(args, output_dir, sig):
     "Start a run, send `sig` once it has logged 2 steps, and return (exit code, stderr)."
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -123,7 +116,6 @@ def test_sft_stopped_by_a_signal_resumes_to_the_same_weights(sig, policy_dir, tm
         torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0)
 
 
-@pytest.mark.skipif(not _stops_at_step_end(), reason="OnPolicyTrainer.train does not call loop.end_step yet (issue 15)")
 def test_ppo_ctrl_c_resumes_to_the_same_weights(policy_dir, tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run(command("ppo", policy_dir, straight))

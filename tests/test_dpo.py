@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 SCRIPT = '''
 import json, os, sys, torch
-from instruct_goose.data import load_task
+from instruct_goose.toy import load_task
 from instruct_goose.dpo import DPOConfig, DPOTrainer
 policy, out, accumulation, precompute, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
 resume = sys.argv[6] if len(sys.argv) > 6 else None
@@ -125,7 +125,7 @@ def test_lora_dpo_from_peft_config_trains_adapters_only_against_the_adapter_off_
     " only adapters move, the base stays as saved, and the loss falls from log 2."
     peft = pytest.importorskip("peft")
     from instruct_goose.agent import AdapterOffReference
-    from instruct_goose.data import load_task
+    from instruct_goose.toy import load_task
     from instruct_goose.dpo import DPOConfig, DPOTrainer
     pairs = load_task("preferences").select(range(64))
     trainer = DPOTrainer(str(policy_dir), args=DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=16,
@@ -147,7 +147,7 @@ def test_lora_dpo_from_peft_config_trains_adapters_only_against_the_adapter_off_
 def test_callbacks_hear_each_log_and_can_stop_the_run(policy_dir, tmp_path):
     "DPOTrainer(..., callbacks=[...]) passes 🤗 TrainerCallbacks to the loop: on_log sees TRL's names, should_training_stop ends the run."
     from transformers import TrainerCallback
-    from instruct_goose.data import load_task
+    from instruct_goose.toy import load_task
     from instruct_goose.dpo import DPOConfig, DPOTrainer
 
     class StopAfter2(TrainerCallback):

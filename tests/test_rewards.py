@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 from instruct_goose import (Agent, GRPOConfig, GRPOTrainer, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
                             task_tokenizer, tiny_causal_lm)
-from instruct_goose.data import chat_task_tokenizer, load_task
+from instruct_goose.toy import chat_task_tokenizer, load_task
 from instruct_goose.reward import reward_from, score_completions
 
 SMALL = dict(learning_rate=1e-3, per_device_train_batch_size=4, num_sample_generations=0, disable_tqdm=True, seed=0)
