@@ -50,8 +50,8 @@ _MATH_SPANS = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]",
 def _final_answer(
     text: str,    # a completion's text
 ) -> str | None:  # the LaTeX of its answer, or None when it marks none
-    "The answer a completion marks: its first `\\boxed{…}`, else its last math span (`$…$`, `$$…$$`, `\\(…\\)`, `\\[…\\]`)."
-    at = text.find("\\boxed{")
+    "The answer a completion marks: its last `\\boxed{…}`, else its last math span (`$…$`, `$$…$$`, `\\(…\\)`, `\\[…\\]`), as math-verify ranks them."
+    at = text.rfind("\\boxed{")
     if at >= 0: return _braced(text, at + len("\\boxed{"))
     spans = [next(g for g in m.groups() if g is not None) for m in _MATH_SPANS.finditer(text)]
     return spans[-1] if spans else None
@@ -64,9 +64,9 @@ _SLASH = re.compile(rf"({_NUMBER})/({_NUMBER})")
 def _as_number(
     latex: str | None,   # an answer or a gold solution
 ) -> Fraction | None:    # its exact value, or None when it is not one number
-    "Read one number: an integer, a decimal, `p/q` or `\\frac{p}{q}` (signs, `$`, `\\boxed{}`, spaces, `\\!`/`\\,` and thousands commas allowed)."
+    "Read one number: an integer, a decimal, `p/q` or `\\frac{p}{q}`, after the last `=` (signs, `$`, `\\boxed{}`, spaces, `\\!`/`\\,` and thousands commas allowed)."
     if latex is None: return None
-    s = latex.strip().strip("$").strip()
+    s = re.split(r"(?<![<>!])=", latex)[-1].strip().strip("$").strip()
     if s.startswith("\\boxed{") and s.endswith("}"): s = s[len("\\boxed{"):-1]
     s = re.sub(r"\\[!,; ]|\s", "", s).replace("{,}", ",").rstrip(".")
     if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?", s): s = s.replace(",", "")
@@ -86,12 +86,16 @@ def _gold_and_answer(
     if len(solution) != len(completions): raise ValueError(f"`solution` has {len(solution)} items for {len(completions)} completions")
     return [_as_number(s) for s in solution], [_as_number(_final_answer(t)) for t in _contents(completions)]
 
-def _log_parsed(log_extra, solution, gold, answers):
+def _log_parsed(log_extra, solution, gold, answers, unfinished=()):
     "Hand the parsed values to TRL's `log_extra`, as TRL's helpers do (columns `solution`, `gold_parsed`, `answer_parsed`)."
     if log_extra is None: return
+    def shown(i, g, a):
+        if i in unfinished: return "[incomplete reasoning]", "[incomplete reasoning]"
+        return ("[unparseable]", "[skipped]") if g is None else (str(g), "[unparseable]" if a is None else str(a))
+    columns = [shown(i, g, a) for i, (g, a) in enumerate(zip(gold, answers))]
     log_extra("solution", list(solution))
-    log_extra("gold_parsed", ["[unparseable]" if g is None else str(g) for g in gold])
-    log_extra("answer_parsed", ["[skipped]" if g is None else "[unparseable]" if a is None else str(a) for g, a in zip(gold, answers)])
+    log_extra("gold_parsed", [g for g, _ in columns])
+    log_extra("answer_parsed", [a for _, a in columns])
 
 # %% ../nbs/04b_rewards.ipynb #6ebad903
 def accuracy_reward(
@@ -119,8 +123,9 @@ def reasoning_accuracy_reward(
         found = next((d for d in delimiters if d in t), None)
         return None if found is None else t.split(found)[-1]
     finals = [after(t) for t in _contents(completions)]
-    scores = accuracy_reward(["" if f is None else f for f in finals], solution, log_extra)
-    return [0.0 if f is None else s for f, s in zip(finals, scores)]
+    gold, answers = _gold_and_answer(["" if f is None else f for f in finals], solution)
+    _log_parsed(log_extra, solution, gold, answers, unfinished={i for i, f in enumerate(finals) if f is None})
+    return [0.0 if f is None else None if g is None else float(a == g) for f, g, a in zip(finals, gold, answers)]
 
 # %% ../nbs/04b_rewards.ipynb #f3fd1b57
 class _CosineScaledReward:
