@@ -45,19 +45,23 @@ def _braced(
     return None
 
 # %% ../nbs/04b_rewards.ipynb #1b220c61
-_MATH_SPANS = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+_SPAN = r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]"
+_ANCHORED = re.compile(rf"answer\s*(?:is\s*)?:?\s*(?:{_SPAN})", re.DOTALL | re.IGNORECASE)
 
-def _final_answer(
+def _marked_answers(
     text: str,    # a completion's text
-) -> str | None:  # the LaTeX of its answer, or None when it marks none
-    "The answer a completion marks: its last `\\boxed{…}`, else its last math span (`$…$`, `$$…$$`, `\\(…\\)`, `\\[…\\]`), as math-verify ranks them."
-    at = text.rfind("\\boxed{")
-    if at >= 0: return _braced(text, at + len("\\boxed{"))
-    spans = [next(g for g in m.groups() if g is not None) for m in _MATH_SPANS.finditer(text)]
-    return spans[-1] if spans else None
+) -> list[str]:   # the LaTeX of each answer it marks (empty: none)
+    "What a completion marks as its answer, as math-verify finds it: every `\\boxed{…}`, else the math span after the last 'answer' (`$…$`, `$$…$$`, `\\(…\\)`, `\\[…\\]`)."
+    boxes, at = [], text.find("\\boxed{")
+    while at >= 0:
+        boxes.append(_braced(text, at + len("\\boxed{")))
+        at = text.find("\\boxed{", at + 1)
+    if boxes: return boxes
+    anchored = list(_ANCHORED.finditer(text))
+    return [next(g for g in anchored[-1].groups() if g is not None)] if anchored else []
 
 # %% ../nbs/04b_rewards.ipynb #1a15e961
-_NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)"
+_NUMBER = r"[+-]?(?:\d+(?:\.\d+)?|\.\d+)"
 _FRAC = re.compile(rf"([+-]?)\\[dt]?frac\{{({_NUMBER})\}}\{{({_NUMBER})\}}")
 _SLASH = re.compile(rf"({_NUMBER})/({_NUMBER})")
 
@@ -68,7 +72,7 @@ def _as_number(
     if latex is None: return None
     s = re.split(r"(?<![<>!])=", latex)[-1].strip().strip("$").strip()
     if s.startswith("\\boxed{") and s.endswith("}"): s = s[len("\\boxed{"):-1]
-    s = re.sub(r"\\[!,; ]|\s", "", s).replace("{,}", ",").rstrip(".")
+    s = re.sub(r"\\[!,; ]|\s", "", s).replace("{,}", ",")
     if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?", s): s = s.replace(",", "")
     try:
         if re.fullmatch(_NUMBER, s): return Fraction(s)
@@ -82,9 +86,12 @@ def _gold_and_answer(
     completions: list,   # strings or one-message conversations
     solution: list[str], # the gold answers
 ) -> tuple[list, list]:  # (gold values, answer values): Fractions, None where not parsed
-    "Each row's gold solution and marked answer, read as exact numbers."
+    "Each row's gold solution and marked answer, read as exact numbers; several marks that disagree are no single answer (None)."
     if len(solution) != len(completions): raise ValueError(f"`solution` has {len(solution)} items for {len(completions)} completions")
-    return [_as_number(s) for s in solution], [_as_number(_final_answer(t)) for t in _contents(completions)]
+    def answer(text):
+        values = {_as_number(s) for s in _marked_answers(text)}
+        return values.pop() if len(values) == 1 else None
+    return [_as_number(s) for s in solution], [answer(t) for t in _contents(completions)]
 
 def _log_parsed(log_extra, solution, gold, answers, unfinished=()):
     "Hand the parsed values to TRL's `log_extra`, as TRL's helpers do (columns `solution`, `gold_parsed`, `answer_parsed`)."

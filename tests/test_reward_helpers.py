@@ -1,8 +1,8 @@
 """TRL 1.16's reward helpers (`instruct_goose.rewards`, chapter 4b) and reward functions of every TRL signature.
 
 - Parity: `think_format_reward`, `get_soft_overlong_punishment` and `get_repetition_penalty_reward` give what
-  `trl.rewards`' own functions give on the same inputs (edge cases included). TRL's `accuracy_reward` family needs
-  `math_verify`; where it is installed, ours agrees with it on numeric answers (our documented subset).
+  `trl.rewards`' own functions give on the same inputs (edge cases included). TRL's `accuracy_reward` needs `math_verify`
+  (not installed by TRL or by us): 42 cases recorded from it are checked, and TRL's function is called where it is installed.
 - Signatures: `completion_ids` only, `completions` only, `prompts, completions`, `**kwargs` only, positional
   `(p, c)`, through `score_completions` and `reward_from`; booleans are 0/1, None is skipped, strings are refused in
   one line naming the function.
@@ -60,19 +60,50 @@ def test_helpers_have_trls_names_and_pickle():
         assert pickle.loads(pickle.dumps(f)).__name__ == f.__name__
 
 
-NUMERIC = [(r"My answer is \boxed{\frac{1}{3}}", r"\frac{1}{3}"), (r"My answer is \boxed{\frac{1}{2}}", r"\frac{1}{3}"),
-           (r"\boxed{42}", "42"), (r"\boxed{41}", "42"), (r"so $0.5$", "1/2"), (r"\boxed{-3}", "$-3$"), ("no answer here", "7")]
+# (completion, solution, TRL 1.16's accuracy_reward with math-verify 0.9.0): recorded on 2026-11-24 and re-checked below where
+# math_verify is installed. Ours agrees on every one of these; the three known differences follow.
+AGREE = [(r"\boxed{42}", "42", 1.0), (r"\boxed{41}", "42", 0.0), (r"\boxed{0.5}", r"\frac{1}{2}", 1.0), (r"\boxed{-3}", "-3", 1.0),
+         (r"\boxed{1,000}", "1000", 1.0), (r"\boxed{1{,}000}", "1000", 1.0), (r"\boxed{\dfrac{3}{4}}", "0.75", 1.0), (r"\boxed{+5}", "5", 1.0),
+         (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0), (r"\boxed{3.0}", "3", 1.0), (r"\boxed{x = 4}", "4", 1.0), (r"\boxed{1000}", "1,000", 1.0),
+         (r"so \boxed{4}.", "$4$", 1.0), (r"\boxed{4}", r"\boxed{4}", 1.0), (r"\boxed{-0.5}", r"-\frac{1}{2}", 1.0),
+         (r"\boxed{\frac{1}{3}}", r"$\frac{1}{3}$", 1.0), (r"\boxed{5.}", "5", 0.0), (r"\boxed{12", "12", 0.0), (r"\boxed{}", "1", 0.0), ("", "1", 0.0),
+         (r"not \boxed{2} but \boxed{3}", "3", 0.0), (r"\boxed{3} and \boxed{3}", "3", 1.0), (r"\boxed{3}, i.e. \boxed{\frac{6}{2}}", "3", 1.0),
+         (r"The answer is $7$", "7", 1.0), (r"answer $7$", "7", 1.0), (r"Answer: $7$", "7", 1.0), (r"The answer is: \(7\)", "7", 1.0),
+         (r"final answer is \[7\]", "7", 1.0), (r"Final Answer: $7$ and then $8$", "7", 1.0), (r"final answer is $7$. Check: $8$", "7", 1.0),
+         (r"the result is $7$", "7", 0.0), (r"$7$ is the final answer", "7", 0.0), ("final answer is 7", "7", 0.0), ("the answer is 42", "42", 0.0),
+         (r"$0.5$", "1/2", 0.0), (r"$x = 4$", "4", 0.0), (r"\[ 7 \]", "7", 0.0), (r"$$9$$", "9", 0.0), ("$5$ apples, $6$", "6", 0.0),
+         (r"\boxed{2/4}", r"\frac12", None), (r"\boxed{x+1}", "x+1", None), (r"\boxed{\sqrt{2}}", r"\sqrt{2}", None)]
+# (completion, solution, TRL's value, ours): 6-decimal rounding, percentages, and several spans after one anchor (a set in math-verify)
+DIFFER = [(r"\boxed{0.333333}", r"\frac{1}{3}", 1.0, 0.0), (r"\boxed{10\%}", "10", 1.0, 0.0), (r"final answer is $9$ and $10$", "9", 0.0, 1.0)]
 
 
-def test_accuracy_reward_matches_trl_on_numbers_where_math_verify_is_installed():
-    "TRL's accuracy_reward needs math_verify (not a dependency of TRL or of this library); without it TRL raises."
-    completions, solution = as_chat([c for c, _ in NUMERIC]), [s for _, s in NUMERIC]
-    ours = rewards.accuracy_reward(completions, solution)
-    assert ours == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]                    # by hand: equal values score 1, no answer 0
+def test_accuracy_reward_agrees_with_trl_on_numbers():
+    "Ours against TRL's values; TRL's own function is called too where math_verify is installed (it is not a dependency)."
+    completions, solution = as_chat([c for c, _, _ in AGREE]), [s for _, s, _ in AGREE]
+    assert rewards.accuracy_reward(completions, solution) == [v for _, _, v in AGREE]
+    assert rewards.accuracy_reward([c for c, _, _, _ in DIFFER], [s for _, s, _, _ in DIFFER]) == [v for *_, v in DIFFER]
     if importlib.util.find_spec("math_verify") is None:
         with pytest.raises(ImportError, match="math_verify"): trl_rewards.accuracy_reward(completions, solution)
     else:
-        assert ours == trl_rewards.accuracy_reward(completions, solution)
+        assert trl_rewards.accuracy_reward(completions, solution) == [v for _, _, v in AGREE]
+        assert trl_rewards.accuracy_reward(as_chat([c for c, *_ in DIFFER]), [s for _, s, *_ in DIFFER]) == [v for _, _, v, _ in DIFFER]
+
+
+REASONING = [r"<think>r</think> so \boxed{4}", r"<think>\boxed{4}", r"<think>\boxed{5}</think>\boxed{4}", r"\boxed{4}",
+             r"<think>a</think>b</think>\boxed{4}", r"<think>x</think>\boxed{\sqrt{2}}"]
+REASONING_SOLUTION, LENGTHS = ["4", "4", "4", "4", "4", r"\sqrt{2}"], [0, 10, 50, 100, 150, 3]
+
+
+def test_reasoning_and_cosine_rewards_agree_with_trl():
+    "Recorded from TRL 1.16 with math-verify 0.9.0 (re-checked where it is installed). Cosine, row 1: right at 10 of 100 tokens,"
+    " 0.5 + 0.25·(1 + cos(0.1π)) = 0.98776; row 2: two boxes {5, 4} are wrong at 50 tokens, -0.5 - 0.25 = -0.75."
+    completions, ids = as_chat(REASONING), [[1] * n for n in LENGTHS]
+    reasoning, cosine = [1.0, 0.0, 1.0, 0.0, 1.0, None], [1.0, 0.9877641290737884, -0.75, 0.5, 0.5, None]
+    assert rewards.reasoning_accuracy_reward(completions, REASONING_SOLUTION) == reasoning
+    assert rewards.get_cosine_scaled_reward(100)(completions, REASONING_SOLUTION, ids) == pytest.approx(cosine, abs=1e-12)
+    if importlib.util.find_spec("math_verify") is not None:
+        assert trl_rewards.reasoning_accuracy_reward(completions, REASONING_SOLUTION) == reasoning
+        assert trl_rewards.get_cosine_scaled_reward(100)(completions, REASONING_SOLUTION, ids) == pytest.approx(cosine, abs=1e-12)
 
 
 # --- every TRL signature, through the library's reward path ---------------------------------------------------------
