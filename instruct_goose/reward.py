@@ -204,7 +204,7 @@ def _reward_call(
     named = [n for n, p in params.items() if p.kind in _NAMED]
     given = {"prompts": prompts, "completions": completions, **columns}
     unknown = [n for n in named if n not in given and params[n].default is inspect.Parameter.empty]
-    by_keyword = "prompts" in named or "completions" in named or not unknown
+    by_keyword = "prompts" in named or "completions" in named or not (unknown or inspect.Parameter.VAR_POSITIONAL in kinds)
     slots = [] if by_keyword else [n for n, p in params.items() if p.kind in _POSITIONAL][:2]
     if not by_keyword and len(slots) < 2 and inspect.Parameter.VAR_POSITIONAL not in kinds:
         raise TypeError(f"{name} needs {unknown[0]!r}, which is neither `prompts`, `completions` nor a column of the data "
