@@ -173,16 +173,18 @@ def _as_scores(
     name: str,               # the reward, for messages
     n: int,                  # how many completions it scored
 ) -> Tensor:                 # float32 scores, NaN where it returned None
-    "A reward's output as float32: a list, tuple, numpy array or tensor of n real numbers or None (not applicable: NaN), else a clear error."
+    "A reward's output as float32: a list, tuple, numpy array or tensor of n real numbers, booleans (0/1) or None (not applicable: NaN), else a clear error."
     if raw is None: raise TypeError(f"{name} returned None instead of {n} scores (None is for single completions it does not apply to)")
     if hasattr(raw, "tolist"): raw = raw.tolist()   # numpy arrays and tensors
     if not isinstance(raw, (list, tuple)): raise TypeError(f"{name} returned {type(raw).__name__}, not a list of {n} scores")
     if len(raw) != n: raise ValueError(f"{name} returned {len(raw)} scores for {n} completions")
-    bad = [i for i, x in enumerate(raw) if x is not None and (isinstance(x, bool) or not isinstance(x, Real))]
+    raw = [x.item() if hasattr(x, "item") and getattr(x, "ndim", None) == 0 else x for x in raw]   # numpy and torch scalars
+    bad = [i for i, x in enumerate(raw) if x is not None and not isinstance(x, Real)]             # bool is a Real: True is 1
     if bad: raise TypeError(f"{name} returned non-numbers at {bad}: {[raw[i] for i in bad][:3]}")
     nonfinite = [i for i, x in enumerate(raw) if x is not None and not math.isfinite(x)]
     if nonfinite: raise ValueError(f"{name} returned NaN or inf at {nonfinite} (return None for a completion it does not apply to)")
     return torch.tensor([math.nan if x is None else float(x) for x in raw], dtype=torch.float32)
+
 
 # %% ../nbs/04_reward.ipynb #bccd47b1
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -192,23 +194,27 @@ def _reward_call(
     f: Callable,                  # a reward function
     prompts: list,                # one prompt per completion
     completions: list,            # the completions
-    columns: dict[str, list],     # the dataset's other columns, one value per completion
+    columns: dict[str, list],     # the dataset's other columns, one value per completion (and `completion_ids`, `trainer_state`, … when given)
     name: str,                    # `f`, for messages
 ):                                # what `f` returned (a coroutine when `f` is async)
-    "Call `f` as its signature asks: by keyword (TRL's way) when it names `prompts` or `completions`, else positionally; the columns it names, or all with **kwargs."
+    "Call `f` as its signature asks: by keyword (TRL's way) when it names `prompts`/`completions` or requires only names the call has, else `f(prompts, completions)`; the columns it names, or all with **kwargs."
     try: params = inspect.signature(f).parameters
     except (TypeError, ValueError): return f(prompts, completions)     # no signature to read (a builtin): the two-argument form
+    kinds = {p.kind for p in params.values()}
     named = [n for n, p in params.items() if p.kind in _NAMED]
-    everything = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
-    by_keyword = "prompts" in named or "completions" in named
+    given = {"prompts": prompts, "completions": completions, **columns}
+    unknown = [n for n in named if n not in given and params[n].default is inspect.Parameter.empty]
+    by_keyword = "prompts" in named or "completions" in named or not (unknown or inspect.Parameter.VAR_POSITIONAL in kinds)
     slots = [] if by_keyword else [n for n, p in params.items() if p.kind in _POSITIONAL][:2]
-    if not by_keyword and len(slots) < 2 and not any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params.values()):
-        raise TypeError(f"{name} takes {len(slots)} positional arguments: name them `prompts` and `completions` (or take two)")
-    given = {"prompts": prompts, "completions": completions, **columns} if by_keyword else columns
-    missing = [n for n in named if n not in slots and n not in given and params[n].default is inspect.Parameter.empty]
+    if not by_keyword and len(slots) < 2 and inspect.Parameter.VAR_POSITIONAL not in kinds:
+        raise TypeError(f"{name} needs {unknown[0]!r}, which is neither `prompts`, `completions` nor a column of the data "
+                        f"(its columns: {sorted(columns)}): name its parameters as TRL passes them, or take (prompts, completions)")
+    missing = [n for n in unknown if n not in slots]
     if missing: raise ValueError(f"{name} needs the column {missing[0]!r}, which the data does not have (its columns: {sorted(columns)})")
-    passed = {k: v for k, v in given.items() if k not in slots and (everything or k in named)}
+    everything = inspect.Parameter.VAR_KEYWORD in kinds
+    passed = {k: v for k, v in (given if by_keyword else columns).items() if k not in slots and (everything or k in named)}
     return f(**passed) if by_keyword else f(prompts, completions, **passed)
+
 
 # %% ../nbs/04_reward.ipynb #1d7b356a
 def _run_coroutines(
@@ -261,9 +267,12 @@ def _checked_scores(rewards: list, raws: list, n: int) -> list[Tensor]:
     for i, result in zip(waiting, _run_coroutines([raws[i] for i in waiting]) if waiting else []): raws[i] = result
     return [_as_scores(raw, _reward_label(f), n) for f, raw in zip(rewards, raws)]
 
+_PER_CALL = ("trainer_state", "log_extra", "log_metric")   # what TRL passes once per call, not per completion
+
 def _check_columns(columns: dict, n: int):
-    "Every column carries one value per completion."
-    wrong = {k: len(v) for k, v in columns.items() if not hasattr(v, "__len__") or len(v) != n}
+    "Every column carries one value per completion (TRL's once-per-call keywords aside)."
+    wrong = {k: len(v) if hasattr(v, "__len__") else type(v).__name__ for k, v in columns.items()
+             if k not in _PER_CALL and (not hasattr(v, "__len__") or len(v) != n)}
     if wrong: raise ValueError(f"each column needs one value per completion ({n}); got {wrong}")
 
 # %% ../nbs/04_reward.ipynb #73a13542
