@@ -716,7 +716,7 @@ def fit(
     self.save_checkpoint()
     return acc.unwrap_model(model)
 
-# %% ../nbs/05_loop.ipynb #ab800919
+# %% ../nbs/05_loop.ipynb #4c9cda5f
 class Trainer:
     "What every trainer shares under TRL's names: `args` (its config) and `processing_class` (its tokenizer), set by `trainer_arguments`, and one `save_model`. `config` and `tokenizer` are their old names, read-only."
     config_class: type = TrainingConfig   # the class `args` must be an instance of (None: its defaults)
@@ -727,7 +727,7 @@ class Trainer:
         "What `save_model` writes: the trained model (a trainer whose model saves differently says so here)."
         return self.model
 
-# %% ../nbs/05_loop.ipynb #2359f47d
+# %% ../nbs/05_loop.ipynb #fce8618d
 _OLD_NAMES = {"config": "args", "tokenizer": "processing_class", "reward_model": "reward_funcs"}   # our names before TRL's
 
 def _signature(trainer: type) -> str:
@@ -753,7 +753,7 @@ def trainer_arguments(
                         f"the arguments are {_signature(trainer)}")
     return given
 
-# %% ../nbs/05_loop.ipynb #6e68b094
+# %% ../nbs/05_loop.ipynb #c5fbc024
 @patch
 def save_model(
     self: Trainer,
