@@ -716,7 +716,7 @@ def fit(
     self.save_checkpoint()
     return acc.unwrap_model(model)
 
-# %% ../nbs/05_loop.ipynb #4c9cda5f
+# %% ../nbs/05_loop.ipynb #a94c2788
 class Trainer:
     "What every trainer shares under TRL's names: `args` (its config) and `processing_class` (its tokenizer), set by `trainer_arguments`, and one `save_model`. `config` and `tokenizer` are their old names, read-only."
     config_class: type = TrainingConfig   # the class `args` must be an instance of (None: its defaults)
@@ -727,7 +727,7 @@ class Trainer:
         "What `save_model` writes: the trained model (a trainer whose model saves differently says so here)."
         return self.model
 
-# %% ../nbs/05_loop.ipynb #fce8618d
+# %% ../nbs/05_loop.ipynb #2134ff28
 _OLD_NAMES = {"config": "args", "tokenizer": "processing_class", "reward_model": "reward_funcs"}   # our names before TRL's
 
 def _signature(trainer: type) -> str:
@@ -753,7 +753,7 @@ def trainer_arguments(
                         f"the arguments are {_signature(trainer)}")
     return given
 
-# %% ../nbs/05_loop.ipynb #c5fbc024
+# %% ../nbs/05_loop.ipynb #5934fa3e
 @patch
 def save_model(
     self: Trainer,
@@ -761,3 +761,15 @@ def save_model(
 ):
     "The trained model (`model_to_save`) and the tokenizer in 🤗 format, as TRL's `save_model`; `train` has already saved them to `args.output_dir`."
     save_trained(self.model_to_save(), self.processing_class, output_dir or self.args.output_dir)
+
+# %% ../nbs/05_loop.ipynb #1a0225b7
+@patch
+def resume_setting(
+    self: Trainer,
+    resume_from_checkpoint: bool | str | None = None,  # 🤗 Trainer.train's argument: True (the newest in `output_dir`), a path, or None
+):
+    "Put `train`'s `resume_from_checkpoint` into `args` as the loop reads it: True → 'latest', a path as it is, False/None → the config's own."
+    if resume_from_checkpoint is None or resume_from_checkpoint is False: return
+    if not isinstance(resume_from_checkpoint, (bool, str, os.PathLike)):
+        raise TypeError(f"`resume_from_checkpoint` must be True, a checkpoint path or None; got a {type(resume_from_checkpoint).__name__}")
+    self.args.resume_from_checkpoint = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)

@@ -6,7 +6,7 @@
 __all__ = ['merge_names', 'OnPolicyConfig', 'frozen_reference', 'trl_arguments', 'OnPolicyTrainer', 'prompt_budget',
            'evaluate_policy']
 
-# %% ../nbs/08_onpolicy.ipynb #9e25e64b
+# %% ../nbs/08_onpolicy.ipynb #6f5f1fd4
 import time
 from dataclasses import dataclass, fields
 from contextlib import contextmanager
@@ -288,7 +288,7 @@ def sample_and_score(
         scores = scores - c.missing_eos_penalty * (~stopped).float()
     return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each)
 
-# %% ../nbs/08_onpolicy.ipynb #a2481fc5
+# %% ../nbs/08_onpolicy.ipynb #0c3cba6b
 def prompt_budget(
     model: nn.Module,                 # the policy (an `Agent` or a causal LM)
     max_prompt_length: int | None,    # the most prompt tokens asked for; None: as many as the context leaves
@@ -321,8 +321,12 @@ def check_ready(self: OnPolicyTrainer):
 
 # %% ../nbs/08_onpolicy.ipynb #cb213e15
 @patch
-def train(self: OnPolicyTrainer) -> nn.Module:
+def train(
+    self: OnPolicyTrainer,
+    resume_from_checkpoint: bool | str | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+) -> nn.Module:
     "The on-policy loop, step by step as the chapter's prose numbers it; returns the trained model (also saved to `output_dir`)."
+    self.resume_setting(resume_from_checkpoint)
     c = self.args
     self.check_ready()
     self.loop = loop = TrainLoop(c, self.processing_class, self.callbacks)

@@ -186,8 +186,12 @@ def evaluate(self: SFTTrainer, model: nn.Module | None = None, dataset=None, bat
 
 # %% ../nbs/06_sft.ipynb #9d93dcd1
 @patch
-def train(self: SFTTrainer) -> PreTrainedModel:
+def train(
+    self: SFTTrainer,
+    resume_from_checkpoint: bool | str | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+) -> PreTrainedModel:
     "Fine-tune, log `loss/sft` (and `eval/loss`), checkpoint, and save the model (LoRA adapters merged in) and tokenizer to `output_dir`."
+    self.resume_setting(resume_from_checkpoint)
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
     self.loop = loop = TrainLoop(self.args, self.processing_class, callbacks=self.callbacks)
     loop.progress_keys = ("loss/sft", "eval/loss")
@@ -280,8 +284,12 @@ def evaluate(self: RewardTrainer, model: nn.Module | None = None, dataset=None, 
 
 # %% ../nbs/06_sft.ipynb #f779c18c
 @patch
-def train(self: RewardTrainer) -> RewardModel:
+def train(
+    self: RewardTrainer,
+    resume_from_checkpoint: bool | str | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+) -> RewardModel:
     "Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir` (LoRA adapters merged in)."
+    self.resume_setting(resume_from_checkpoint)
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
     self.loop = loop = TrainLoop(self.args, callbacks=self.callbacks)
     loop.progress_keys = ("loss/reward", "reward/accuracy", "eval/accuracy")

@@ -184,3 +184,25 @@ def test_save_model_writes_the_trained_policy(algo, tmp_path):
     trainer.save_model(str(tmp_path / "saved"))
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
     assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in saved.items())
+
+
+@pytest.mark.parametrize("algo", ["grpo", "sft"])
+def test_train_takes_resume_from_checkpoint_as_hf_trainer_does(algo, tmp_path):
+    "🤗's `trainer.train(resume_from_checkpoint=True)`: the newest checkpoint in `output_dir` (a 2-step run extended to 3 steps: steps 1-2 restored, step 3 run)."
+    from instruct_goose import SFTConfig, SFTTrainer
+    tok = task_tokenizer()
+    def make(out, steps):
+        if algo == "sft":
+            args = SFTConfig(output_dir=str(out), max_steps=steps, save_steps=1, per_device_train_batch_size=2, disable_tqdm=True,
+                             learning_rate=1e-2, logging_steps=1)
+            return SFTTrainer(tiny_causal_lm(tok, seed=0), args, [{"prompt": "a goose", "completion": " says honk"}] * 8,
+                              processing_class=tok)
+        return GRPOTrainer(tiny_causal_lm(tok, seed=0), args=config(algo, out, max_steps=steps, save_steps=1),
+                           processing_class=tok, train_dataset=PROMPTS, reward_funcs=[length])
+    make(tmp_path / "stopped", 2).train()
+    resumed = make(tmp_path / "stopped", 3)
+    resumed.train(resume_from_checkpoint=True)
+    assert [row["step"] for row in read_metrics(resumed.args.output_dir)] == [1, 2, 3]
+    assert resumed.loop.state.step == 3
+    with pytest.raises(TypeError, match="`resume_from_checkpoint` must be True, a checkpoint path or None"):
+        make(tmp_path / "bad", 1).train(resume_from_checkpoint=2)
