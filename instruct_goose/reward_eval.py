@@ -6,7 +6,7 @@
 __all__ = ['wilson_interval', 'pearson', 'completion_lengths', 'ReliabilityBins', 'reliability_bins',
            'expected_calibration_error', 'PairScores', 'reward_report', 'pair_scores', 'evaluate_reward_model',
            'report_table', 'plot_report', 'length_slope', 'LengthDebiased', 'length_debiased', 'length_penalty',
-           'aggregate_rewards', 'RewardEnsemble']
+           'aggregate_rewards', 'RewardEnsemble', 'kl_best_of_n', 'best_of_n']
 
 # %% ../nbs/04c_reward_eval.ipynb #bf5b5791
 import math
@@ -375,3 +375,25 @@ def stats(
     out = {f"rewards/{n}/mean": s.mean().item() for n, s in zip(self.names, scores)}
     out["rewards/ensemble/std"] = scores.var(0, correction=0).sqrt().mean().item()
     return out
+
+# %% ../nbs/04c_reward_eval.ipynb #376b51eb
+def kl_best_of_n(
+    n: int,    # completions sampled per prompt
+) -> float:    # log n − (n − 1)/n, in nats
+    "KL divergence of best-of-n from the sampling policy (an upper bound, tight when the n completions differ)."
+    if n < 1: raise ValueError(f"`n` is {n}: best-of-n needs n ≥ 1")
+    return math.log(n) - (n - 1) / n
+
+# %% ../nbs/04c_reward_eval.ipynb #923b4b5c
+@typecheck
+def best_of_n(
+    select: Float[Tensor, "prompts samples"],  # the score that picks (the proxy reward) of N samples per prompt
+    value: Float[Tensor, "prompts samples"],   # the score to report of the same samples (gold, proxy, length...)
+    n: int,                                    # best of how many, 1 ≤ n ≤ N
+) -> float:                                    # E[value of the best of n by `select`], averaged over prompts
+    "The unbiased estimate of best-of-n's `value` from N ≥ n samples per prompt (ties in `select` broken by position)."
+    N = select.shape[1]
+    if not 1 <= n <= N: raise ValueError(f"`n` is {n}: it must lie between 1 and the {N} samples per prompt")
+    ranked = value.double().gather(1, select.argsort(dim=1, stable=True))
+    weights = torch.tensor([math.comb(i, n - 1) for i in range(N)], dtype=torch.float64) / math.comb(N, n)
+    return float((ranked * weights).sum(1).mean())
