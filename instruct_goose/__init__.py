@@ -7,12 +7,13 @@ __version__ = "0.1.0"
 __all__ = ['PPOConfig', 'PPOTrainer']
 
 # %% ../nbs/99_package.ipynb #49e0f540
-from . import agent, core, data, dpo, loop, losses, grpo, reward, rloo, rollout, sft, trainer
+from . import agent, core, data, dpo, loop, losses, grpo, reward, reward_eval, rloo, rollout, sft, trainer
 from .core import *
 from .losses import *
 from .data import *
 from .agent import *
 from .reward import *
+from .reward_eval import *
 from .loop import *
 from .sft import *
 from .rollout import *
@@ -24,6 +25,6 @@ from .dpo import *
 # TRL's names for PPO (`trl.experimental.ppo` in TRL 1.x up to 1.12; `from trl import` in TRL ≤ 0.2x): the same classes
 PPOConfig, PPOTrainer = trainer.RLHFConfig, trainer.RLHFTrainer
 
-__all__ = [*core.__all__, *losses.__all__, *data.__all__, *agent.__all__, *reward.__all__, *loop.__all__,
+__all__ = [*core.__all__, *losses.__all__, *data.__all__, *agent.__all__, *reward.__all__, *reward_eval.__all__, *loop.__all__,
            *sft.__all__, *rollout.__all__, *trainer.__all__, *rloo.__all__, *grpo.__all__, *dpo.__all__,
            "PPOConfig", "PPOTrainer"]
