@@ -153,10 +153,10 @@ def reward_report(
     if s.gold_chosen is not None: out |= _gold_metrics(s)
     return {prefix + k: v for k, v in out.items()}
 
-# %% ../nbs/04c_reward_eval.ipynb #30be6c88
-def _length_tokenizer(reward, tokenizer):
-    "The tokenizer to count length in: the one given, else the reward's own (a RewardModel's, an ensemble's first member's)."
-    return tokenizer if tokenizer is not None else getattr(reward, "tokenizer", None)
+# %% ../nbs/04c_reward_eval.ipynb #38dae54a
+def _length_tokenizer(scorer, tokenizer):
+    "The tokenizer to count length in: the one given, else the reward's own (`scorer` from `reward_from`: its first function's)."
+    return tokenizer if tokenizer is not None else getattr(scorer.functions[0], "tokenizer", None)
 
 # %% ../nbs/04c_reward_eval.ipynb #6d85624a
 def _groups(raw, data, column: str) -> list | None:
@@ -165,7 +165,7 @@ def _groups(raw, data, column: str) -> list | None:
     if hasattr(raw, "column_names"): return list(raw[column]) if column in raw.column_names else None
     return [row[column] for row in raw] if all(column in row for row in raw) else None
 
-# %% ../nbs/04c_reward_eval.ipynb #e3a2e33c
+# %% ../nbs/04c_reward_eval.ipynb #ea538936
 def pair_scores(
     reward,                               # a RewardModel, 🤗 classifier, path, reward function, ensemble... (`reward_from`)
     data,                                 # preference pairs in any of the library's formats (`preference_dataset`)
@@ -175,13 +175,12 @@ def pair_scores(
     batch_size: int = 256,                # pairs scored per call
 ) -> PairScores:
     "Score every pair's chosen and rejected completion with `reward` (and `gold`), with their lengths and groups."
-    raw = data
-    data = preference_dataset(data, "data", tokenizer if tokenizer is not None else getattr(reward, "tokenizer", None))
-    scorer = reward_from(reward, processing_class=tokenizer)
+    raw, scorer = data, reward_from(reward, processing_class=tokenizer)
+    counter = _length_tokenizer(scorer, tokenizer)
+    data = preference_dataset(data, "data", counter)
     def scores(f, column):
         return torch.cat([score_completions(f, data["prompt"][i:i + batch_size], data[column][i:i + batch_size]).float()
                           for i in range(0, len(data), batch_size)])
-    counter = _length_tokenizer(reward, tokenizer)
     groups = _groups(raw, data, category_column)
     gold_scores = (scores(gold, "chosen"), scores(gold, "rejected")) if gold is not None else (None, None)
     return PairScores(scores(scorer, "chosen"), scores(scorer, "rejected"),
@@ -246,7 +245,7 @@ def length_slope(
     if var == 0: raise ValueError("the reference completions all have the same length: a slope needs at least two lengths")
     return float(((l - l.mean()) * (r - r.mean())).sum() / var), float(l.mean())
 
-# %% ../nbs/04c_reward_eval.ipynb #53c43bbe
+# %% ../nbs/04c_reward_eval.ipynb #f42d964f
 class LengthDebiased(nn.Module):
     "A reward with its linear length component removed: r̃ = r − b·(L − L̄), L in the given tokenizer's tokens (or characters). A reward function for `reward_funcs`."
     def __init__(
@@ -258,7 +257,7 @@ class LengthDebiased(nn.Module):
     ):
         super().__init__()
         self.reward, self.slope, self.mean_length = reward_from(reward, processing_class=tokenizer), float(slope), float(mean_length)
-        self.tokenizer = _length_tokenizer(reward, tokenizer)
+        self.tokenizer = _length_tokenizer(self.reward, tokenizer)
         self.__name__ = f"length_debiased_{_reward_name(reward)}"
 
     def forward(
@@ -276,7 +275,7 @@ def _texts(completions: list) -> list[str]:
     "Completions as text: the content of the last message where TRL hands them as `[{'role': 'assistant', ...}]`."
     return [c[-1]["content"] if is_conversational(c) else c for c in completions]
 
-# %% ../nbs/04c_reward_eval.ipynb #5b4e7cdd
+# %% ../nbs/04c_reward_eval.ipynb #42f4a704
 def length_debiased(
     reward,                  # anything `reward_from` accepts
     prompts: list,           # prompts of the reference set
@@ -284,8 +283,9 @@ def length_debiased(
     tokenizer=None,          # counts length (None: the reward's own, else characters)
 ) -> LengthDebiased:
     "Fit the length slope of `reward` over a reference set and return the debiased reward."
-    scores = score_completions(reward_from(reward, processing_class=tokenizer), prompts, completions)
-    return LengthDebiased(reward, *length_slope(scores, completion_lengths(completions, _length_tokenizer(reward, tokenizer))), tokenizer)
+    scorer = reward_from(reward, processing_class=tokenizer)
+    lengths = completion_lengths(completions, _length_tokenizer(scorer, tokenizer))
+    return LengthDebiased(reward, *length_slope(score_completions(scorer, prompts, completions), lengths), tokenizer)
 
 # %% ../nbs/04c_reward_eval.ipynb #64caa0fd
 def length_penalty(
@@ -320,7 +320,7 @@ def aggregate_rewards(
     var = scores.var(0, correction=0)
     return mean - k * (var.sqrt() if aggregation == "mean_minus_std" else var)
 
-# %% ../nbs/04c_reward_eval.ipynb #862bc0d7
+# %% ../nbs/04c_reward_eval.ipynb #1114a800
 class RewardEnsemble(nn.Module):
     "Several rewards as one: their scores combined by `aggregate_rewards` (Coste et al. 2023). A reward function for `reward_funcs`; `member_scores` and `stats` expose each member and the spread."
     def __init__(
@@ -335,11 +335,11 @@ class RewardEnsemble(nn.Module):
         if aggregation not in _AGGREGATIONS: raise ValueError(f"`aggregation` must be one of {_AGGREGATIONS}, got {aggregation!r}")
         if not (isinstance(k, (int, float)) and math.isfinite(k) and k >= 0): raise ValueError(f"`k` must be a finite number ≥ 0, got {k!r}")
         self.members = [reward_from(m, processing_class=processing_class) for m in members]
-        self.modules_ = nn.ModuleList(self.members)   # `.to(device)` moves the reward models
+        self.member_modules = nn.ModuleList(self.members)   # `.to(device)` moves the reward models
         self.aggregation, self.k, self.__name__ = aggregation, float(k), f"ensemble_{aggregation}"
         names = [_reward_name(m.functions[0]) for m in self.members]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
-        self.tokenizer = getattr(self.members[0].functions[0], "tokenizer", None)
+        self.tokenizer = _length_tokenizer(self.members[0], None)   # counts length in reports: the first member's
 
 # %% ../nbs/04c_reward_eval.ipynb #7f729448
 @patch

@@ -118,3 +118,11 @@ def test_the_report_is_one_json_line(members):
     report = evaluate_reward_model(members[0], load_task("preferences", "eval").select(range(8)))
     assert all(isinstance(v, float) for v in report.values())
     assert json.loads(json.dumps(report)).keys() == report.keys()
+
+
+def test_a_saved_reward_model_is_read_from_its_path_with_its_tokenizer(tmp_path, members):
+    members[0].save_pretrained(tmp_path / "rm")
+    pairs = load_task("preferences", "eval").select(range(8))
+    from_path, in_memory = pair_scores(str(tmp_path / "rm"), pairs), pair_scores(members[0], pairs)
+    torch.testing.assert_close(from_path.chosen_length, in_memory.chosen_length, rtol=0, atol=0)   # tokens, not characters
+    torch.testing.assert_close(from_path.chosen, in_memory.chosen, rtol=0, atol=1e-5)
