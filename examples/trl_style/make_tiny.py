@@ -5,7 +5,7 @@
 import sys
 from pathlib import Path
 
-from instruct_goose.data import arithmetic_task, chat_task_tokenizer, load_task, tiny_causal_lm
+from instruct_goose.toy import arithmetic_task, chat_task_tokenizer, load_task, tiny_causal_lm
 
 
 def write_split(dataset, folder: Path, n_test: int):
