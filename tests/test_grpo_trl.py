@@ -1,0 +1,93 @@
+"""Our GRPO loss against TRL 1.16's own `GRPOTrainer._compute_loss`, on one fixed rollout, for every loss type and importance-sampling level.
+
+TRL's method runs unchanged on a bare `GRPOTrainer` object carrying only the attributes it reads; its model pass
+(`_get_per_token_logps_and_entropies`) is replaced by a leaf tensor of log-probabilities, so both sides differentiate
+the same numbers. The rollout: 4 completions of lengths 5, 2, 7, 4 (padding after), ratios from 0.62 to 2.01,
+advantages of both signs, β = 0.04 with a reference different from both policies, `use_bias_correction_kl` on (TRL's
+default), and the options each loss type comes with. Loss and gradient must agree to float error.
+"""
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from trl import GRPOConfig as TRLGRPOConfig
+from trl import GRPOTrainer as TRLGRPOTrainer
+
+from instruct_goose.grpo import LOSS_TYPES, aggregate, grpo_token_loss, off_policy_mask
+
+T, LENGTHS, MAX_LEN = 7, (5, 2, 7, 4), 8
+
+
+def _rollout():
+    "A fixed rollout: masks of varied lengths, π_θ, π_old and π_ref all different, both signs of advantage."
+    g = torch.Generator().manual_seed(0)
+    mask = torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]
+    logprobs = -torch.rand(4, T, generator=g) * 2 - 0.1
+    old = logprobs - (torch.rand(4, T, generator=g) * 1.18 - 0.48)       # log-ratios in [-0.48, 0.70]: ρ from 0.62 to 2.01
+    ref = logprobs + torch.randn(4, T, generator=g) * 0.3
+    advantages = torch.tensor([1.3, -0.7, 0.4, -1.1])
+    return mask, logprobs, old, ref, advantages
+
+
+def _trl_trainer(**options):
+    "A `GRPOTrainer` holding only what `_compute_loss` reads, from a TRL `GRPOConfig` (TRL's defaults, then `options`)."
+    args = TRLGRPOConfig(output_dir="/tmp/unused", beta=0.04, max_completion_length=MAX_LEN, report_to="none", bf16=False, use_cpu=True,
+                         per_device_train_batch_size=4, num_generations=4, **options)
+    t = TRLGRPOTrainer.__new__(TRLGRPOTrainer)
+    t.args, t.accelerator, t._metrics = args, Accelerator(cpu=True), {"train": defaultdict(list), "eval": defaultdict(list)}
+    for name in ("beta", "loss_type", "importance_sampling_level", "off_policy_mask_threshold", "top_entropy_quantile",
+                 "max_completion_length", "use_vllm", "entropy_coef", "use_adaptive_entropy"):
+        setattr(t, name, getattr(args, name))
+    t.epsilon_low, t.epsilon_high = args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high
+    t.model, t.current_gradient_accumulation_steps = SimpleNamespace(training=True), 1
+    t._entropy_bonus_enabled, t.aux_loss_enabled = args.entropy_coef != 0.0 or args.use_adaptive_entropy, False
+    return t
+
+
+def _trl_loss(t, logprobs, old, ref, advantages, mask):
+    "TRL's loss with its model pass replaced by `logprobs`."
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logprobs, torch.ones_like(logprobs), None)
+    inputs = {"prompt_ids": torch.zeros(4, 1, dtype=torch.long), "prompt_mask": torch.ones(4, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(4, T, dtype=torch.long), "completion_mask": mask.long(), "advantages": advantages,
+              "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    return t._compute_loss(None, inputs)
+
+
+OPTIONS = {"cispo": {"epsilon_high": 5.0}, "dapo": {"epsilon_high": 0.28}, "grpo": {"delta": 1.5},
+           "bnpo": {"off_policy_mask_threshold": 0.05}, "sapo": {}, "luspo": {}, "vespo": {}, "dr_grpo": {}}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_and_gradient_equal_trl(loss_type, level):
+    mask, logprobs, old, ref, advantages = _rollout()
+    options = {"loss_type": loss_type, "importance_sampling_level": level, **OPTIONS[loss_type]}
+    t = _trl_trainer(**options)
+    theirs_lp = logprobs.clone().requires_grad_()
+    theirs = _trl_loss(t, theirs_lp, old, ref, advantages, mask)
+    theirs_grad, = torch.autograd.grad(theirs, theirs_lp)
+    a = t.args
+    ours_lp = logprobs.clone().requires_grad_()
+    token_loss, _, _ = grpo_token_loss(ours_lp, old, advantages, mask, a.epsilon, t.epsilon_high, ref, a.beta, level, loss_type, a.delta,
+                                       (a.sapo_temperature_pos, a.sapo_temperature_neg),
+                                       (a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg),
+                                       a.use_bias_correction_kl, a.off_policy_mask_threshold)
+    ours, _ = aggregate(token_loss, mask, loss_type, MAX_LEN)
+    ours_grad, = torch.autograd.grad(ours, ours_lp)
+    assert a.use_bias_correction_kl                                    # TRL 1.16's default is what we compare
+    assert abs(ours.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item())), (ours.item(), theirs.item())
+    assert (ours_grad - theirs_grad).abs().max().item() <= 1e-6, (ours_grad - theirs_grad).abs().max().item()
+    assert theirs_grad.abs().max().item() > 1e-3                       # a real gradient, not two zeros
+
+
+def test_rollout_is_off_policy_as_described():
+    "The rollout has the ratios the docstring says, so clipping, the masks and the KL weighting all act."
+    mask, logprobs, old, _, advantages = _rollout()
+    ratio = torch.exp(logprobs - old)[mask]
+    assert 0.6 < ratio.min().item() < 0.7 and 1.9 < ratio.max().item() < 2.1
+    assert off_policy_mask(logprobs, old, advantages, mask, OPTIONS["bnpo"]["off_policy_mask_threshold"]).flatten().tolist() == [1, 0, 1, 1]
+    above_delta = (torch.exp(logprobs - old) > OPTIONS["grpo"]["delta"]) & mask & (advantages[:, None] < 0)
+    assert above_delta.any()                                           # `delta` caps something
