@@ -20,6 +20,7 @@ from jaxtyping import Bool, Float
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, typecheck
 from .loop import TrainLoop
 from .losses import kl_penalty
+from .rloo import GRPONotYet, refuse_unsupported
 from .rollout import RowBatch, Samples, logprobs_in_chunks
 from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
 
@@ -27,7 +28,7 @@ from .trainer import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")   # TRL 1.16's `loss_type`s
 
 @dataclass
-class GRPOConfig(OnPolicyConfig):
+class GRPOConfig(OnPolicyConfig, GRPONotYet):
     "GRPO's knobs under TRL's `GRPOConfig` names and defaults (TRL 1.16), each kept equal to its shared on-policy field (`merge_names`)."
     num_generations: int = 4               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL: 8; 4 suits the tiny models)
     max_completion_length: int = 32        # tokens sampled per completion (sets `response_length`; TRL: 512)
@@ -56,6 +57,7 @@ class GRPOConfig(OnPolicyConfig):
                                               "num_iterations": "num_ppo_epochs"}
 
     def __post_init__(self):
+        refuse_unsupported(self)                  # TRL's fields not run here yet: refused by name (`TRL_REFUSED`)
         if isinstance(self.scale_rewards, bool) or self.scale_rewards in ("True", "False"):
             self.scale_rewards = "group" if self.scale_rewards in (True, "True") else "none"
         super().__post_init__()

@@ -6,6 +6,7 @@ the same numbers. The rollout: 4 completions of lengths 5, 2, 7, 4 (padding afte
 advantages of both signs, β = 0.04 with a reference different from both policies, `use_bias_correction_kl` on (TRL's
 default), and the options each loss type comes with. Loss and gradient must agree to float error.
 """
+import dataclasses
 import math
 from collections import defaultdict
 from types import SimpleNamespace
@@ -15,8 +16,11 @@ import torch
 from accelerate import Accelerator
 from trl import GRPOConfig as TRLGRPOConfig
 from trl import GRPOTrainer as TRLGRPOTrainer
+from trl import RLOOConfig as TRLRLOOConfig
+from transformers import TrainingArguments
 
-from instruct_goose.grpo import LOSS_TYPES, aggregate, grpo_token_loss, off_policy_mask
+from instruct_goose.grpo import LOSS_TYPES, GRPOConfig, aggregate, grpo_token_loss, off_policy_mask
+from instruct_goose.rloo import TRL_REFUSED, RLOOConfig
 
 T, LENGTHS, MAX_LEN = 7, (5, 2, 7, 4), 8
 
@@ -91,3 +95,38 @@ def test_rollout_is_off_policy_as_described():
     assert off_policy_mask(logprobs, old, advantages, mask, OPTIONS["bnpo"]["off_policy_mask_threshold"]).flatten().tolist() == [1, 0, 1, 1]
     above_delta = (torch.exp(logprobs - old) > OPTIONS["grpo"]["delta"]) & mask & (advantages[:, None] < 0)
     assert above_delta.any()                                           # `delta` caps something
+
+
+def _other(value):
+    "A value different from a field's default, of a plausible type."
+    if isinstance(value, bool): return not value
+    if isinstance(value, (int, float)): return value + 1
+    if isinstance(value, str): return value + "_other"
+    return 1
+
+
+def _trl_added(trl_config):
+    "The fields TRL 1.16's config adds to 🤗 `TrainingArguments`, with TRL's defaults."
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    default = lambda f: f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return {f.name: default(f) for f in dataclasses.fields(trl_config) if f.name not in base}
+
+
+@pytest.mark.parametrize("trl_config, ours, counts", [(TRLGRPOConfig, GRPOConfig, (77, 22, 55, 18)), (TRLRLOOConfig, RLOOConfig, (51, 11, 40, 13))])
+def test_every_trl_field_is_taken_or_refused(trl_config, ours, counts):
+    "Each field TRL 1.16 adds to `TrainingArguments` exists here: taken at TRL's default, or refused by name in one line when set."
+    added = _trl_added(trl_config)
+    assert not [name for name in added if name not in {f.name for f in dataclasses.fields(ours)}]
+    refused, declared = [name for name in added if name in TRL_REFUSED], {f.name: f.default for f in dataclasses.fields(ours)}
+    for name in refused:                  # declared at TRL's default (but `disable_dropout`: always on here), refused away from it
+        assert declared[name] == added[name] or name == "disable_dropout", name
+        with pytest.raises(ValueError) as error: ours(per_device_train_batch_size=8, **{name: _other(declared[name])})
+        message = str(error.value)
+        assert message.startswith(f"`{name}`=") and "\n" not in message, message
+        assert ("set `temperature`, `max_completion_length`" in message) == ("vllm" in name), message   # vLLM: the built-in settings instead
+    taken = [name for name in added if name not in TRL_REFUSED]
+    for name in taken:
+        config = ours(per_device_train_batch_size=8, **{name: added[name]})
+        assert getattr(config, name) == added[name] or name == "scale_rewards", name
+    vllm = [name for name in refused if "vllm" in name]
+    assert (len(added), len(taken), len(refused), len(vllm)) == counts, (len(added), len(taken), len(refused), len(vllm), taken)
