@@ -19,8 +19,8 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 from trl import RLOOConfig as TRLRLOOConfig
 from transformers import TrainingArguments
 
-from instruct_goose.grpo import LOSS_TYPES, GRPOConfig, aggregate, grpo_token_loss, off_policy_mask
-from instruct_goose.rloo import TRL_REFUSED, RLOOConfig
+from instruct_goose.grpo import _LOSS_TYPES, GRPOConfig, aggregate, grpo_token_loss, off_policy_mask
+from instruct_goose.rloo import _TRL_REFUSED, RLOOConfig
 
 T, LENGTHS, MAX_LEN = 7, (5, 2, 7, 4), 8
 
@@ -65,7 +65,7 @@ OPTIONS = {"cispo": {"epsilon_high": 5.0}, "dapo": {"epsilon_high": 0.28}, "grpo
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", _LOSS_TYPES)
 def test_loss_and_gradient_equal_trl(loss_type, level):
     mask, logprobs, old, ref, advantages = _rollout()
     options = {"loss_type": loss_type, "importance_sampling_level": level, **OPTIONS[loss_type]}
@@ -117,14 +117,14 @@ def test_every_trl_field_is_taken_or_refused(trl_config, ours, counts):
     "Each field TRL 1.16 adds to `TrainingArguments` exists here: taken at TRL's default, or refused by name in one line when set."
     added = _trl_added(trl_config)
     assert not [name for name in added if name not in {f.name for f in dataclasses.fields(ours)}]
-    refused, declared = [name for name in added if name in TRL_REFUSED], {f.name: f.default for f in dataclasses.fields(ours)}
+    refused, declared = [name for name in added if name in _TRL_REFUSED], {f.name: f.default for f in dataclasses.fields(ours)}
     for name in refused:                  # declared at TRL's default (but `disable_dropout`: always on here), refused away from it
         assert declared[name] == added[name] or name == "disable_dropout", name
         with pytest.raises(ValueError) as error: ours(per_device_train_batch_size=8, **{name: _other(declared[name])})
         message = str(error.value)
         assert message.startswith(f"`{name}`=") and "\n" not in message, message
         assert ("set `temperature`, `max_completion_length`" in message) == ("vllm" in name), message   # vLLM: the built-in settings instead
-    taken = [name for name in added if name not in TRL_REFUSED]
+    taken = [name for name in added if name not in _TRL_REFUSED]
     for name in taken:
         config = ours(per_device_train_batch_size=8, **{name: added[name]})
         assert getattr(config, name) == added[name] or name == "scale_rewards", name
