@@ -49,6 +49,7 @@ class GRPOConfig(OnPolicyConfig, GRPONotYet):
     mask_truncated_completions: bool = False  # completions that never stopped get no loss (DAPO)
     importance_sampling_level: Literal["token", "sequence"] = "token"  # per-token ratios, or GSPO's sequence ratio
     off_policy_mask_threshold: float | None = None  # drop a completion with a negative advantage whose mean KL(π_old‖π_θ) per token exceeds this (DeepSeek-V3.2's off-policy sequence mask); None: off
+    entropy_coef: float = 0.0              # weight of the entropy bonus: −coef × the mean entropy of the loss's tokens (TRL 1.16); 0: none
     use_bias_correction_kl: bool = True    # weight the k3 KL by the importance ratio (DeepSeek-V3.2), TRL 1.16's default: the unbiased reverse-KL gradient
     kl_coef: float = 0.0                   # the shared name of `beta`
     response_length: int = 32              # the shared name of `max_completion_length`
@@ -75,7 +76,7 @@ class GRPOConfig(OnPolicyConfig, GRPONotYet):
             raise ValueError(f"`delta` caps the ratio and must be a number > 1 (TRL recommends > 1 + epsilon_high), got {self.delta!r}; None turns it off")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             check_number(name, getattr(self, name), low_open=True)
-        for name in ("vespo_k_pos", "vespo_k_neg"): check_number(name, getattr(self, name))
+        for name in ("vespo_k_pos", "vespo_k_neg", "entropy_coef"): check_number(name, getattr(self, name))
         if self.multi_objective_aggregation == "normalize_then_sum" and self.missing_eos_penalty is not None:
             raise ValueError("`missing_eos_penalty` cannot be combined with multi_objective_aggregation='normalize_then_sum' (each reward is "
                              "normalised on its own, so there is no sum to subtract it from): add the penalty as a reward function instead")
@@ -250,10 +251,10 @@ class GRPOTrainer(OnPolicyTrainer):
         return self.config.num_ppo_epochs == 1 and self.config.num_mini_batches == 1
 
     def loss_units(self, part: GRPORollout, draw: int) -> dict[str, Tensor]:
-        "What the micro-batch's loss is a mean over, for `loss_type` (see `aggregate`)."
+        "What the micro-batch's loss is a mean over, for `loss_type` (see `aggregate`); the entropy bonus: its tokens."
         c, rows = self.config, torch.tensor(float(len(part)))
         units = {"grpo": rows, "sapo": rows, "luspo": rows, "dr_grpo": rows * c.max_completion_length}.get(c.loss_type, part.loss_mask.sum())
-        return {"policy": units}
+        return {"policy": units, "entropy": part.loss_mask.sum()} if c.entropy_coef else {"policy": units}
 
 # %% ../nbs/09b_grpo.ipynb #cc149a71
 @patch
@@ -323,14 +324,17 @@ def micro_batch_loss(
         c.use_bias_correction_kl, c.off_policy_mask_threshold)
     loss, _ = aggregate(token_loss, mask, c.loss_type, c.max_completion_length)
     a, r = part.advantages[:, None], ratio.detach()
-    stats = {"entropy": masked_mean(entropy_from_logits(logits.detach(), c.temperature), part.response_mask)}
+    entropy = entropy_from_logits(logits if c.entropy_coef else logits.detach(), c.temperature)
+    stats = {"entropy": masked_mean(entropy.detach(), part.response_mask)}
     if c.loss_type == "cispo": stats["cispo_clip_ratio"] = masked_mean(((r > c.clip_high) & (a > 0)).float(), mask)   # TRL's names
     elif c.loss_type not in ("sapo", "vespo"):
         low, high = (r < 1 - c.epsilon) & (a < 0), (r > 1 + c.clip_high) & (a > 0)
         stats.update({"clip_ratio/low_mean": masked_mean(low.float(), mask), "clip_ratio/high_mean": masked_mean(high.float(), mask),
                       "clip_ratio/region_mean": masked_mean((low | high).float(), mask)})
     if kl is not None: stats["kl"] = masked_mean(kl.detach(), mask)
-    return {"policy": loss}, stats
+    if not c.entropy_coef: return {"policy": loss}, stats
+    stats["entropy_coef"] = torch.tensor(c.entropy_coef)
+    return {"policy": loss, "entropy": -c.entropy_coef * masked_mean(entropy, mask)}, stats
 
 # %% ../nbs/09b_grpo.ipynb #baff93c2
 @patch

@@ -19,6 +19,7 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 from trl import RLOOConfig as TRLRLOOConfig
 from transformers import TrainingArguments
 
+from instruct_goose.core import entropy_from_logits, logprobs_from_logits, masked_mean
 from instruct_goose.grpo import _LOSS_TYPES, GRPOConfig, aggregate, grpo_token_loss, off_policy_mask
 from instruct_goose.rloo import _TRL_REFUSED, RLOOConfig
 
@@ -112,7 +113,7 @@ def _trl_added(trl_config):
     return {f.name: default(f) for f in dataclasses.fields(trl_config) if f.name not in base}
 
 
-@pytest.mark.parametrize("trl_config, ours, counts", [(TRLGRPOConfig, GRPOConfig, (77, 22, 55, 18)), (TRLRLOOConfig, RLOOConfig, (51, 11, 40, 13))])
+@pytest.mark.parametrize("trl_config, ours, counts", [(TRLGRPOConfig, GRPOConfig, (77, 23, 54, 18)), (TRLRLOOConfig, RLOOConfig, (51, 11, 40, 13))])
 def test_every_trl_field_is_taken_or_refused(trl_config, ours, counts):
     "Each field TRL 1.16 adds to `TrainingArguments` exists here: taken at TRL's default, or refused by name in one line when set."
     added = _trl_added(trl_config)
@@ -130,3 +131,30 @@ def test_every_trl_field_is_taken_or_refused(trl_config, ours, counts):
         assert getattr(config, name) == added[name] or name == "scale_rewards", name
     vllm = [name for name in refused if "vllm" in name]
     assert (len(added), len(taken), len(refused), len(vllm)) == counts, (len(added), len(taken), len(refused), len(vllm), taken)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_entropy_bonus_equal_trl(loss_type):
+    "`entropy_coef`: TRL's loss − coef × the mean entropy of the completion tokens, differentiated through the logits on both sides."
+    mask, _, _, ref, advantages = _rollout()
+    g = torch.Generator().manual_seed(1)
+    logits, ids = torch.randn(4, T, 5, generator=g), torch.randint(0, 5, (4, T), generator=g)
+    def logprobs_and_entropy(x):
+        lp = torch.log_softmax(x, -1)
+        return lp.gather(-1, ids[..., None])[..., 0], -(lp.exp() * lp).sum(-1)
+    old = logprobs_and_entropy(logits)[0] - (torch.rand(4, T, generator=g) * 1.18 - 0.48)
+    t = _trl_trainer(loss_type=loss_type, entropy_coef=0.03)
+    theirs_logits = logits.clone().requires_grad_()
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (*logprobs_and_entropy(theirs_logits), None)
+    inputs = {"prompt_ids": torch.zeros(4, 1, dtype=torch.long), "prompt_mask": torch.ones(4, 1, dtype=torch.long),
+              "completion_ids": ids, "completion_mask": mask.long(), "advantages": advantages,
+              "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    theirs = TRLGRPOTrainer._compute_loss(t, None, inputs)
+    theirs_grad, = torch.autograd.grad(theirs, theirs_logits)
+    ours_logits = logits.clone().requires_grad_()
+    logprobs = logprobs_from_logits(ours_logits, ids, 1.0)
+    token_loss, _, _ = grpo_token_loss(logprobs, old, advantages, mask, 0.2, 0.2, ref, 0.04, loss_type=loss_type)
+    ours = aggregate(token_loss, mask, loss_type, MAX_LEN)[0] - 0.03 * masked_mean(entropy_from_logits(ours_logits, 1.0), mask)
+    ours_grad, = torch.autograd.grad(ours, ours_logits)
+    assert abs(ours.item() - theirs.item()) <= 1e-6, (ours.item(), theirs.item())
+    assert (ours_grad - theirs_grad).abs().max().item() <= 1e-6
