@@ -43,7 +43,7 @@ _TRL_REFUSED: dict[str, str] = {
     **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
                     f"{_LATER} (generation is built in)"),
     **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"), f"{_LATER} (the reference stays the initial policy)"),
-    **dict.fromkeys(("top_entropy_quantile", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+    **dict.fromkeys(("top_entropy_quantile", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
                      "entropy_coef_delta", "entropy_target"), _LATER),
     "max_tool_calling_iterations": f"{_LATER} (no tool calls)",
     **dict.fromkeys(("log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo"), _LOGS),
@@ -105,7 +105,6 @@ class GRPONotYet(TRLNotYet):
     "The further fields of TRL 1.16's `GRPOConfig` that this library does not run yet, at TRL's defaults (see `_TRL_REFUSED`)."
     cast_lm_head_to_fp32: bool = False             # refused (_TRL_REFUSED): not implemented yet, issue 28
     top_entropy_quantile: float = 1.0              # refused (_TRL_REFUSED) unless 1.0: not implemented yet, issue 28
-    entropy_coef: float = 0.0                      # refused (_TRL_REFUSED) unless 0: not implemented yet, issue 28
     use_adaptive_entropy: bool = False             # refused (_TRL_REFUSED): not implemented yet, issue 28
     entropy_coef_min: float = 0.0                  # refused (_TRL_REFUSED) unless 0: not implemented yet, issue 28
     entropy_coef_max: float = 1.0                  # refused (_TRL_REFUSED) unless 1: not implemented yet, issue 28
@@ -197,7 +196,8 @@ class RLOOTrainer(OnPolicyTrainer):
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
         loss_mask = x.response_mask.clone()
         if c.mask_truncated_completions: loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
-        scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, loss_mask,
+        ref_logprobs = torch.where(loss_mask, ref_logprobs, logprobs)   # off the loss mask π_ref = π_old: a KL of 0 (the score stays)
+        scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, x.response_mask,
                                                                          None if loop is None else loop.accelerator)
         return RLOORollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, scores, logprobs, kl,
                            non_score, rlhf_reward, advantages, loss_mask), x
