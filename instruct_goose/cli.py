@@ -115,9 +115,10 @@ def _comma_lists(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
 # %% ../nbs/10_cli.ipynb #f1a0000a
 def parse_config(cls, argv: list[str], prog: str):
     "An instance of command dataclass `cls`: its defaults, replaced by a `--config` file's settings, overridden by flags; a mistake exits with status 2."
-    parser, first = GooseParser(cls, prog), argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser, first = GooseParser(cls, prog), argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     first.add_argument("--config")
-    found, rest = first.parse_known_args(argv)
+    try: found, rest = first.parse_known_args(argv)
+    except argparse.ArgumentError as e: parser.error(str(e))
     if found.config: parser.use_settings(found.config)
     given = vars(parser.parse_args(_comma_lists(rest, parser)))
     try: return cls(**given)
@@ -326,18 +327,20 @@ def command_reward(args) -> "RewardModel | list | callable":
     return RewardModel.from_pretrained(args.reward_model)
 
 # %% ../nbs/10_cli.ipynb #4e8bb2e6
-_PYTHON_CONFIG = {"SFTCommand": SFTConfig, "RMCommand": RewardConfig, "PPOCommand": RLHFConfig, "RLOOCommand": RLOOConfig,
-                  "GRPOCommand": GRPOConfig, "DPOCommand": DPOConfig}
+_PYTHON_API = {"SFTCommand": SFTConfig, "RMCommand": RewardConfig, "PPOCommand": RLHFConfig, "RLOOCommand": RLOOConfig,
+               "GRPOCommand": GRPOConfig, "DPOCommand": DPOConfig, "EvalCommand": evaluate_policy}
 
 def python_call(
-    args,                    # a parsed training command (a subclass of its stage's config)
+    args,                    # a parsed command: a training command (a subclass of its stage's config) or `EvalCommand`
 ) -> str:                    # e.g. "GRPOConfig(learning_rate=0.0005, ...)"
-    "The stage's config as a Python call: every setting of `args` that differs from the Python API's default (a setting's second name left out)."
-    config_class = _PYTHON_CONFIG[type(args).__name__]
-    python, second = config_class(), set(getattr(config_class, "same_setting", {}).values())
-    changed = [f"{f.name}={getattr(args, f.name)!r}" for f in fields(config_class)
-               if f.name not in second and getattr(args, f.name) != getattr(python, f.name)]
-    return f"{config_class.__name__}({', '.join(changed)})"
+    "The command as a Python call: every setting of `args` that differs from the Python API's default (a setting's second name left out)."
+    target = _PYTHON_API[type(args).__name__]
+    if dataclasses.is_dataclass(target): python = dataclasses.asdict(target())
+    else: python = {n: p.default for n, p in inspect.signature(target).parameters.items() if p.annotation in (int, float, bool)}   # its numbers
+    second = set(getattr(target, "same_setting", {}).values())
+    changed = [f"{n}={getattr(args, n)!r}" for n, default in python.items()
+               if n not in second and hasattr(args, n) and getattr(args, n) != default]
+    return f"{target.__name__}({', '.join(changed)})"
 
 # %% ../nbs/10_cli.ipynb #cbccace1
 def _auto(value: str, dataset: str, task_value: str, what: str, console: Console) -> str:
@@ -448,7 +451,7 @@ def run_dpo(args: DPOCommand):
 def run_eval(args: EvalCommand) -> dict:
     "goose eval"
     console = Console()
-    set_seed(args.seed)
+    _start(args, console)
     prompts = list(load_data(args.dataset, "prompts", "eval", args.columns)["prompt"])
     gold = _auto(args.gold, args.dataset, "vader", "gold judge", console)
     gold = None if gold == "none" else gold_score if gold == "vader" else import_function(gold, "--gold")
@@ -529,6 +532,7 @@ def _pipeline_rl(args: PipelineCommand, out: Path, common: dict, console: Consol
     run_rm(RMCommand(model=str(out / "sft"), output_dir=str(out / "rm"), **_given(max_steps=args.rm_steps, learning_rate=args.rm_learning_rate),
                      **common))
     rl = dict(policy=str(out / "sft"), reward_model=str(out / "rm"), output_dir=str(out / args.algo), logging_steps=1, **common,
+              num_mini_batches=2, missing_eos_penalty=1.0,    # as the PPO and RLOO tutorials train
               **_given(kl_coef=args.kl_coef, total_episodes=args.rl_episodes, learning_rate=args.rl_learning_rate,
                        response_length=args.response_length))
     if args.algo == "ppo":
