@@ -96,6 +96,8 @@ def test_own_data_never_mixes_in_the_task(policy_dir, tmp_path):
     assert ppo.returncode == 0, ppo.stderr[-3000:]
     assert "PPO-ptx pretraining texts: none (your own --dataset" in ppo.stdout
     assert "loss/ptx_avg" not in json.loads((tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()[0])
+    recorded = json.loads(next((tmp_path / "ppo").glob("checkpoint-*/training_config.json")).read_text())
+    assert (recorded["reward_weights"], recorded["reward_funcs"], recorded["dataset"]) == ([1.0, 0.5], ["my_rewards:length", "my_rewards:one"], prompts)
 
 
 def test_same_command_same_reward_model(policy_dir, tmp_path):
@@ -151,3 +153,92 @@ def test_tiny_models_get_one_torch_thread(tmp_path):
     env["OMP_NUM_THREADS"] = "2"
     code = code.replace("os.environ.pop('OMP_NUM_THREADS', None); ", "")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip() == "2"
+
+
+# --- one set of defaults: the CLI and the Python API (issue 27, item 7) --------------------------------------------
+
+TRAINING = ["sft", "rm", "ppo", "rloo", "grpo", "dpo"]
+
+
+@pytest.mark.parametrize("command", [*TRAINING, "eval"])
+def test_cli_defaults_are_the_python_apis_or_printed(command):
+    "Every setting `goose COMMAND` trains with is the Python API's default, or is named in the line each run starts with."
+    import inspect
+    from dataclasses import asdict, fields, is_dataclass
+    from instruct_goose.cli import _COMMANDS, _PYTHON_API, parse_config, python_call
+    cls = _COMMANDS[command][0]
+    args, api = parse_config(cls, [], f"goose {command}"), _PYTHON_API[cls.__name__]
+    if is_dataclass(api): python = asdict(api())
+    else: python = {n: p.default for n, p in inspect.signature(api).parameters.items() if n in {f.name for f in fields(cls)}
+                    and isinstance(p.default, (int, float))}
+    second = set(getattr(api, "same_setting", {}).values())
+    printed = python_call(args)
+    differ = {n for n, v in python.items() if getattr(args, n) != v and n not in second}
+    assert all(f"{n}=" in printed for n in differ), (differ, printed)
+    assert printed.count("=") == len(differ), printed                # and nothing else is claimed to differ
+
+
+def test_grpo_cli_keeps_the_python_reward_and_rollout():
+    "The defects the TRL-user trial found: `goose grpo` subtracted 1 from cut completions' rewards and doubled the rollout."
+    from instruct_goose import GRPOConfig
+    from instruct_goose.cli import GRPOCommand, parse_config
+    args = parse_config(GRPOCommand, [], "goose grpo")
+    assert (args.missing_eos_penalty, args.num_mini_batches) == (GRPOConfig().missing_eos_penalty, GRPOConfig().num_mini_batches) == (None, 1)
+
+
+def test_pipeline_defaults_are_the_stage_commands():
+    "The pipeline passes on only what it is given: its stage settings default to None (the stage command's default)."
+    from dataclasses import fields
+    from instruct_goose.cli import PipelineCommand
+    own = {"output_dir", "model", "algo", "adaptive_kl", "kl_target", "ptx_coef", "overwrite_output_dir", "disable_tqdm"}
+    assert {f.name for f in fields(PipelineCommand) if f.default is not None} == own   # PPO-ptx's demo settings are its own
+
+
+def test_help_lists_one_flag_per_setting(capsys):
+    "`--beta`/`--kl_coef`, `--max_completion_length`/`--response_length`, `--epsilon`/`--cliprange`: one listed, both accepted."
+    from instruct_goose.cli import main, parse_config, GRPOCommand
+    with pytest.raises(SystemExit): main(["grpo", "--help"])
+    out = capsys.readouterr().out
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  --")]
+    assert len(listed) == len(set(listed))
+    for shown, hidden in [("beta", "kl_coef"), ("max_completion_length", "response_length"), ("epsilon", "cliprange"),
+                          ("num_iterations", "num_ppo_epochs")]:
+        assert f"--{shown}" in listed and f"--{hidden}" not in listed, (shown, hidden)
+    assert not [flag for flag in listed if flag.startswith("--no_") or "-" in flag[2:]]
+    assert parse_config(GRPOCommand, ["--kl_coef", "0.1", "--response_length", "8"], "goose grpo").beta == 0.1
+
+
+class Recorder:
+    "Stands in for a trainer: keeps the config it was given, trains nothing."
+    made = []
+
+    def __init__(self, *args, **kwargs):
+        self.config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        self.reward_funcs, self.eval_dataset = kwargs.get("reward_funcs"), None
+        Recorder.made.append(self)
+
+    def train(self): return None
+
+
+FLAGS = {"sft": ["--model", "tiny-gpt2"], "rm": ["--model", "tiny-gpt2"], "dpo": ["--model", "tiny-gpt2"],
+         **{c: ["--policy", "tiny-gpt2", "--reward_funcs", "instruct_goose.data:gold_score,instruct_goose.data:gold_score",
+                "--reward_weights", "1,0.5"] for c in ("ppo", "rloo", "grpo")}}
+TRAINERS = {"sft": "SFTTrainer", "rm": "RewardTrainer", "ppo": "RLHFTrainer", "rloo": "RLOOTrainer", "grpo": "GRPOTrainer",
+            "dpo": "DPOTrainer"}
+
+
+@pytest.mark.parametrize("command", TRAINING)
+def test_training_config_records_every_setting(command, monkeypatch, capsys):
+    "The trainer's config is the command itself, so training_config.json (asdict of it) holds every flag, --reward_weights too."
+    import json
+    from dataclasses import asdict, fields
+    from instruct_goose import cli
+    monkeypatch.setattr(cli, TRAINERS[command], Recorder)
+    Recorder.made.clear()
+    cli.main([command, *FLAGS[command], "--disable_tqdm"])
+    (trainer,) = Recorder.made
+    recorded = json.loads(json.dumps(asdict(trainer.config), default=str))         # what the loop writes
+    assert set(recorded) == {f.name for f in fields(cli._COMMANDS[command][0])}
+    assert capsys.readouterr().out.splitlines()[0] == f"goose {command}: {cli.python_call(trainer.config)}"
+    if command in ("ppo", "rloo", "grpo"):
+        assert recorded["reward_weights"] == [1.0, 0.5] and len(recorded["reward_funcs"]) == len(trainer.reward_funcs) == 2
