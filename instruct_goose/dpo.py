@@ -153,6 +153,8 @@ class DPOConfig(StageConfig):
         if self.pad_to_multiple_of == "auto": self.pad_to_multiple_of = None     # TRL: 128 on Neuron only
         super().__post_init__()
         if isinstance(self.loss_type, str): self.loss_type = [t.strip() for t in self.loss_type.split(",")]
+        if isinstance(self.loss_weights, (list, tuple)) and all(isinstance(w, str) for w in self.loss_weights):
+            self.loss_weights = "".join(self.loss_weights)   # today's CLI applies `list[float]` to the text: one character each
         if isinstance(self.loss_weights, str): self.loss_weights = [float(w) for w in self.loss_weights.split(",")]
         self.loss_type = list(self.loss_type)
         check_number("beta", self.beta, low_open=True)
