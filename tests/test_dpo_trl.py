@@ -41,6 +41,7 @@ CASES |= {
     "ld_alpha": dict(ld_alpha=0.5, loss_type=["sigmoid", "sft"]),
     "use_weighting": dict(use_weighting=True, loss_type=["sigmoid", "bco_pair"]),
     "discopop_tau": dict(loss_type=["discopop"], discopop_tau=0.2),
+    "activation_offloading": dict(activation_offloading=True, loss_type=["apo_down"]),   # ours only: the same numbers
 }
 
 
