@@ -241,7 +241,7 @@ def packed_forward(
     model: nn.Module,                                # a 🤗 causal LM that takes `position_ids`
     input_ids: Int[Tensor, "batch seq"],             # padded rows
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens (contiguous in each row)
-) -> Float[Tensor, "batch seq vocab"]:               # the logits, back in the padded layout (zero on padding)
+) -> Float[Tensor, "tokens vocab"]:                   # the logits of the real tokens, row after row
     "The forward pass of all rows' real tokens end to end in one row, no pad token: positions restart at each row, and attention stays within it (a block-diagonal causal mask; FlashAttention reads the positions alone)."
     keep = attention_mask.bool()
     lengths = keep.sum(1)
@@ -249,8 +249,7 @@ def packed_forward(
     position = position_ids_from_mask(keep)[keep][None]
     flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
     block = None if flash else ((segment[:, None] == segment[None]) & (position[0][:, None] >= position[0][None]))[None, None]
-    logits = model(input_ids=input_ids[keep][None], attention_mask=block, position_ids=position, use_cache=False).logits[0]
-    return logits.new_zeros(*input_ids.shape, logits.shape[-1]).index_put_(keep.nonzero(as_tuple=True), logits)
+    return model(input_ids=input_ids[keep][None], attention_mask=block, position_ids=position, use_cache=False).logits[0]
 
 # %% ../nbs/09c_dpo.ipynb #b5c45fba
 @typecheck
@@ -264,10 +263,11 @@ def completion_logps(
     padding_free: bool = False,                      # one forward of the rows end to end, no pad token (`packed_forward`)
 ) -> CompletionLogps:                                # per row, see `CompletionLogps`
     "Summed log-probability of each row's completion tokens (optionally weighted), and the statistics read from the same forward pass."
-    if padding_free: all_logits = packed_forward(model, input_ids, attention_mask)
-    else: all_logits = model(input_ids=input_ids, attention_mask=attention_mask, **positions_for(model, attention_mask), use_cache=False).logits
     row, col = (i.to(input_ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))  # logits at col predict token col + 1
-    logits = all_logits[row, col]                                                          # (tokens, vocab)
+    if padding_free:                                                                       # (row, col) → its place in the packed row
+        logits = packed_forward(model, input_ids, attention_mask)[(attention_mask.flatten().long().cumsum(0) - 1).view_as(input_ids)[row, col]]
+    else: logits = model(input_ids=input_ids, attention_mask=attention_mask, **positions_for(model, attention_mask),
+                         use_cache=False).logits[row, col]                                 # (tokens, vocab)
     token_logps = logprobs_from_logits(logits[None], input_ids[row, col + 1][None])[0]
     per_row = lambda x: torch.zeros(len(input_ids), device=x.device).index_add(0, row, x)
     weighted = token_logps if token_weights is None else token_logps * token_weights[:, 1:].to(token_logps)[row, col]
