@@ -2,7 +2,8 @@
 
 The tiny model + tokenizer are saved to a temp dir; each side loads them and trains `--steps` steps of `--batch` pairs
 in its own subprocess; runs alternate ours, TRL, ours, TRL, ... over `--reps` repetitions (repetition r: seed r on both
-sides). Matched settings: sigmoid loss, β 0.1, no label smoothing, AdamW at `--lr` with a linear schedule and no warm-up,
+sides). Matched settings: sigmoid loss (`--loss_type` to change, both sides), β 0.1, `--padding_free` on both sides or neither
+(TRL 1.16 accepts it, warns, and pads: its DPO refactor disabled it), no label smoothing, AdamW at `--lr` with a linear schedule and no warm-up,
 grad clip 1.0, dropout off, float32 and no gradient checkpointing (TRL 1.x turns on bf16 and checkpointing by
 default; both are switched off for it here unless `--trl_defaults`), the reference a frozen copy scored on the fly (no precomputing), max_length 256 cut from
 the end (no prompt here is long enough to be cut), EOS appended to each completion, one process on the CPU.
@@ -39,7 +40,8 @@ def pairs(n):
 def make_ours(model_dir, out_dir, a, seed, data):
     from instruct_goose.dpo import DPOConfig, DPOTrainer
     cfg = DPOConfig(output_dir=out_dir, per_device_train_batch_size=a.batch, max_steps=a.steps, learning_rate=a.lr,
-                    beta=BETA, loss_type="sigmoid", max_length=MAX_LENGTH, max_prompt_length=None, warmup_steps=0,
+                    beta=BETA, loss_type=a.loss_type, max_length=MAX_LENGTH, max_prompt_length=None, warmup_steps=0,
+                    padding_free=a.padding_free,
                     lr_scheduler_type="linear", max_grad_norm=1.0, seed=seed, logging_steps=1, disable_tqdm=True)
     trainer = DPOTrainer(model_dir, args=cfg, train_dataset=data)
     return trainer, lambda: [row["loss"] for row in trainer.loop.state.history]
@@ -48,7 +50,8 @@ def make_ours(model_dir, out_dir, a, seed, data):
 def make_trl(model_dir, out_dir, a, seed, data):
     from trl import DPOConfig, DPOTrainer
     cfg = DPOConfig(output_dir=out_dir, per_device_train_batch_size=a.batch, max_steps=a.steps, learning_rate=a.lr,
-                    beta=BETA, loss_type=["sigmoid"], max_length=MAX_LENGTH, truncation_mode="keep_start",
+                    beta=BETA, loss_type=a.loss_type.split(","), max_length=MAX_LENGTH, truncation_mode="keep_start",
+                    padding_free=a.padding_free,
                     warmup_steps=0, lr_scheduler_type="linear", max_grad_norm=1.0, seed=seed, logging_steps=1,
                     report_to="none", save_strategy="no", use_cpu=True, disable_dropout=True, disable_tqdm=True,
                     dataloader_num_workers=0, precompute_ref_log_probs=False,
@@ -116,6 +119,8 @@ def main():
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate, both sides")
     p.add_argument("--every", type=int, default=10, help="block size of the loss curve table")
     p.add_argument("--trl_defaults", action="store_true", help="leave TRL's bf16 autocast and gradient checkpointing on")
+    p.add_argument("--padding_free", action="store_true", help="padding_free=True on both sides (TRL 1.16 warns and pads anyway)")
+    p.add_argument("--loss_type", default="sigmoid", help="loss type(s), comma-separated, both sides")
     p.add_argument("--child", nargs=2, metavar=("SIDE", "MODEL_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -126,8 +131,8 @@ def main():
         for rep in range(a.reps):
             for side in ("ours", "trl"):
                 cmd = [sys.executable, __file__, "--child", side, model_dir, "--seed", str(rep)] + [
-                    x for k in ("steps", "batch", "pairs", "lr") for x in (f"--{k}", str(getattr(a, k)))] + (
-                    ["--trl_defaults"] if a.trl_defaults else [])
+                    x for k in ("steps", "batch", "pairs", "lr", "loss_type") for x in (f"--{k}", str(getattr(a, k)))] + (
+                    ["--trl_defaults"] if a.trl_defaults else []) + (["--padding_free"] if a.padding_free else [])
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode: sys.exit(f"{side} failed:\n{out.stderr[-4000:]}")
                 r = json.loads(out.stdout.strip().splitlines()[-1]); res[side].append(r)

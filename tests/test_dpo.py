@@ -173,3 +173,16 @@ def test_goose_pipeline_with_dpo(tmp_path):
     assert [r["step"] for r in map(json.loads, (run / "dpo" / "metrics.jsonl").read_text().splitlines())] == [1, 2]
     metrics = json.loads((run / "summary.json").read_text())["metrics"]
     assert metrics["eval/reward"] == metrics["eval/gold"] and "eval/kl" in metrics
+
+
+def test_model_init_kwargs_and_dataset_num_proc_are_honoured(policy_dir, tmp_path):
+    "TRL's model_init_kwargs load the policy (and a reference named by path) as asked; dataset_num_proc tokenises in processes alike."
+    from instruct_goose.toy import load_task
+    from instruct_goose.dpo import DPOConfig, DPOTrainer
+    pairs = load_task("preferences").select(range(8))
+    config = DPOConfig(output_dir=str(tmp_path), model_init_kwargs={"dtype": torch.float64}, dataset_num_proc=2)
+    trainer = DPOTrainer(str(policy_dir), ref_model=str(policy_dir), args=config, train_dataset=pairs)
+    assert trainer.model.dtype == torch.float64 and next(trainer.ref_model.parameters()).dtype == torch.float64
+    plain = DPOTrainer(str(policy_dir), args=DPOConfig(output_dir=str(tmp_path)), train_dataset=pairs)
+    assert plain.model.dtype == torch.float32
+    assert plain.train_dataset["chosen_ids"] == trainer.train_dataset["chosen_ids"]
