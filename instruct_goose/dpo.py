@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from .agent import disable_dropout, eval_mode, load_tokenizer, position_ids_from_mask, positions_for, with_peft
 from .core import check_number, logprobs_from_logits, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset
-from .loop import TrainLoop, fuse_activations
+from .loop import Trainer, TrainLoop, fuse_activations, trainer_arguments
 from .sft import StageConfig, drop_long_prompts, fit_to_context
 from .onpolicy import frozen_reference
 
@@ -310,8 +310,9 @@ class SyncRefModelCallback(TrainerCallback):
         if state.global_step % self.every == 0: mix_reference(self.ref_model, model, self.alpha)
 
 # %% ../nbs/09c_dpo.ipynb #58ee7cdb
-class DPOTrainer:
+class DPOTrainer(Trainer):
     "Direct preference optimisation of a causal LM on (prompt, chosen, rejected) pairs against a frozen reference."
+    config_class = DPOConfig
     def __init__(
         self,
         model: PreTrainedModel | str,                # the policy: a 🤗 causal LM, or its name/path
@@ -322,9 +323,11 @@ class DPOTrainer:
         eval_dataset=None,                           # the same columns, for `eval/loss` and `eval/rewards/*`
         peft_config=None,                            # a peft config (e.g. `LoraConfig`): train adapters only (TRL's `peft_config`)
         callbacks: list | None = None,               # 🤗 `TrainerCallback`s, called by the loop as 🤗's `Trainer` calls them
+        **renamed,                                   # the old names `config` and `tokenizer` (see `trainer_arguments`)
     ):
-        self.args, self.callbacks = args or DPOConfig(), callbacks
-        self.processing_class = _load_tokenizer(processing_class, model, self.args)
+        a = trainer_arguments(DPOTrainer, dict(args=args, processing_class=processing_class), renamed)
+        self.args, self.callbacks = a["args"], callbacks
+        self.processing_class = _load_tokenizer(a["processing_class"], model, self.args)
         if self.processing_class is None: raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a path")
         model = with_peft(_load_model(model, self.args), peft_config)
         self.model = fuse_activations(disable_dropout(model) if self.args.disable_dropout else model)
@@ -474,8 +477,12 @@ def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, bat
 
 # %% ../nbs/09c_dpo.ipynb #d0005dac
 @patch
-def train(self: DPOTrainer) -> PreTrainedModel:
+def train(
+    self: DPOTrainer,
+    resume_from_checkpoint: bool | str | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+) -> PreTrainedModel:
     "Train on the pairs with `TrainLoop.fit`: log TRL's statistics (and eval), checkpoint, call the callbacks, save the model and tokenizer to `output_dir`."
+    self.resume_setting(resume_from_checkpoint)
     a = self.args
     callbacks = list(self.callbacks or [])
     if a.sync_ref_model:
@@ -498,10 +505,3 @@ def train(self: DPOTrainer) -> PreTrainedModel:
     loop.save_model(self.model)
     loop.end()
     return self.model
-
-# %% ../nbs/09c_dpo.ipynb #f854f636
-@patch
-def save_model(self: DPOTrainer, output_dir: str | None = None):  # where (default: `args.output_dir`)
-    "The policy and its tokenizer in 🤗 format, as TRL's `save_model`; `train` has already saved them to `args.output_dir`."
-    if not PartialState().is_main_process: return
-    for part in (self.model, self.processing_class): part.save_pretrained(output_dir or self.args.output_dir)

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['own_generation_config', 'packed_linears', 'generate_responses']
 
-# %% ../nbs/03b_generation.ipynb #3354af64
+# %% ../nbs/03b_generation.ipynb #7578150e
 from contextlib import contextmanager, nullcontext
 
 import torch
