@@ -63,6 +63,10 @@ class GRPOConfig(OnPolicyConfig, GRPONotYet):
             self.scale_rewards = "group" if self.scale_rewards in (True, "True") else "none"
         super().__post_init__()
         if self.num_generations < 2: raise ValueError(f"`num_generations` must be at least 2 (a group needs siblings), got {self.num_generations}")
+        for name, default in (("kl_estimator", "k1"), ("whiten_rewards", False)):   # PPO's and RLOO's settings, shared by the base config
+            if getattr(self, name) != default:
+                raise ValueError(f"`{name}` is PPO's and RLOO's setting, not GRPO's: GRPO's KL is k3 inside the loss and its rewards "
+                                 "are scaled per group (`scale_rewards`); leave it unset")
         if self.rollout_size % self.num_generations:
             raise ValueError(f"`num_generations`={self.num_generations} does not divide the rollout of {self.rollout_size} completions "
                              "(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches)")
@@ -244,7 +248,7 @@ class GRPOTrainer(OnPolicyTrainer):
     @property
     def needs_reference(self) -> bool:
         "π_ref only for the KL term (`beta` > 0): with `beta` = 0 none is made."
-        return self.args.beta > 0
+        return self.args.kl_coef > 0
 
     @property
     def reuses_current_logprobs(self) -> bool:
@@ -254,7 +258,7 @@ class GRPOTrainer(OnPolicyTrainer):
     def loss_units(self, part: GRPORollout, draw: int) -> dict[str, Tensor]:
         "What the micro-batch's loss is a mean over, for `loss_type` (see `aggregate`); the entropy bonus: its tokens."
         c, rows = self.args, torch.tensor(float(len(part)))
-        units = {"grpo": rows, "sapo": rows, "luspo": rows, "dr_grpo": rows * c.max_completion_length}.get(c.loss_type, part.loss_mask.sum())
+        units = {"grpo": rows, "sapo": rows, "luspo": rows, "dr_grpo": rows * c.response_length}.get(c.loss_type, part.loss_mask.sum())
         return {"policy": units, "entropy": part.loss_mask.sum()} if c.entropy_coef else {"policy": units}
 
     @torch.no_grad()
@@ -300,16 +304,16 @@ class GRPOTrainer(OnPolicyTrainer):
         old = logprobs.detach() if self.reuses_current_logprobs else part.logprobs
         ref = part.ref_logprobs if self.ref_model is not None else None
         token_loss, ratio, kl = grpo_token_loss(
-            logprobs, old, part.advantages, mask, c.epsilon, c.clip_high, ref, c.beta, c.importance_sampling_level, c.loss_type, c.delta,
+            logprobs, old, part.advantages, mask, c.cliprange, c.clip_high, ref, c.kl_coef, c.importance_sampling_level, c.loss_type, c.delta,
             (c.sapo_temperature_pos, c.sapo_temperature_neg), (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg),
             c.use_bias_correction_kl, c.off_policy_mask_threshold)
-        loss, _ = aggregate(token_loss, mask, c.loss_type, c.max_completion_length)
+        loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length)
         a, r = part.advantages[:, None], ratio.detach()
         entropy = entropy_from_logits(logits if c.entropy_coef else logits.detach(), c.temperature)
         stats = {"entropy": masked_mean(entropy.detach(), part.response_mask)}
         if c.loss_type == "cispo": stats["cispo_clip_ratio"] = masked_mean(((r > c.clip_high) & (a > 0)).float(), mask)   # TRL's names
         elif c.loss_type not in ("sapo", "vespo"):
-            low, high = (r < 1 - c.epsilon) & (a < 0), (r > 1 + c.clip_high) & (a > 0)
+            low, high = (r < 1 - c.cliprange) & (a < 0), (r > 1 + c.clip_high) & (a > 0)
             stats.update({"clip_ratio/low_mean": masked_mean(low.float(), mask), "clip_ratio/high_mean": masked_mean(high.float(), mask),
                           "clip_ratio/region_mean": masked_mean((low | high).float(), mask)})
         if kl is not None: stats["kl"] = masked_mean(kl.detach(), mask)

@@ -182,14 +182,14 @@ class RLOOTrainer(OnPolicyTrainer):
     config_class = RLOOConfig          # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords); `model` is a causal LM (no value head)
 
     @property
-    def samples_per_prompt(self) -> int: return self.args.rloo_k
+    def samples_per_prompt(self) -> int: return self.args.num_generations
 
     @torch.no_grad()
     def sample_rollout(self, policy: nn.Module, rows: dict | list, seed: int | None = None, first_row: int = 0,
                        loop: TrainLoop | None = None) -> tuple[RLOORollout, Samples]:
         "Sample k responses per prompt in one batched call (each carrying its row's columns to the reward), score them, and compute log-probabilities (from the pass `first_pass` keeps for the update, else chunked) and advantages."
         c = self.args
-        x = self.sample_and_score(policy, _prompt_columns(rows, c.rloo_k), seed, first_row, loop)
+        x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
         inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
         kept = self.first_pass(policy, x, loop)
         logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature)
@@ -241,7 +241,7 @@ def advantages(
     if c.whiten_rewards and c.token_level_kl: rewards = whiten(rewards, mask, shift_mean=False)  # per token, as PPO
     rlhf_reward = rewards.sum(1)
     if c.whiten_rewards and not c.token_level_kl: rlhf_reward = whiten(rlhf_reward, every(rlhf_reward), shift_mean=False)
-    advantages = rloo_advantages(rlhf_reward, c.rloo_k)
+    advantages = rloo_advantages(rlhf_reward, c.num_generations)
     if c.token_level_kl:
         returns_to_go, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
         advantages = torch.where(mask, returns_to_go - (rlhf_reward - advantages)[:, None], 0.0)
