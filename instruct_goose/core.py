@@ -246,7 +246,7 @@ def truncate_after_stop(
     after_first_stop = (is_stop.cumsum(-1) - is_stop.long()) > 0
     return ids.masked_fill(after_first_stop, pad_token_id), ~after_first_stop
 
-# %% ../nbs/00_core.ipynb #e10aea7e
+# %% ../nbs/00_core.ipynb #74a43748
 @contextlib.contextmanager
 def quiet_progress():
     "Inside the block 🤗 datasets' and transformers' progress bars are off; their settings are restored afterwards."

@@ -6,7 +6,7 @@
 __all__ = ['pad_rows', 'encode_prompts', 'encode_sft', 'as_dataset', 'read_dataset', 'is_conversational', 'apply_chat',
            'prompt_text', 'chat_spans', 'encode_chat', 'split_prompt', 'render_chat', 'preference_dataset']
 
-# %% ../nbs/02_data.ipynb #e39dab16
+# %% ../nbs/02_data.ipynb #cc9c41f3
 from pathlib import Path
 from typing import Literal
 

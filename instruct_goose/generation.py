@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['own_generation_config', 'packed_linears', 'generate_responses']
 
-# %% ../nbs/03b_generation.ipynb #4e4269f1
+# %% ../nbs/03b_generation.ipynb #05b0b24e
 from contextlib import contextmanager, nullcontext
 
 import torch

@@ -716,7 +716,7 @@ def fit(
     self.save_checkpoint()
     return acc.unwrap_model(model)
 
-# %% ../nbs/05_loop.ipynb #7ab04228
+# %% ../nbs/05_loop.ipynb #81a9cbdd
 class Trainer:
     "What every trainer shares under TRL's names: `args` (its config) and `processing_class` (its tokenizer), set by `trainer_arguments`, and one `save_model`. `config` and `tokenizer` are their old names, read-only."
     config_class: type = TrainingConfig   # the class `args` must be an instance of (None: its defaults)
@@ -727,7 +727,7 @@ class Trainer:
         "What `save_model` writes: the trained model (a trainer whose model saves differently says so here)."
         return self.model
 
-# %% ../nbs/05_loop.ipynb #d752e484
+# %% ../nbs/05_loop.ipynb #a5f8baca
 _OLD_NAMES = {"config": "args", "tokenizer": "processing_class", "reward_model": "reward_funcs"}   # our names before TRL's
 
 def _signature(trainer: type) -> str:
@@ -753,7 +753,7 @@ def trainer_arguments(
                         f"the arguments are {_signature(trainer)}")
     return given
 
-# %% ../nbs/05_loop.ipynb #2a3b2f3d
+# %% ../nbs/05_loop.ipynb #81f43939
 @patch
 def save_model(
     self: Trainer,
@@ -762,7 +762,7 @@ def save_model(
     "The trained model (`model_to_save`) and the tokenizer in 🤗 format, as TRL's `save_model`; `train` has already saved them to `args.output_dir`."
     save_trained(self.model_to_save(), self.processing_class, output_dir or self.args.output_dir)
 
-# %% ../nbs/05_loop.ipynb #f31cde4e
+# %% ../nbs/05_loop.ipynb #2d486d28
 @patch
 def resume_setting(
     self: Trainer,

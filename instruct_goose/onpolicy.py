@@ -6,7 +6,7 @@
 __all__ = ['merge_names', 'OnPolicyConfig', 'frozen_reference', 'trl_arguments', 'OnPolicyTrainer', 'prompt_budget',
            'evaluate_policy']
 
-# %% ../nbs/08_onpolicy.ipynb #2efe66ee
+# %% ../nbs/08_onpolicy.ipynb #2a44eff2
 import time
 from dataclasses import dataclass, fields
 from contextlib import contextmanager
@@ -288,7 +288,7 @@ def sample_and_score(
         scores = scores - c.missing_eos_penalty * (~stopped).float()
     return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each)
 
-# %% ../nbs/08_onpolicy.ipynb #e36bbbcf
+# %% ../nbs/08_onpolicy.ipynb #e8a39f71
 def prompt_budget(
     model: nn.Module,                 # the policy (an `Agent` or a causal LM)
     max_prompt_length: int | None,    # the most prompt tokens asked for; None: as many as the context leaves

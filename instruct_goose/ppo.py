@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['PPOConfig', 'PPOTrainer', 'RLHFConfig', 'Rollout', 'RLHFTrainer']
 
-# %% ../nbs/08b_ppo.ipynb #77f9c980
+# %% ../nbs/08b_ppo.ipynb #a3f2750d
 import os
 from dataclasses import dataclass, replace
 
@@ -221,7 +221,7 @@ def compute_loss(
     loss, stats = self.ppo_loss(rollout, current)
     return (loss, {**self.rollout_stats(rollout), **stats}) if return_stats else loss
 
-# %% ../nbs/08b_ppo.ipynb #1b4cb4ba
+# %% ../nbs/08b_ppo.ipynb #7cfe55b6
 PPOConfig, PPOTrainer = RLHFConfig, RLHFTrainer   # TRL's names (`trl.experimental.ppo` in TRL 1.x up to 1.12; `from trl import` in TRL ≤ 0.2x)
 
 # %% ../nbs/08b_ppo.ipynb #a0d070f3

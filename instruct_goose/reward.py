@@ -322,7 +322,7 @@ def each(
     raws = [_raw_scores(f, prompts, completions, columns) for f in self.functions]
     return torch.stack(_checked_scores(self.functions, raws, len(completions)))
 
-# %% ../nbs/04_reward.ipynb #6b733c31
+# %% ../nbs/04_reward.ipynb #de91dcb4
 @patch
 def combine(
     self: WeightedReward,
@@ -336,7 +336,7 @@ def combine(
                       "they score 0 (make at least one reward apply to each completion)")
     return masked_sum(scores * torch.tensor(self.weights, device=scores.device)[:, None], applies, dim=0)
 
-# %% ../nbs/04_reward.ipynb #a7117193
+# %% ../nbs/04_reward.ipynb #d034cc8f
 @patch
 def forward(
     self: WeightedReward,

@@ -6,7 +6,7 @@
 __all__ = ['train_tokenizer', 'tiny_causal_lm', 'task_path', 'load_task', 'task_tokenizer', 'gold_score', 'chat_task_tokenizer',
            'arithmetic_task', 'exact_answer_reward']
 
-# %% ../nbs/02b_toy.ipynb #99ad1d03
+# %% ../nbs/02b_toy.ipynb #482101f0
 import copy
 import functools
 import random
