@@ -22,6 +22,8 @@ from instruct_goose import SFTConfig, SFTTrainer, load_task
 algo, policy, out, accumulation = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 resume = sys.argv[5] if len(sys.argv) > 5 else None
 tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
+for m in model.modules():   # dropout draws differ by process: off, so that 1 process and 2 compute the same thing
+    if isinstance(m, torch.nn.Dropout): m.p = 0.0
 common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
               disable_tqdm=True, learning_rate=1e-3, save_steps=2, resume_from_checkpoint=resume, max_steps=4)
 if algo == "sft":
