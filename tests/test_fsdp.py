@@ -18,7 +18,7 @@ import torch
 SCRIPT = '''
 import copy, json, os, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from instruct_goose import SFTConfig, SFTTrainer, load_task
+from instruct_goose import RewardConfig, RewardModel, RewardTrainer, SFTConfig, SFTTrainer, load_task
 algo, policy, out, accumulation = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 resume = sys.argv[5] if len(sys.argv) > 5 else None
 tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
@@ -28,6 +28,11 @@ common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulati
               disable_tqdm=True, learning_rate=1e-3, save_steps=2, resume_from_checkpoint=resume, max_steps=4)
 if algo == "sft":
     trainer = SFTTrainer(model, args=SFTConfig(max_length=32, **common), train_dataset=load_task("sft").select(range(64)), processing_class=tokenizer)
+elif algo == "rm":
+    reward_model = RewardModel(model, tokenizer=tokenizer)
+    for m in reward_model.modules():
+        if isinstance(m, torch.nn.Dropout): m.p = 0.0
+    trainer = RewardTrainer(reward_model, RewardConfig(max_length=32, normalize=False, **common), load_task("preferences").select(range(64)))
 trainer.train()
 rank = os.environ.get("RANK", "0")
 json.dump(trainer.loop.state.history, open(f"{out}/history{rank}.json", "w"))
@@ -54,16 +59,17 @@ def _run(setup_dir, out, algo, processes, accumulation, resume=None, fsdp=False,
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     if not check: return result
     assert result.returncode == 0, result.stderr[-8000:]
-    return _saved(out), json.loads((out / "history0.json").read_text())
+    return _saved(out, algo), json.loads((out / "history0.json").read_text())
 
 
-def _saved(out):
+def _saved(out, algo="sft"):
     "The weights the run saved, read back with plain 🤗 `from_pretrained`."
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(out).state_dict()
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    auto = AutoModelForSequenceClassification if algo == "rm" else AutoModelForCausalLM
+    return auto.from_pretrained(out).state_dict()
 
 
-COMPARED = ("loss/sft", "loss/rm", "loss/dpo", "grad_norm", "lr")
+COMPARED = ("loss/sft", "loss/reward", "loss/dpo", "grad_norm", "lr")
 
 
 def _assert_same(a, b, what, eps=1e-6):
@@ -78,6 +84,7 @@ def _assert_same(a, b, what, eps=1e-6):
 
 
 @pytest.mark.slow
+# "rm" (the script supports it) is not yet equal: step 1's loss is 0.8856 for 1 process and 0.8406 under FSDP2, cause not found
 @pytest.mark.parametrize("algo", ["sft"])
 def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
     "FSDP2 over 2 processes × 1 micro-batch = 1 unsharded process × 2 micro-batches; the saved model loads with `from_pretrained`."
@@ -86,9 +93,25 @@ def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
     assert (tmp_path / "two" / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()     # FSDP's sharded checkpoint, one shard a rank
     _assert_same(one, two, f"{algo}: 1 process x 2 micro-batches vs FSDP2 over 2 processes")
     start = _saved(setup_dir)
-    assert not torch.equal(two[0]["lm_head.weight"], start["lm_head.weight"])           # training moved the weights
+    moved = "lm_head.weight" if algo == "sft" else "transformer.h.0.mlp.c_fc.weight"
+    assert not torch.equal(two[0][moved], start[moved])                                # training moved the weights
 
     # kill-and-resume: the FSDP2 checkpoint of step 2, resumed by FSDP2, ends where the uninterrupted run did
     shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     resumed = _run(setup_dir, tmp_path / "resumed", algo, processes=2, accumulation=1, resume="latest", fsdp=True)
     _assert_same(two, resumed, f"{algo}: FSDP2 run vs its checkpoint resumed under FSDP2")
+
+
+@pytest.mark.slow   # two fresh interpreters importing the package: ~10 s idle, minutes on the shared CPU
+@pytest.mark.parametrize("env, says", [
+    ({}, "no GPU"),                                                             # a GPU FSDP config (use_cpu: false) on a CPU machine
+    ({"ACCELERATE_USE_CPU": "true", "FSDP_VERSION": "1"}, "FSDP2"),             # FSDP1 has no CPU path
+])
+def test_fsdp_launch_it_cannot_honour_is_one_line(env, says):
+    "Accelerate would silently train unsharded; goose stops in one line naming the fix."
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}, "ACCELERATE_USE_FSDP": "true", **env}
+    result = subprocess.run([sys.executable, "-c", "from instruct_goose.loop import fresh_accelerator; fresh_accelerator()"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: the launch asks for FSDP") and says in last and "configs/fsdp2_cpu.yaml" in last, last
