@@ -161,7 +161,7 @@ def _fsdp_on_cpu(accelerator: Accelerator):
     plugin = FullyShardedDataParallelPlugin()            # read from the launcher's FSDP_* variables
     if accelerator.state.backend != "gloo" or plugin.fsdp_version != 2:
         raise ValueError(f"the launch asks for FSDP but Accelerate found no GPU and would train unsharded ({accelerator.distributed_type}): "
-                         "launch on GPUs, or on the CPU use FSDP2 with 2+ processes and `use_cpu: true` (configs/fsdp2_cpu.yaml)")
+                         "launch on GPUs, or on the CPU run FSDP2 under torchrun with ACCELERATE_USE_CPU=true FSDP_VERSION=2 (configs/README.md)")
     # Accelerate 1.15 only selects FSDP on an accelerator, yet its FSDP2 path (torch's `fully_shard`) runs on gloo: select it
     if accelerator.mixed_precision != "no": plugin.set_mixed_precision(accelerator.mixed_precision)
     accelerator.state.fsdp_plugin = plugin

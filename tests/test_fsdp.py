@@ -3,7 +3,8 @@ gloo) against 1 unsharded process with the same global batch and seed: the stand
 
 Accelerate 1.15 selects FSDP only on an accelerator (on the CPU it silently falls back to DDP or to one process);
 `fresh_accelerator` switches FSDP2 on over gloo when the launch asks for it (`ACCELERATE_USE_FSDP`, `FSDP_VERSION=2`,
-`ACCELERATE_USE_CPU`) and refuses, in one line, an FSDP launch it cannot honour.
+`ACCELERATE_USE_CPU`, under torchrun) and refuses, in one line, an FSDP launch it cannot honour. (`accelerate launch`
+cannot start this: its FSDP launcher sets `ACCELERATE_USE_CPU=false` whatever the config's `use_cpu` says.)
 """
 import json
 import os
@@ -114,4 +115,4 @@ def test_fsdp_launch_it_cannot_honour_is_one_line(env, says):
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("ValueError: the launch asks for FSDP") and says in last and "configs/fsdp2_cpu.yaml" in last, last
+    assert last.startswith("ValueError: the launch asks for FSDP") and says in last and "ACCELERATE_USE_CPU=true FSDP_VERSION=2" in last, last
