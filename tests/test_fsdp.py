@@ -109,13 +109,12 @@ def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
     _assert_same(two, resumed, f"{algo}: FSDP2 run vs its checkpoint resumed under FSDP2", EPS[algo])
 
 
-@pytest.mark.slow   # two fresh interpreters importing the package: ~10 s idle, minutes on the shared CPU
 @pytest.mark.parametrize("env, says", [
     ({}, "no GPU"),                                                             # a GPU FSDP config (use_cpu: false) on a CPU machine
     ({"ACCELERATE_USE_CPU": "true", "FSDP_VERSION": "1"}, "FSDP2"),             # FSDP1 has no CPU path
 ])
 def test_fsdp_launch_it_cannot_honour_is_one_line(env, says):
-    "Accelerate would silently train unsharded; goose stops in one line naming the fix."
+    "Accelerate would silently train unsharded; goose stops in one line naming the fix (a fresh interpreter each: ~9 s)."
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}, "ACCELERATE_USE_FSDP": "true", **env}
     result = subprocess.run([sys.executable, "-c", "from instruct_goose.loop import fresh_accelerator; fresh_accelerator()"],
                             capture_output=True, text=True, timeout=120, env=env)
