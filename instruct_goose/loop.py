@@ -157,10 +157,25 @@ def _check_writable(output_dir: str | Path):
         raise ValueError(f"`output_dir` {str(output_dir)!r} cannot be written ({e.strerror}): choose another directory") from e
 
 # %% ../nbs/05_loop.ipynb #5c9d9506
+def _fsdp_on_cpu(accelerator: Accelerator):
+    "A launch asking for FSDP (`ACCELERATE_USE_FSDP`) that Accelerate dropped: FSDP2 over gloo on the CPU is switched on; anything else is an error."
+    if accelerator.distributed_type == DistributedType.FSDP: return
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    plugin = FullyShardedDataParallelPlugin()            # read from the launcher's FSDP_* variables
+    if accelerator.state.backend != "gloo" or plugin.fsdp_version != 2:
+        raise ValueError(f"the launch asks for FSDP but Accelerate found no GPU and would train unsharded ({accelerator.distributed_type}): "
+                         "launch on GPUs, or on the CPU run FSDP2 under torchrun with ACCELERATE_USE_CPU=true FSDP_VERSION=2 (configs/README.md)")
+    # Accelerate 1.15 only selects FSDP on an accelerator, yet its FSDP2 path (torch's `fully_shard`) runs on gloo: select it
+    if accelerator.mixed_precision != "no": plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP  # `AcceleratorState()` re-reads PartialState's
+
 def fresh_accelerator(**kwargs) -> Accelerator:
-    "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several)."
+    "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several); FSDP2 runs on the CPU too."
     AcceleratorState._reset_state(reset_partial_state=False)
-    return Accelerator(**kwargs)
+    accelerator = Accelerator(**kwargs)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true": _fsdp_on_cpu(accelerator)
+    return accelerator
 
 # %% ../nbs/05_loop.ipynb #fe101938
 def enable_gradient_checkpointing(
@@ -561,12 +576,13 @@ def save_trained(
     model: nn.Module,            # anything with `save_pretrained`: a 🤗 model, an `Agent`, a `RewardModel`
     tokenizer,                   # its tokenizer, or None
     output_dir: str | Path,      # where
+    state_dict: dict | None = None, # the full weights to write (FSDP: gathered by every process beforehand); None: `model`'s own
 ):
     "`model` and `tokenizer` in 🤗 format in `output_dir`, written by the main process (the others wait): what every trainer's `save_model` does."
     state = PartialState()
     if state.is_main_process:
         with quiet_progress():
-            model.save_pretrained(output_dir)
+            model.save_pretrained(output_dir, **({} if state_dict is None else {"state_dict": state_dict}))
             if tokenizer is not None: tokenizer.save_pretrained(output_dir)
     state.wait_for_everyone()
 
@@ -576,7 +592,12 @@ def save_model(self: TrainLoop,
                output_dir: str | Path | None = None):  # default: `output_dir` of the config
     "Save `model` (unwrapped) in 🤗 format, and the loop's tokenizer if any, to `output_dir`."
     model = self.accelerator.unwrap_model(model if model is not None else self.prepared)
-    save_trained(model, self.tokenizer, output_dir or self.config.output_dir)
+    full = None
+    if self.accelerator.distributed_type == DistributedType.FSDP:   # every process takes part in gathering; the main one writes
+        full = self.accelerator.get_state_dict(model)
+        if not isinstance(model, PreTrainedModel):                 # a `RewardModel`: its 🤗 classifier is `.model`
+            full = {k.removeprefix("model."): v for k, v in full.items()} if self.accelerator.is_main_process else None
+    save_trained(model, self.tokenizer, output_dir or self.config.output_dir, state_dict=full)
 
 # %% ../nbs/05_loop.ipynb #e69a418d
 class TrainingInterrupted(KeyboardInterrupt):

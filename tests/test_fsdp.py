@@ -1,0 +1,123 @@
+"""FSDP2 (torch's `fully_shard` through Accelerate's FSDP plugin, `fsdp_version: 2`) with 2 CPU processes (torchrun,
+gloo) against 1 unsharded process with the same global batch and seed: the standard of tests/test_multiprocess.py.
+
+Accelerate 1.15 selects FSDP only on an accelerator (on the CPU it silently falls back to DDP or to one process);
+`fresh_accelerator` switches FSDP2 on over gloo when the launch asks for it (`ACCELERATE_USE_FSDP`, `FSDP_VERSION=2`,
+`ACCELERATE_USE_CPU`, under torchrun) and refuses, in one line, an FSDP launch it cannot honour. (`accelerate launch`
+cannot start this: its FSDP launcher sets `ACCELERATE_USE_CPU=false` whatever the config's `use_cpu` says.)
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = '''
+import copy, json, os, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from instruct_goose.dpo import DPOConfig, DPOTrainer
+from instruct_goose import RewardConfig, RewardModel, RewardTrainer, SFTConfig, SFTTrainer, load_task
+algo, policy, out, accumulation = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+resume = sys.argv[5] if len(sys.argv) > 5 else None
+tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
+for m in model.modules():   # dropout draws differ by process: off, so that 1 process and 2 compute the same thing
+    if isinstance(m, torch.nn.Dropout): m.p = 0.0
+common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
+              disable_tqdm=True, learning_rate=1e-3, save_steps=2, resume_from_checkpoint=resume, max_steps=4)
+if algo == "sft":
+    trainer = SFTTrainer(model, args=SFTConfig(max_length=32, **common), train_dataset=load_task("sft").select(range(64)), processing_class=tokenizer)
+elif algo == "rm":
+    torch.manual_seed(0)    # the fresh head: the same draw in every process (FSDP2 does not broadcast rank 0's weights as DDP does)
+    reward_model = RewardModel(model, tokenizer=tokenizer)
+    for m in reward_model.modules():
+        if isinstance(m, torch.nn.Dropout): m.p = 0.0
+    trainer = RewardTrainer(reward_model, RewardConfig(max_length=32, normalize=False, **common), load_task("preferences").select(range(64)))
+elif algo == "dpo":   # the frozen reference (a copy, not prepared) is replicated in every process beside the sharded policy
+    trainer = DPOTrainer(model, args=DPOConfig(**common), train_dataset=load_task("preferences").select(range(64)), processing_class=tokenizer)
+trainer.train()
+rank = os.environ.get("RANK", "0")
+json.dump(trainer.loop.state.history, open(f"{out}/history{rank}.json", "w"))
+'''
+
+FSDP2_CPU = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+             "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "FSDP_RESHARD_AFTER_FORWARD": "true"}
+
+
+@pytest.fixture(scope="module")
+def setup_dir(policy_dir, tmp_path_factory):
+    where = tmp_path_factory.mktemp("setup")
+    shutil.copytree(policy_dir, where, dirs_exist_ok=True)
+    (where / "train.py").write_text(SCRIPT)
+    return where
+
+
+def _run(setup_dir, out, algo, processes, accumulation, resume=None, fsdp=False, check=True):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache",
+           **(FSDP2_CPU if fsdp else {})}
+    script = [str(setup_dir / "train.py"), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
+    if processes == 1: command = [sys.executable] + script
+    else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    if not check: return result
+    assert result.returncode == 0, result.stderr[-8000:]
+    return _saved(out, algo), json.loads((out / "history0.json").read_text())
+
+
+def _saved(out, algo="sft"):
+    "The weights the run saved, read back with plain 🤗 `from_pretrained`."
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    auto = AutoModelForSequenceClassification if algo == "rm" else AutoModelForCausalLM
+    return auto.from_pretrained(out).state_dict()
+
+
+COMPARED = ("loss/sft", "loss/reward", "loss", "grad_norm", "lr")
+
+
+def _assert_same(a, b, what, eps=1e-6):
+    weights_a, history_a = a
+    weights_b, history_b = b
+    worst = max((weights_a[k] - weights_b[k]).abs().max().item() for k in weights_a)
+    assert worst <= eps, f"{what}: weights differ by {worst}"
+    assert len(history_a) == len(history_b) == 4
+    for row_a, row_b in zip(history_a, history_b):
+        for key in COMPARED:
+            if key in row_a: assert abs(row_a[key] - row_b[key]) <= eps * max(1, abs(row_a[key])), (what, row_a["step"], key, row_a[key], row_b[key])
+
+
+EPS = {"sft": 1e-6, "rm": 1e-6, "dpo": 1e-5}   # DPO: tests/test_dpo.py's DDP standard (its pair log-ratio differences cost a digit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["sft", "rm", "dpo"])
+def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
+    "FSDP2 over 2 processes × 1 micro-batch = 1 unsharded process × 2 micro-batches; the saved model loads with `from_pretrained`."
+    one = _run(setup_dir, tmp_path / "one", algo, processes=1, accumulation=2)
+    two = _run(setup_dir, tmp_path / "two", algo, processes=2, accumulation=1, fsdp=True)
+    assert (tmp_path / "two" / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()     # FSDP's sharded checkpoint, one shard a rank
+    _assert_same(one, two, f"{algo}: 1 process x 2 micro-batches vs FSDP2 over 2 processes", EPS[algo])
+    start = _saved(setup_dir)
+    moved = "lm_head.weight" if algo == "sft" else "transformer.h.0.mlp.c_fc.weight"
+    assert not torch.equal(two[0][moved], start[moved])                                # training moved the weights
+
+    # kill-and-resume: the FSDP2 checkpoint of step 2, resumed by FSDP2, ends where the uninterrupted run did
+    shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = _run(setup_dir, tmp_path / "resumed", algo, processes=2, accumulation=1, resume="latest", fsdp=True)
+    _assert_same(two, resumed, f"{algo}: FSDP2 run vs its checkpoint resumed under FSDP2", EPS[algo])
+
+
+@pytest.mark.parametrize("env, says", [
+    ({}, "no GPU"),                                                             # a GPU FSDP config (use_cpu: false) on a CPU machine
+    ({"ACCELERATE_USE_CPU": "true", "FSDP_VERSION": "1"}, "FSDP2"),             # FSDP1 has no CPU path
+])
+def test_fsdp_launch_it_cannot_honour_is_one_line(env, says):
+    "Accelerate would silently train unsharded; goose stops in one line naming the fix (a fresh interpreter each: ~9 s)."
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}, "ACCELERATE_USE_FSDP": "true", **env}
+    result = subprocess.run([sys.executable, "-c", "from instruct_goose.loop import fresh_accelerator; fresh_accelerator()"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: the launch asks for FSDP") and says in last and "ACCELERATE_USE_CPU=true FSDP_VERSION=2" in last, last
