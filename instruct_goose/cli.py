@@ -206,6 +206,8 @@ class GRPOCommand(OnPolicyCommand, GRPOConfig):
 class DPOCommand(DPOConfig):
     "goose dpo: direct preference optimisation of the SFT model on preference pairs (no reward model, no sampling)."
     model: str = "runs/sft"                  # the model to start from (usually the SFT model; also the frozen reference)
+    loss_type: str = "sigmoid"               # one of TRL 1.16's 15 DPO loss types, or several as "a,b" (summed with --loss_weights)
+    loss_weights: str | None = None          # one weight per loss type, e.g. "0.8,0.2,1.0" (None: 1 each)
     dataset: str = "task"                    # pairs: "task", or a file/folder/Hub name with prompt/chosen/rejected (or chosen/rejected: implicit prompt)
     columns: str | None = None               # rename the dataset's columns, e.g. "question:prompt,good:chosen,bad:rejected"
     eval_dataset: str = "auto"               # held-out pairs: a file/folder/Hub name, "task", "none", or "auto" (the task's when --dataset is task, else none)

@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from .agent import disable_dropout, eval_mode, load_tokenizer, position_ids_from_mask, positions_for, with_peft
 from .core import check_number, logprobs_from_logits, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset
-from .loop import Trainer, TrainLoop, fuse_activations, trainer_arguments
+from .loop import Trainer, TrainLoop, trainer_arguments
+from .levers import fuse_activations
 from .sft import StageConfig, drop_long_prompts, fit_to_context
 from .onpolicy import frozen_reference
 

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['TrainingConfig', 'coerce_numbers', 'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState',
-           'fresh_accelerator', 'enable_gradient_checkpointing', 'fuse_activations', 'TrainLoop', 'as_callbacks',
-           'trainer_state', 'read_metrics', 'save_trained', 'TrainingInterrupted', 'Trainer', 'trainer_arguments']
+           'fresh_accelerator', 'TrainLoop', 'as_callbacks', 'trainer_state', 'read_metrics', 'save_trained',
+           'TrainingInterrupted', 'Trainer', 'trainer_arguments']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
 import inspect, json, logging, math, os, re, shutil, signal, sys, threading, warnings
@@ -26,9 +26,10 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, TrainerControl, TrainerState, activations, get_scheduler
+from transformers import PreTrainedModel, TrainerControl, TrainerState, get_scheduler
 
 from .core import check_number, quiet_progress
+from .levers import _deepspeed_gathered, enable_gradient_checkpointing, fuse_activations
 
 # %% ../nbs/05_loop.ipynb #45858a92
 _TRACKERS = ("none", "tensorboard", "wandb", "trackio", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
@@ -176,34 +177,6 @@ def fresh_accelerator(**kwargs) -> Accelerator:
     accelerator = Accelerator(**kwargs)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true": _fsdp_on_cpu(accelerator)
     return accelerator
-
-# %% ../nbs/05_loop.ipynb #fe101938
-def enable_gradient_checkpointing(
-    model: nn.Module,        # a 🤗 model, or a module holding some (an `Agent`, a `RewardModel`, a peft model)
-) -> nn.Module:              # `model`
-    "Turn on 🤗 gradient checkpointing (non-reentrant) in every 🤗 model inside `model` that supports it; it acts in train mode."
-    found = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing]
-    if not found:
-        raise ValueError(f"`gradient_checkpointing`: {type(model).__name__} holds no 🤗 model that supports gradient checkpointing")
-    for m in found:
-        if hasattr(m, "activation_checkpointing_enable"):       # its name from transformers 5 on
-            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-# %% ../nbs/05_loop.ipynb #a3cfb1c5
-def _gelu_tanh(x: Tensor) -> Tensor: return F.gelu(x, approximate="tanh")
-
-# tanh-GELU written out in Python: `gelu_new` (GPT-2, GPT-J, GPT-Neo, CodeGen, Phi-1/2) and `gelu_fast`
-_WRITTEN_OUT_GELUS = (activations.NewGELUActivation, activations.FastGELUActivation)
-
-def fuse_activations(
-    model: nn.Module,   # any model; only its tanh-GELU modules written out in Python change
-) -> nn.Module:         # `model`
-    "Run each tanh-GELU written out in Python (`gelu_new`, `gelu_fast`) as PyTorch's fused kernel (🤗's `gelu_pytorch_tanh`): the same function to float rounding, one tensor kept for the backward instead of four."
-    for m in model.modules():
-        if type(m) in _WRITTEN_OUT_GELUS and "forward" not in vars(m): m.forward = _gelu_tanh   # a forward set on the instance (a library's hook) stays
-    return model
 
 # %% ../nbs/05_loop.ipynb #f77769e1
 class TrainLoop:
@@ -406,22 +379,6 @@ def loss_scale(
     if total == 0 and allow_empty: return 0.0
     if total == 0: raise ValueError(f"step {self.state.step + 1}: the minibatch has nothing to learn from (0 tokens in its loss)")
     return acc.gradient_accumulation_steps * acc.num_processes / total
-
-# %% ../nbs/05_loop.ipynb #f10615ac
-@contextmanager
-def _deepspeed_gathered(engine):
-    "Under ZeRO-3: every parameter gathered once, the engine's per-layer fetch hooks off inside the block (DeepSpeed internals, kept here)."
-    import deepspeed
-    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
-    with deepspeed.zero.GatheredParameters(list(engine.parameters())):
-        for param in offload.module.parameters(): param.ds_active_sub_modules.clear()
-        for hook in offload.forward_hooks + offload.backward_hooks: hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try: yield
-        finally:
-            coordinator = getattr(offload, "param_coordinator", None)
-            if coordinator is not None and not coordinator.is_invalid_trace(): coordinator._invalidate_trace()
-            offload._register_deepspeed_module(offload.module)
 
 # %% ../nbs/05_loop.ipynb #9cd56767
 @patch

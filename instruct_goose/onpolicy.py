@@ -24,7 +24,8 @@ from .generation import generate_responses
 from .data import as_dataset, encode_prompts, prompt_text
 from .reward import RewardModel, WeightedReward, reward_from
 from .core import check_number, logprobs_from_logits, masked_sum, masked_whiten
-from .loop import Trainer, TrainLoop, TrainingConfig, as_callbacks, batch_indices, fuse_activations, trainer_arguments
+from .loop import Trainer, TrainLoop, TrainingConfig, as_callbacks, batch_indices, trainer_arguments
+from .levers import fuse_activations
 from .losses import FixedKLController, KLEstimator
 from .rollout import Samples, chunked, micro_batch_index, minibatches, sampling_seed
 

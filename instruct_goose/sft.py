@@ -253,6 +253,10 @@ class RewardTrainer(Trainer):
         self.train_dataset, self.eval_dataset = (None if data is None else rows(data, name)
                                                  for data, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
 
+    def model_to_save(self) -> RewardModel:
+        "The reward model: a 🤗 classifier, its tokenizer beside it (`save_model`, as TRL's)."
+        return self.reward_model
+
 # %% ../nbs/06_sft.ipynb #67a9f0f0
 @patch
 def pair_scores(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Tensor, Tensor]:
@@ -306,10 +310,4 @@ def train(
             self.reward_model.normalize_(torch.cat([torch.cat(p) for p in pairs]))
     loop.save_model(self.reward_model)
     loop.end()
-    return self.reward_model
-
-# %% ../nbs/06_sft.ipynb #fcf3b032
-@patch
-def model_to_save(self: RewardTrainer) -> RewardModel:
-    "The reward model: a 🤗 classifier, its tokenizer beside it (`save_model`, as TRL's)."
     return self.reward_model

@@ -16,7 +16,7 @@ from torch import nn
 
 from instruct_goose import (Agent, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, RewardModel, TrainLoop,
                             TrainingConfig, create_reference_model, load_task, task_tokenizer, tiny_causal_lm)
-from instruct_goose.loop import enable_gradient_checkpointing
+from instruct_goose.levers import enable_gradient_checkpointing
 
 
 @pytest.fixture(scope="module")
