@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_multiprocess import _assert_same as _same_runs   # tests/: the 1-vs-2-process comparison
+
 SCRIPT = '''
 import copy, json, os, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -78,14 +80,8 @@ COMPARED = ("loss/sft", "loss/reward", "loss", "grad_norm", "lr")
 
 
 def _assert_same(a, b, what, eps=1e-6):
-    weights_a, history_a = a
-    weights_b, history_b = b
-    worst = max((weights_a[k] - weights_b[k]).abs().max().item() for k in weights_a)
-    assert worst <= eps, f"{what}: weights differ by {worst}"
-    assert len(history_a) == len(history_b) == 4
-    for row_a, row_b in zip(history_a, history_b):
-        for key in COMPARED:
-            if key in row_a: assert abs(row_a[key] - row_b[key]) <= eps * max(1, abs(row_a[key])), (what, row_a["step"], key, row_a[key], row_b[key])
+    "The multi-process tests' comparison (tests/test_multiprocess.py), on the supervised trainers' metrics."
+    _same_runs(a, b, what, eps, COMPARED)
 
 
 EPS = {"sft": 1e-6, "rm": 1e-6, "dpo": 1e-5}   # DPO: tests/test_dpo.py's DDP standard (its pair log-ratio differences cost a digit)

@@ -80,15 +80,16 @@ def _run(setup_dir, out, algo, processes, accumulation, resume=None):
     return torch.load(out / "weights0.pt"), json.loads((out / "history0.json").read_text())
 
 
-def _assert_same(a, b, what, eps=1e-6):
+def _assert_same(a, b, what, eps=1e-6, compared=COMPARED):
+    "Two runs' (weights, logged rows) equal to `eps`: every weight, and each metric in `compared` at every step."
     weights_a, history_a = a
     weights_b, history_b = b
     worst = max((weights_a[k] - weights_b[k]).abs().max().item() for k in weights_a)
     assert worst <= eps, f"{what}: weights differ by {worst}"
     assert len(history_a) == len(history_b) == 4
     for row_a, row_b in zip(history_a, history_b):
-        for key in COMPARED:
-            if key in row_a: assert abs(row_a[key] - row_b[key]) <= eps * max(1, abs(row_a[key])), (what, row_a["step"], key)
+        for key in compared:
+            if key in row_a: assert abs(row_a[key] - row_b[key]) <= eps * max(1, abs(row_a[key])), (what, row_a["step"], key, row_a[key], row_b[key])
 
 
 @pytest.mark.parametrize("algo", ["ppo", pytest.param("rloo", marks=pytest.mark.slow)])   # rloo (and grpo, dpo): in the full set
