@@ -221,7 +221,7 @@ class Recorder:
 
 
 FLAGS = {"sft": ["--model", "tiny-gpt2"], "rm": ["--model", "tiny-gpt2"], "dpo": ["--model", "tiny-gpt2"],
-         **{c: ["--policy", "tiny-gpt2", "--reward_funcs", "instruct_goose.data:gold_score,instruct_goose.data:gold_score",
+         **{c: ["--policy", "tiny-gpt2", "--reward_funcs", "instruct_goose.toy:gold_score,instruct_goose.toy:gold_score",
                 "--reward_weights", "1,0.5"] for c in ("ppo", "rloo", "grpo")}}
 TRAINERS = {"sft": "SFTTrainer", "rm": "RewardTrainer", "ppo": "RLHFTrainer", "rloo": "RLOOTrainer", "grpo": "GRPOTrainer",
             "dpo": "DPOTrainer"}
