@@ -112,6 +112,7 @@ class AgentOutput(NamedTuple):
     logits: Tensor  # (batch, seq, vocab) next-token logits
     values: Tensor  # (batch, seq) value estimates, float32
 
+# %% ../nbs/03_agent.ipynb #2ebb8bee
 class ResponseStats(NamedTuple):
     "Per-token statistics of the response positions, from `Agent.response_stats`."
     logprobs: Tensor  # (batch, resp) log π(y_t) of the response tokens, float32
@@ -131,6 +132,7 @@ def _zero_drop_floats(obj) -> dict[str, float]:   # the nonzero rates it had, by
     for name in rates: setattr(obj, name, 0.0)
     return rates
 
+# %% ../nbs/03_agent.ipynb #c8a99a60
 def _configs_of(module: nn.Module) -> list[tuple[str, PretrainedConfig]]:
     "The config a module carries and its sub-configs (a vision-language model's text config…), by key ('' for the config itself)."
     config = getattr(module, "config", None)
@@ -138,11 +140,14 @@ def _configs_of(module: nn.Module) -> list[tuple[str, PretrainedConfig]]:
     subs = [(k, getattr(config, k, None)) for k in getattr(config, "sub_configs", {})]
     return [("", config), *((k, s) for k, s in subs if isinstance(s, PretrainedConfig))]
 
+# %% ../nbs/03_agent.ipynb #b2293a15
 def _sub_config(config: PretrainedConfig, key: str) -> PretrainedConfig: return config if key == "" else getattr(config, key)
 
+# %% ../nbs/03_agent.ipynb #792f839e
 def _load(model, auto_class, **kwargs):
     return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
 
+# %% ../nbs/03_agent.ipynb #f4cc06e3
 def _load_critic(value_model, **kwargs):
     "A separate critic as given, or loaded from a name/path: a 1-label classifier checkpoint (TRL's critic, usually the reward model) with its score head, anything else as its trunk."
     if not isinstance(value_model, (str, Path)): return value_model
@@ -299,6 +304,7 @@ class AdapterOffReference(nn.Module):
     def generate(self, *args, **kwargs):
         with self.peft_model.disable_adapter(): return self.peft_model.generate(*args, **kwargs)
 
+# %% ../nbs/03_agent.ipynb #f351ee78
 def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
@@ -325,6 +331,7 @@ def with_peft(
     from peft import get_peft_model
     return get_peft_model(model, peft_config)
 
+# %% ../nbs/03_agent.ipynb #86910301
 def load_tokenizer(
     processing_class,        # the tokenizer given to the trainer, or None
     model,                   # the trainer's `model` argument: a name or path lets the tokenizer be loaded from it

@@ -355,6 +355,7 @@ def _auto(value: str, dataset: str, task_value: str, what: str, console: Console
                                  "none (your own --dataset; the built-in task's is never mixed in)"))
     return chosen
 
+# %% ../nbs/10_cli.ipynb #ef790f06
 def _start(args, console: Console | None = None):
     "What every training command does first: say the config it trains with (`python_call`), then seed."
     (console or Console()).print(f"{_COMMAND_NAMES[type(args).__name__]}: {python_call(args)}", markup=False, highlight=False, soft_wrap=True)
@@ -428,6 +429,7 @@ def _run_sampled(args, trainer_class):
     trainer.train()
     return trainer
 
+# %% ../nbs/10_cli.ipynb #b5a05924
 def run_rloo(args: RLOOCommand):
     "goose rloo"
     return _run_sampled(args, RLOOTrainer)

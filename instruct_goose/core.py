@@ -45,12 +45,14 @@ class ShapeError(TypeError):
 # %% ../nbs/00_core.ipynb #ad1714c0
 _conf = BeartypeConf(is_pep484_tower=True)
 
+# %% ../nbs/00_core.ipynb #e72c33cb
 def _array_spec(anno, value):
     "The jaxtyping array type in `anno` (also in a union) whose dtype fits `value`, else the first one, or None."
     specs = [a for a in (anno, *getattr(anno, "__args__", ())) if hasattr(a, "dim_str") and hasattr(a, "dtypes")]
     dtype = str(getattr(value, "dtype", "")).removeprefix("torch.")
     return next((s for s in specs if dtype in s.dtypes), specs[0] if specs else None)
 
+# %% ../nbs/00_core.ipynb #519faa9a
 def _dim_sizes(spec, shape) -> dict | None:
     "Sizes of `spec`'s named dimensions in `shape`, or None when rank or a fixed size disagrees."
     dims, shape = spec.dims, tuple(shape)
@@ -68,6 +70,7 @@ def _dim_sizes(spec, shape) -> dict | None:
         if hasattr(d, "name"): sizes[d.name] = s
     return sizes
 
+# %% ../nbs/00_core.ipynb #4ad8da57
 def _fmt(anno) -> str:
     "An annotation as a reader would write it: `Float[Tensor, 'batch'] | None`, `int | Sequence[int]`."
     if anno is type(None): return "None"
@@ -75,10 +78,12 @@ def _fmt(anno) -> str:
     if get_origin(anno) in (Union, UnionType): return " | ".join(_fmt(a) for a in get_args(anno))
     return str(anno).replace("typing.", "").replace("collections.abc.", "")
 
+# %% ../nbs/00_core.ipynb #dc8d4d5b
 def _describe(value) -> str:
     if isinstance(value, Tensor): return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r:.60}"
 
+# %% ../nbs/00_core.ipynb #a6d1c97a
 def _explain(f, args, kwargs) -> str:
     "Which arguments of the call `f(*args, **kwargs)` break its annotations, in words; '' if none does."
     try: bound = inspect.signature(f).bind(*args, **kwargs)

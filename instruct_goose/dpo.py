@@ -281,10 +281,12 @@ def completion_logps(
 def _from_pretrained_kwargs(args) -> dict:
     return {**(args.model_init_kwargs or {}), "trust_remote_code": args.trust_remote_code}
 
+# %% ../nbs/09c_dpo.ipynb #9ff3c073
 def _load_model(model, args):
     "`model` as it is, or loaded from a name/path with `model_init_kwargs` and `trust_remote_code` (TRL's)."
     return AutoModelForCausalLM.from_pretrained(model, **_from_pretrained_kwargs(args)) if isinstance(model, (str, os.PathLike)) else model
 
+# %% ../nbs/09c_dpo.ipynb #2607a72c
 def _load_tokenizer(processing_class, model, args):
     "The tokenizer given, or loaded from `model`'s name/path (at `model_init_kwargs`' revision, with `trust_remote_code`)."
     if processing_class is not None or not isinstance(model, (str, os.PathLike)): return load_tokenizer(processing_class, model)
@@ -304,6 +306,7 @@ def mix_reference(
         raise ValueError("`sync_ref_model` needs `ref_model` of the policy's architecture (or ref_model=None: a copy of the policy)")
     for r, p in zip(ref, pol): r.mul_(1 - alpha).add_(p.to(r), alpha=alpha)
 
+# %% ../nbs/09c_dpo.ipynb #e92023d5
 class SyncRefModelCallback(TrainerCallback):
     "TRL's callback: every `ref_model_sync_steps` optimizer steps, `mix_reference` the policy into π_ref."
     def __init__(self, ref_model: nn.Module, alpha: float, every: int): self.ref_model, self.alpha, self.every = ref_model, alpha, every

@@ -36,6 +36,7 @@ def _packable_weight(m: nn.Module) -> Tensor | None:
     w = m.weight if type(m) is nn.Linear else m.weight.t() if type(m) is Conv1D else None
     return w if w is not None and w.dtype == torch.float32 and w.device.type == "cpu" else None
 
+# %% ../nbs/03b_generation.ipynb #8fd66c3e
 @contextmanager
 def packed_linears(
     model: nn.Module,  # any model; only its plain float32 linear layers on the CPU change, and only inside the block

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['GRPOConfig', 'group_advantages', 'normalized_sum_advantages', 'sapo_gate', 'vespo_weights', 'off_policy_mask',
-           'grpo_token_loss', 'aggregate', 'GRPORollout', 'GRPOTrainer']
+           'grpo_token_loss', 'aggregate', 'GRPORollout', 'clip_stats', 'group_stats', 'GRPOTrainer']
 
 # %% ../nbs/09b_grpo.ipynb #3e0211ca
 import math
@@ -114,6 +114,7 @@ def _nanstd(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
     var = ((x - mean) ** 2).nanmean() if dim is None else ((x - mean) ** 2).nanmean(dim, keepdim=keepdim)
     return (var * count / (count - 1).clamp(min=1)).sqrt()
 
+# %% ../nbs/09b_grpo.ipynb #7e81d16f
 @typecheck
 def normalized_sum_advantages(
     per_reward: Float[Tensor, "rewards batch"],  # each reward function's scores, NaN where it does not apply; b*G + i is completion i of prompt b
@@ -236,6 +237,36 @@ class GRPORollout(RowBatch):
     ref_logprobs: Tensor         # (batch, resp) log π_ref (zeros when beta = 0)
     kept: object = None          # the policy's pass over the whole rollout, with gradients (`first_pass`), for the update's first micro-batch; None: none kept
 
+# %% ../nbs/09b_grpo.ipynb #7b855cc4
+def clip_stats(
+    ratio: Tensor,             # (batch, resp) π_θ/π_θold per token (or the sequence's, broadcast)
+    advantages: Tensor,        # (batch,) Â_i
+    mask: Tensor,              # (batch, resp) the tokens whose loss counts
+    c,                         # the `GRPOConfig`: loss_type, cliprange, clip_high
+) -> dict[str, Tensor]:        # TRL's clip statistics for the loss type
+    "The share of tokens the clip acted on, under TRL's GRPO names (cispo: its own cap; sapo and vespo clip nothing)."
+    a, r = advantages[:, None], ratio.detach()
+    if c.loss_type == "cispo": return {"cispo_clip_ratio": masked_mean(((r > c.clip_high) & (a > 0)).float(), mask)}
+    if c.loss_type in ("sapo", "vespo"): return {}
+    low, high = (r < 1 - c.cliprange) & (a < 0), (r > 1 + c.clip_high) & (a > 0)
+    return {"clip_ratio/low_mean": masked_mean(low.float(), mask), "clip_ratio/high_mean": masked_mean(high.float(), mask),
+            "clip_ratio/region_mean": masked_mean((low | high).float(), mask)}
+
+# %% ../nbs/09b_grpo.ipynb #b3fd2c04
+def group_stats(
+    scores: Tensor,            # (batch,) each completion's reward; G consecutive completions per prompt
+    response_ids: Tensor,      # (batch, resp) the completions
+    response_mask: Tensor,     # (batch, resp) True on real tokens
+    stop_token_id: int,        # the token that ends a completion
+    num_generations: int,      # G
+) -> dict[str, Tensor]:        # TRL's GRPO rollout statistics
+    "Rewards, their spread within groups, completion lengths and the share cut off without a stop token, under TRL's GRPO names."
+    grouped, lengths = scores.reshape(-1, num_generations), response_mask.sum(1).float()
+    stopped = ((response_ids == stop_token_id) & response_mask).any(1)
+    return {"reward": scores.mean(), "reward_std": grouped.std(1).mean(), "frac_reward_zero_std": (grouped.std(1) == 0).float().mean(),
+            "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(), "completions/clipped_ratio": (~stopped).float().mean()}
+
 # %% ../nbs/09b_grpo.ipynb #06ce3611
 class GRPOTrainer(OnPolicyTrainer):
     "GRPO: G completions per prompt, group-relative advantages, PPO's clipped ratio per token (or per sequence), k3 KL in the loss."
@@ -275,11 +306,9 @@ class GRPOTrainer(OnPolicyTrainer):
         x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
         inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
         zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
-        kept = None
-        if self.reuses_current_logprobs: logprobs = zeros              # π_θold is the loss's own pass, detached
-        else:                                                           # several passes: π_θold from the first (kept) or its own
-            kept = self.first_pass(policy, x, loop)
-            logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature)
+        kept = None if self.reuses_current_logprobs else self.first_pass(policy, x, loop)   # π_θold: the loss's own pass (detached), the kept pass, or its own
+        logprobs = (zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs) if kept is None
+                    else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature))
         ref_logprobs = zeros
         if self.ref_model is not None:
             with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
@@ -308,14 +337,8 @@ class GRPOTrainer(OnPolicyTrainer):
             (c.sapo_temperature_pos, c.sapo_temperature_neg), (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg),
             c.use_bias_correction_kl, c.off_policy_mask_threshold)
         loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length)
-        a, r = part.advantages[:, None], ratio.detach()
         entropy = entropy_from_logits(logits if c.entropy_coef else logits.detach(), c.temperature)
-        stats = {"entropy": masked_mean(entropy.detach(), part.response_mask)}
-        if c.loss_type == "cispo": stats["cispo_clip_ratio"] = masked_mean(((r > c.clip_high) & (a > 0)).float(), mask)   # TRL's names
-        elif c.loss_type not in ("sapo", "vespo"):
-            low, high = (r < 1 - c.cliprange) & (a < 0), (r > 1 + c.clip_high) & (a > 0)
-            stats.update({"clip_ratio/low_mean": masked_mean(low.float(), mask), "clip_ratio/high_mean": masked_mean(high.float(), mask),
-                          "clip_ratio/region_mean": masked_mean((low | high).float(), mask)})
+        stats = {"entropy": masked_mean(entropy.detach(), part.response_mask), **clip_stats(ratio, part.advantages, mask, c)}
         if kl is not None: stats["kl"] = masked_mean(kl.detach(), mask)
         if not c.entropy_coef: return {"policy": loss}, stats
         stats["entropy_coef"] = torch.tensor(c.entropy_coef)
@@ -323,14 +346,7 @@ class GRPOTrainer(OnPolicyTrainer):
 
     def rollout_stats(self, rollout: GRPORollout) -> dict[str, Tensor]:
         "The rollout's statistics under TRL's GRPO names: rewards, their spread within groups, completion lengths (each reward function's `rewards/<name>/mean` and `/std` come from `train`)."
-        c = self.args
-        grouped = rollout.scores.reshape(-1, c.num_generations)
-        lengths = rollout.response_mask.sum(1).float()
-        stopped = ((rollout.response_ids == self.stop_token_id) & rollout.response_mask).any(1)
-        stats = {"reward": rollout.scores.mean(), "reward_std": grouped.std(1).mean(), "frac_reward_zero_std": (grouped.std(1) == 0).float().mean(),
-                 "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-                 "completions/max_length": lengths.max(), "completions/clipped_ratio": (~stopped).float().mean()}
-        return stats
+        return group_stats(rollout.scores, rollout.response_ids, rollout.response_mask, self.stop_token_id, self.args.num_generations)
 
 # %% ../nbs/09b_grpo.ipynb #4a044a4b
 @patch

@@ -32,6 +32,7 @@ def _gelu_tanh(x: Tensor) -> Tensor: return F.gelu(x, approximate="tanh")
 # tanh-GELU written out in Python: `gelu_new` (GPT-2, GPT-J, GPT-Neo, CodeGen, Phi-1/2) and `gelu_fast`
 _WRITTEN_OUT_GELUS = (activations.NewGELUActivation, activations.FastGELUActivation)
 
+# %% ../nbs/05b_levers.ipynb #06dfbba6
 def fuse_activations(
     model: nn.Module,   # any model; only its tanh-GELU modules written out in Python change
 ) -> nn.Module:         # `model`

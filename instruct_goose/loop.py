@@ -171,6 +171,7 @@ def _fsdp_on_cpu(accelerator: Accelerator):
     accelerator.state.fsdp_plugin = plugin
     PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP  # `AcceleratorState()` re-reads PartialState's
 
+# %% ../nbs/05_loop.ipynb #cae84347
 def fresh_accelerator(**kwargs) -> Accelerator:
     "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several); FSDP2 runs on the CPU too."
     AcceleratorState._reset_state(reset_partial_state=False)
@@ -543,6 +544,7 @@ def save_trained(
             if tokenizer is not None: tokenizer.save_pretrained(output_dir)
     state.wait_for_everyone()
 
+# %% ../nbs/05_loop.ipynb #54495bd7
 @patch
 def save_model(self: TrainLoop,
                model: nn.Module | None = None,      # default: the prepared one
@@ -708,12 +710,14 @@ class Trainer:
 # %% ../nbs/05_loop.ipynb #a5f8baca
 _OLD_NAMES = {"config": "args", "tokenizer": "processing_class", "reward_model": "reward_funcs"}   # our names before TRL's
 
+# %% ../nbs/05_loop.ipynb #f47d84f8
 def _signature(trainer: type) -> str:
     "How the trainer is called, for messages: `SFTTrainer(model, args, train_dataset, …)`."
     params = [p.name for p in inspect.signature(trainer.__init__).parameters.values()
               if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.KEYWORD_ONLY)]
     return f"{trainer.__name__}({', '.join(params)})"
 
+# %% ../nbs/05_loop.ipynb #8e3bf363
 def trainer_arguments(
     trainer: type,           # the trainer's class (its `config_class` and signature)
     given: dict,             # the arguments with TRL's names, as given: `args`, `processing_class`, perhaps `reward_funcs`

@@ -489,6 +489,7 @@ def _response_kl(model, ref_model, query_ids, query_attention_mask, response_ids
                                                response_ids, temperature) for m in (model, ref_model))
     return masked_sum(logp - ref_logp, response_mask, dim=1)
 
+# %% ../nbs/08_onpolicy.ipynb #c647237f
 def _score_metrics(name: str, scores: dict[str, Tensor]) -> dict[str, float]:
     "The policy's mean score, and with a reference its mean and the policy's win rate (ties count ½)."
     ours = scores["policy"]
@@ -560,6 +561,7 @@ def evaluate(
     if self.ref_model is None: return {"eval/score": score / n}
     return {"eval/score": score / n, "eval/score_ref": score_ref / n, "eval/win_rate": wins / n, "eval/kl": kl / n}
 
+# %% ../nbs/08_onpolicy.ipynb #c11da284
 def _eval_sums(record: dict) -> list[float]:
     "One prompt's share of the evaluation sums: (1, score, reference's score, win: 1, ½ or 0, KL); 0 for what there is no reference for."
     ours, theirs = record["reward_policy"], record.get("reward_reference", 0.0)

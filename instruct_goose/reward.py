@@ -235,6 +235,7 @@ def _chat_completions(
     if not prompts or not is_conversational(prompts[0]): return completions
     return [[{"role": "assistant", "content": c}] for c in completions]
 
+# %% ../nbs/04_reward.ipynb #8bbc07a7
 def _model_texts(
     model: RewardModel,     # a reward model with its tokenizer
     prompts: list,          # texts or conversations
@@ -256,11 +257,13 @@ def _reward_label(reward) -> str:
     if isinstance(reward, RewardModel): return f"reward model `{type(reward.model).__name__}`"
     return f"reward function `{getattr(reward, '__name__', type(reward).__name__)}`"
 
+# %% ../nbs/04_reward.ipynb #d2388566
 def _raw_scores(reward, prompts: list, completions: list[str], columns: dict):
     "What a reward gives before checking: a reward model's scores, or a function's return value (a coroutine when async)."
     if isinstance(reward, RewardModel): return reward.score(*_model_texts(reward, prompts, completions)).cpu()
     return _reward_call(reward, prompts, _chat_completions(prompts, completions), columns, _reward_label(reward))
 
+# %% ../nbs/04_reward.ipynb #a0b3f148
 def _checked_scores(rewards: list, raws: list, n: int) -> list[Tensor]:
     "Await the coroutines among `raws` together, then check each reward's output (`_as_scores`)."
     waiting = [i for i, r in enumerate(raws) if inspect.isawaitable(r)]
@@ -269,6 +272,7 @@ def _checked_scores(rewards: list, raws: list, n: int) -> list[Tensor]:
 
 _PER_CALL = ("trainer_state", "log_extra", "log_metric")   # what TRL passes once per call, not per completion
 
+# %% ../nbs/04_reward.ipynb #d015eefd
 def _check_columns(columns: dict, n: int):
     "Every column carries one value per completion (TRL's once-per-call keywords aside)."
     wrong = {k: len(v) if hasattr(v, "__len__") else type(v).__name__ for k, v in columns.items()
@@ -304,6 +308,7 @@ class WeightedReward(nn.Module):
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]   # two lambdas stay apart
         self.__name__ = " + ".join(f"{w:g}·{n}" for n, w in zip(self.names, self.weights))
 
+# %% ../nbs/04_reward.ipynb #d2fd02b5
 def _reward_name(f) -> str:
     "A reward's name in metrics: the function's `__name__`; a reward model's checkpoint folder (as TRL names it), else its class."
     if not isinstance(f, RewardModel): return getattr(f, "__name__", type(f).__name__)

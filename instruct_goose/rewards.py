@@ -93,6 +93,7 @@ def _gold_and_answer(
         return values.pop() if len(values) == 1 else None
     return [_as_number(s) for s in solution], [answer(t) for t in _contents(completions)]
 
+# %% ../nbs/04b_rewards.ipynb #5baefe71
 def _log_parsed(log_extra, solution, gold, answers, unfinished=()):
     "Hand the parsed values to TRL's `log_extra`, as TRL's helpers do (columns `solution`, `gold_parsed`, `answer_parsed`)."
     if log_extra is None: return

@@ -68,6 +68,7 @@ def _concat(parts: list):
     joined = [None if column[0] is None else torch.cat(column) for column in zip(*parts)]
     return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
 
+# %% ../nbs/07_rollout.ipynb #6f85cbf9
 def chunked(
     fn: Callable,                  # fn(query_ids, query_attention_mask, *rows) -> a tensor or a tuple of tensors
     query_ids: Tensor,             # (batch, query) left-padded prompts

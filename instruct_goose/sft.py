@@ -76,6 +76,7 @@ def _chat_rows(rows: dict) -> bool:
     "Whether a batch of SFT rows ({column: values}) holds conversations: `messages`, or prompts that are message lists."
     return "messages" in rows or ("prompt" in rows and is_conversational(rows["prompt"][0]))
 
+# %% ../nbs/06_sft.ipynb #71b4ec5b
 def _render_sft(tokenizer, rows: dict) -> tuple[list[str], list[list[tuple[int, int]]]]:
     "Texts and loss spans of a batch of conversational SFT rows (`chat_spans`)."
     if "messages" in rows: rendered = [chat_spans(tokenizer, m) for m in rows["messages"]]
@@ -217,6 +218,7 @@ def _reward_model(model, tokenizer, seed: int) -> RewardModel:
     if model.tokenizer is None: raise ValueError("`processing_class` (the tokenizer) is needed to read the pairs when `model` is not a name/path")
     return model
 
+# %% ../nbs/06_sft.ipynb #bc5cb34a
 def _trunk_adapters(reward_model: RewardModel, peft_config, merge: bool = False) -> RewardModel:
     "Peft adapters on the reward model's trunk only (`merge`: merged back in), so its score head stays outside them and is trained in full: a new head must learn."
     classifier, prefix = reward_model.model, reward_model.model.base_model_prefix
