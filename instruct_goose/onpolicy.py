@@ -437,7 +437,7 @@ def update(
 ) -> dict:                   # the statistics, token-weighted means over the minibatches, and the last gradient norm
     "`num_ppo_epochs` × `num_mini_batches` optimizer steps on one rollout; each loss term a mean over its units in the whole minibatch."
     c, acc, sums, count = self.args, loop.accelerator, {}, 0
-    kept = rollout.kept                            # the rollout's pass with gradients: the first micro-batch's (`first_pass`)
+    kept, rollout.kept = rollout.kept, None        # the rollout's pass with gradients, handed to the first micro-batch (`first_pass`): not kept alive into the next rollout
     model.train()                                  # dropout is off; train mode lets gradient checkpointing work
     for epoch in range(c.num_ppo_epochs):
         cuts = minibatches(len(rollout), c.per_device_train_batch_size, c.gradient_accumulation_steps, c.num_mini_batches)
