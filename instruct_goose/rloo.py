@@ -22,10 +22,8 @@ from .onpolicy import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
 
 # %% ../nbs/09_rloo.ipynb #f5fc4aff
 _LATER = "not implemented yet; issue 28"
-_SAMPLER = f"{_LATER} (sampling draws from softmax(logits / temperature), the distribution the loss scores)"
 _VLLM = ("vLLM does not run here: generation is built in; set `temperature`, `max_completion_length` and "
-         "`local_rollout_forward_batch_size` (rows per generation call) instead")
-_ONE_STEP = f"{_LATER} (one generation serves one optimizer step: it holds per_device_train_batch_size × gradient_accumulation_steps prompts)"
+         "`local_rollout_forward_batch_size` (rows per generation call) instead, and `top_p`/`top_k`/`min_p`/`repetition_penalty` for the sampler")
 _LOGS = f"{_LATER} (a table of samples is printed `num_sample_generations` times)"
 
 _TRL_REFUSED: dict[str, str] = {
@@ -34,11 +32,8 @@ _TRL_REFUSED: dict[str, str] = {
     "router_aux_loss_coef": f"{_LATER} (no mixture-of-experts auxiliary loss)",
     "disable_dropout": "dropout is always off here (the first pass's ratio is exactly 1); it cannot be turned back on",
     "cast_lm_head_to_fp32": f"{_LATER} (log-probabilities are computed in float32 from the logits)",
-    "num_generations_eval": f"{_LATER} (evaluation samples one completion per prompt)",
     "ds3_gather_for_generation": f"{_LATER} (ZeRO-3 generation always gathers the full weights)",
-    "shuffle_dataset": _LATER, "pad_to_multiple_of": _LATER, "chat_template_kwargs": _LATER,
-    "generation_batch_size": _ONE_STEP, "steps_per_generation": _ONE_STEP,
-    **dict.fromkeys(("top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs", "cache_implementation"), _SAMPLER),
+    "pad_to_multiple_of": _LATER, "chat_template_kwargs": _LATER,
     **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
                     f"{_LATER} (generation is built in)"),
     **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"), f"{_LATER} (the reference stays the initial policy)"),
@@ -61,19 +56,9 @@ class TRLNotYet:
     trust_remote_code: bool = False                # refused (_TRL_REFUSED): pass a loaded `model`
     router_aux_loss_coef: float | None = None      # refused (_TRL_REFUSED)
     disable_dropout: bool = True                   # dropout is always off here (TRL's default: False); False is refused
-    num_generations_eval: int | None = None        # refused (_TRL_REFUSED)
     ds3_gather_for_generation: bool = True         # refused (_TRL_REFUSED) unless True
-    shuffle_dataset: bool = True                   # refused (_TRL_REFUSED) unless True
     pad_to_multiple_of: str | None = "auto"       # refused (_TRL_REFUSED) unless "auto" (TRL: an int, or "auto")
-    generation_batch_size: int | None = None       # refused (_TRL_REFUSED): not implemented yet, issue 28
-    steps_per_generation: int | None = None        # refused (_TRL_REFUSED): not implemented yet, issue 28
-    top_p: float = 1.0                             # refused (_TRL_REFUSED) unless 1.0: not implemented yet, issue 28
-    top_k: int = 0                                 # refused (_TRL_REFUSED) unless 0: not implemented yet, issue 28
-    min_p: float | None = None                     # refused (_TRL_REFUSED): not implemented yet, issue 28
-    generation_kwargs: dict | None = None          # refused (_TRL_REFUSED): not implemented yet, issue 28
     chat_template_kwargs: dict | None = None       # refused (_TRL_REFUSED): not implemented yet, issue 28
-    repetition_penalty: float = 1.0                # refused (_TRL_REFUSED) unless 1.0: not implemented yet, issue 28
-    cache_implementation: str | None = None        # refused (_TRL_REFUSED): not implemented yet, issue 28
     use_vllm: bool = False                         # refused (_TRL_REFUSED): generation is built in
     vllm_mode: str = "colocate"                    # refused (_TRL_REFUSED): vLLM does not run here
     vllm_model_impl: str = "vllm"                  # refused (_TRL_REFUSED): vLLM does not run here
