@@ -122,7 +122,7 @@ def generate_responses(
     if packed is None: packed = query_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
     with eval_mode(model), own_generation_config(model), packed_linears(model, len(query_ids)) if packed else nullcontext():
         out = model.generate(input_ids=query_ids, attention_mask=query_attention_mask.long(), generation_config=config,
-                             **generate_kwargs)
+                             **config.update(**generate_kwargs))   # GenerationConfig options go into the config, the rest to `generate`
     response = out[:, query_ids.shape[1]:]
     response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_token_id)  # all rows stopped early
     return truncate_after_stop(response, stop_token_ids, pad_token_id)

@@ -1,0 +1,131 @@
+"""TRL 1.16's sampling and generation-batching options on the on-policy trainers, where cells would read badly.
+
+- `test_top_k_1_rollout_is_greedy_and_scores_the_full_softmax`: GRPO with `top_k=1` samples the argmax of the scoring
+  pass at every step, and the loss's π_old (the rollout's log-probabilities, μ = 2) is log softmax(z/T) of that token,
+  computed here from the logits: the rule the generation chapter states (TRL's), not the 0 of the truncated distribution.
+- `test_each_step_gradient_is_its_rows_as_one_batch`: `steps_per_generation` = 2 optimizer steps per generation, two
+  passes; at every optimizer step, for every GRPO loss type (and RLOO), the gradient the engine accumulated over its
+  micro-batches equals the gradient of the loss over that step's rows as one batch, at the same parameters (the
+  property TRL PR #6024 found broken for dapo/cispo), with completion lengths that differ inside each step.
+- `test_evaluation_samples_with_the_options` / `test_num_generations_eval`: evaluation samples with the training's
+  options (top_k=1 is the greedy evaluation), `num_generations_eval` completions per prompt (None: G).
+- `test_shuffle_dataset_false_takes_rows_in_order`, `test_bad_values_are_one_line_errors`.
+"""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from instruct_goose import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, load_task
+from instruct_goose import onpolicy
+from instruct_goose.agent import response_logits
+from instruct_goose.grpo import _LOSS_TYPES
+from instruct_goose.loop import TrainLoop
+from instruct_goose.onpolicy import evaluate_policy
+
+
+def length(prompts, completions): return [len(c) / 10 for c in completions]
+
+
+def _trainer(policy_dir, tmp_path, algo="grpo", reward=length, **overrides):
+    config, trainer = (GRPOConfig, GRPOTrainer) if algo == "grpo" else (RLOOConfig, RLOOTrainer)
+    args = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=1,
+                num_generations=4, max_completion_length=8, local_rollout_forward_batch_size=8, num_sample_generations=0,
+                disable_tqdm=True, learning_rate=1e-2, logging_steps=1)
+    return trainer(AutoModelForCausalLM.from_pretrained(policy_dir), args=config(**{**args, **overrides}),
+                   processing_class=AutoTokenizer.from_pretrained(policy_dir), train_dataset=load_task("prompts").select(range(16)),
+                   reward_funcs=reward)
+
+
+def test_top_k_1_rollout_is_greedy_and_scores_the_full_softmax(policy_dir, tmp_path):
+    T = 0.7
+    trainer = _trainer(policy_dir, tmp_path, top_k=1, temperature=T, num_iterations=2)
+    rollout, _ = trainer.sample_rollout(trainer.model, trainer.train_dataset[:2], seed=0)
+    ids, mask = rollout.response_ids, rollout.response_mask
+    with torch.no_grad(): logits = response_logits(trainer.model, rollout.query_ids, rollout.query_attention_mask, ids, mask)[0]
+    assert torch.equal(ids[mask], logits.argmax(-1)[mask])                          # greedy at every real step
+    by_hand = (logits / T).log_softmax(-1).gather(-1, ids[..., None])[..., 0]        # log p(token) under the full softmax at T
+    torch.testing.assert_close(rollout.logprobs[mask], by_hand[mask], atol=1e-5, rtol=0)
+    assert (rollout.logprobs[mask] < -0.1).all()                                    # the truncated distribution would give 0
+
+
+CUTS = {"grpo": dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, steps_per_generation=8),
+        "rloo": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=4)}
+
+
+@pytest.mark.parametrize("algo, loss_type", [("grpo", t) for t in _LOSS_TYPES] + [("rloo", None)])
+def test_each_step_gradient_is_its_rows_as_one_batch(policy_dir, tmp_path, monkeypatch, algo, loss_type):
+    eos = AutoTokenizer.from_pretrained(policy_dir).eos_token_id
+    extra = dict(loss_type=loss_type, beta=0.04) if algo == "grpo" else {}
+    trainer = _trainer(policy_dir, tmp_path, algo, num_iterations=2, generation_kwargs={"sequence_bias": [[[eos], 5.0]]},   # EOS likely: lengths differ
+                       **CUTS[algo], **extra)
+    assert trainer.args.num_mini_batches == 2 and trainer.args.rollout_size == 8
+    cuts, rollouts, diffs = [], [], []
+    minibatches = onpolicy.minibatches
+    monkeypatch.setattr(onpolicy, "minibatches", lambda *a: cuts.append(minibatches(*a)) or cuts[-1])
+    update = type(trainer).update
+    trainer.update = lambda model, rollout, loop: rollouts.append(rollout) or update(trainer, model, rollout, loop)
+    step = TrainLoop.optimizer_step
+    def checked_step(loop, model, stats=None):
+        k = len(diffs)
+        rows = torch.cat(cuts[k // 2][k % 2])                                      # this optimizer step's rows
+        part = rollouts[0][rows]
+        lengths = part.loss_mask.sum(1)
+        assert len(set(lengths.tolist())) > 1, lengths                              # a token mean differs from a mean of means
+        engine = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        losses, _ = trainer.micro_batch_loss(model, part, 0)                       # the step's rows as one micro-batch
+        sum(losses.values()).backward()
+        diffs.append(max((e - p.grad).abs().max().item() / (p.grad.abs().max().item() + 1e-12) for e, p in zip(engine, model.parameters())))
+        for e, p in zip(engine, model.parameters()): p.grad = e
+        return step(loop, model, stats)
+    monkeypatch.setattr(TrainLoop, "optimizer_step", checked_step)
+    trainer.train()
+    assert len(diffs) == 4                                                           # 2 passes × 2 optimizer steps per generation
+    assert max(diffs) < 1e-5, diffs
+
+
+def test_evaluation_samples_with_the_options(policy_dir):
+    tokenizer, model = AutoTokenizer.from_pretrained(policy_dir), AutoModelForCausalLM.from_pretrained(policy_dir)
+    prompts = list(load_task("prompts")["prompt"][:4])
+    greedy = evaluate_policy(model, None, tokenizer, prompts, length, response_length=6, temperature=0)[1]
+    top_1 = evaluate_policy(model, None, tokenizer, prompts, length, response_length=6, temperature=1.0, sampling=dict(top_k=1))[1]
+    sampled = evaluate_policy(model, None, tokenizer, prompts, length, response_length=6, temperature=1.0)[1]
+    assert [r["policy"] for r in top_1] == [r["policy"] for r in greedy] != [r["policy"] for r in sampled]
+
+
+@pytest.mark.parametrize("n_eval, expected", [(None, 4), (3, 3)])
+def test_num_generations_eval(policy_dir, tmp_path, n_eval, expected):
+    seen = []
+    def recording(prompts, completions):
+        seen.append(list(prompts))
+        return length(prompts, completions)
+    trainer = _trainer(policy_dir, tmp_path, reward=recording, num_generations_eval=n_eval)
+    trainer.eval_dataset = load_task("prompts").select(range(16, 18))
+    trainer.train()
+    evaluated = seen[-1]                                                             # the evaluation at the last step
+    assert len(evaluated) == 2 * expected and evaluated == [p for p in trainer.eval_dataset["prompt"] for _ in range(expected)]
+
+
+def test_shuffle_dataset_false_takes_rows_in_order(policy_dir, tmp_path):
+    seen = []
+    def recording(prompts, completions):
+        seen.append(list(prompts))
+        return length(prompts, completions)
+    trainer = _trainer(policy_dir, tmp_path, reward=recording, shuffle_dataset=False, max_steps=2, per_device_train_batch_size=8)
+    trainer.train()
+    data = list(trainer.train_dataset["prompt"])
+    assert seen == [[p for p in data[s * 2:(s + 1) * 2] for _ in range(4)] for s in range(2)]
+
+
+@pytest.mark.parametrize("config", [GRPOConfig, RLOOConfig])
+@pytest.mark.parametrize("bad, names", [
+    (dict(top_p=0.0), "`top_p`"), (dict(top_p=1.2), "`top_p`"), (dict(top_k=-1), "`top_k`"), (dict(min_p=1.5), "`min_p`"),
+    (dict(repetition_penalty=0.0), "`repetition_penalty`"), (dict(generation_kwargs={"top_k": 5}), "set `top_k` instead"),
+    (dict(generation_kwargs={"max_new_tokens": 5}), "max_completion_length"), (dict(cache_implementation="paged"), "`cache_implementation`"),
+    (dict(steps_per_generation=3, gradient_accumulation_steps=2), "`steps_per_generation`=3 must be a positive multiple"),
+    (dict(generation_batch_size=6), "`generation_batch_size`=6 must be a positive multiple"),
+    (dict(generation_batch_size=16, steps_per_generation=2), "set the same thing"),
+    (dict(num_generations_eval=0), "`num_generations_eval`")])
+def test_bad_values_are_one_line_errors(config, bad, names):
+    with pytest.raises(ValueError) as error: config(per_device_train_batch_size=4, num_generations=2, **bad)
+    assert names in str(error.value) and "\n" not in str(error.value), str(error.value)
