@@ -130,6 +130,7 @@ def apply_chat(
     messages: list[dict],               # the conversation, {"role", "content"} dicts
     add_generation_prompt: bool = False, # open the assistant's turn at the end (a prompt to sample from)
     column: str = "prompt",             # the column `messages` came from, for messages
+    **chat_template_kwargs,             # further variables of the template (TRL's `chat_template_kwargs`, e.g. enable_thinking=False)
 ) -> str:                               # the conversation as the template renders it
     "A conversation rendered to text with the tokenizer's chat template (`apply_chat_template(..., tokenize=False)`)."
     if not is_conversational(messages):
@@ -137,17 +138,18 @@ def apply_chat(
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"`{column}` holds conversations but the tokenizer has no chat template: set `tokenizer.chat_template` "
                          "(e.g. instruct_goose.data.CHATML_TEMPLATE), or give plain-text rows")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **chat_template_kwargs)
 
 # %% ../nbs/02_data.ipynb #4c7cc58f
 def prompt_text(
     tokenizer,              # renders a conversation (its chat template)
     prompt: str | list,     # a text, or a conversation to reply to
     column: str = "prompt", # the column `prompt` came from, for messages
+    **chat_template_kwargs, # further variables of the chat template (TRL's `chat_template_kwargs`)
 ) -> str:                   # the text a completion is sampled after
     "A prompt as text: a string unchanged, a conversation rendered with the assistant's turn opened."
     if isinstance(prompt, str): return prompt
-    return apply_chat(tokenizer, prompt, add_generation_prompt=True, column=column)
+    return apply_chat(tokenizer, prompt, add_generation_prompt=True, column=column, **chat_template_kwargs)
 
 # %% ../nbs/02_data.ipynb #00b7f796
 # ChatML, as Qwen and others write it; importable as instruct_goose.data.CHATML_TEMPLATE

@@ -96,6 +96,7 @@ class OnPolicyConfig(TrainingConfig):
     repetition_penalty: float = 1.0        # TRL 1.16: 🤗's penalty on tokens already in the prompt or completion (1: off)
     generation_kwargs: dict | None = None  # TRL 1.16: further 🤗 `GenerationConfig` options of the sampler (e.g. suppress_tokens); a key with a field of its own is refused
     cache_implementation: str | None = None  # TRL 1.16: "static" (preallocated KV cache) or "dynamic"; None: static on a GPU, dynamic on the CPU
+    chat_template_kwargs: dict | None = None  # TRL 1.16: further variables of the chat template for conversational prompts (e.g. {"enable_thinking": False})
     num_generations_eval: int | None = None  # TRL 1.16: completions sampled per evaluation prompt; None: as in training (RLOO's k, GRPO's G, PPO's 1)
     steps_per_generation: int | None = None  # TRL 1.16: micro-batches one generation serves = gradient_accumulation_steps × num_mini_batches; sets `num_mini_batches`
     generation_batch_size: int | None = None # TRL 1.16: completions per generation, all processes = rollout_size × processes; sets `num_mini_batches`
@@ -113,6 +114,9 @@ class OnPolicyConfig(TrainingConfig):
                                                          else self.generation_kwargs) or None   # TRL also takes a JSON string
         if self.cache_implementation not in (None, "static", "dynamic"):
             raise ValueError(f"`cache_implementation` must be 'static', 'dynamic' or None (static on a GPU), got {self.cache_implementation!r}")
+        if isinstance(self.chat_template_kwargs, str): self.chat_template_kwargs = json.loads(self.chat_template_kwargs)   # TRL also takes a JSON string
+        if not isinstance(self.chat_template_kwargs, (dict, type(None))):
+            raise ValueError(f"`chat_template_kwargs` must be a dict of chat template variables, got {self.chat_template_kwargs!r}")
         if self.num_generations_eval is not None: check_number("num_generations_eval", self.num_generations_eval, low=1)
         check_number("kl_coef", self.kl_coef)
         for name in ("cliprange", "temperature"): check_number(name, getattr(self, name), low_open=True)
@@ -321,7 +325,7 @@ def sample_and_score(
     "Render the prompts (`prompt_text`), sample a response each (in chunks), decode, score with the reward and the rows' other columns, subtract `missing_eos_penalty` where no stop came."
     c, tok, columns = self.args, self.processing_class, _prompt_columns(rows)
     prompts = columns.pop("prompt")
-    texts = [prompt_text(tok, p) for p in prompts]
+    texts = [prompt_text(tok, p, **(c.chat_template_kwargs or {})) for p in prompts]
     device = next(model.parameters()).device
     q_ids, q_mask = (t.to(device) for t in encode_prompts(tok, texts, c.max_prompt_length))
     def sample(ids, mask, rows):
@@ -363,7 +367,7 @@ def check_ready(self: OnPolicyTrainer):
     for name, argument in (("tokenizer", "processing_class"), ("reward_model", "reward_funcs"), ("train_dataset", "train_dataset")):
         if getattr(self, name) is None: raise ValueError(f"`{argument}` is needed to train: pass it to {type(self).__name__}(...)")
     for data in (self.train_dataset, self.eval_dataset):
-        if data is not None: prompt_text(self.processing_class, data[0]["prompt"])   # conversations need a chat template: fail before any work
+        if data is not None: prompt_text(self.processing_class, data[0]["prompt"], **(self.args.chat_template_kwargs or {}))   # conversations need a chat template: fail before any work
     c = self.args
     prompt_budget(self.model, c.max_prompt_length, c.response_length)   # prompt + response must fit the context
     if self.args.rollout_size % self.samples_per_prompt:
@@ -583,11 +587,12 @@ def evaluate_policy(
     seed: int = 0,                     # sampling seed (the same for both models)
     columns: dict[str, list] | None = None,  # the prompts' other columns for the reward, one value per prompt (e.g. answer=[...])
     max_prompt_length: int | None = None,    # keep at most this many prompt tokens, from the end (None: what the context leaves; `prompt_budget`)
+    chat_template_kwargs: dict | None = None,  # further variables of the chat template, for conversational prompts
     sampling: dict | None = None,      # top-p/top-k/min-p, repetition penalty… as `generate_responses` keywords (`sampling_options`); unused when greedy
 ) -> tuple[dict, list[dict]]:          # (metrics, one record per prompt)
     "Reward, gold score, win rates (ties ½) and KL of a policy against its reference, on held-out prompts."
     model = policy.model if isinstance(policy, Agent) else policy
-    texts = [prompt_text(tokenizer, p) for p in prompts]
+    texts = [prompt_text(tokenizer, p, **(chat_template_kwargs or {})) for p in prompts]
     fit = prompt_budget(model, max_prompt_length, response_length)   # as training cuts them: within the context
     q_ids, q_mask = (t.to(next(model.parameters()).device) for t in encode_prompts(tokenizer, texts, fit))
     models = {"policy": model, **({} if ref_model is None else {"reference": ref_model})}
@@ -627,7 +632,7 @@ def evaluate(
             _, records = evaluate_policy(model, ref, self.processing_class, prompts, reward, response_length=c.response_length,
                                          temperature=temperature, stop_token_id=self.stop_token_id, seed=c.seed + start,
                                          columns=columns, max_prompt_length=c.max_prompt_length,
-                                         sampling=sampling_options(c))
+                                         chat_template_kwargs=c.chat_template_kwargs, sampling=sampling_options(c))
             totals += torch.tensor([_eval_sums(r) for r in records], device=loop.device).sum(0)
     n, score, score_ref, wins, kl = (acc.reduce(totals, "sum") if acc.num_processes > 1 else totals).tolist()
     if self.ref_model is None: return {"eval/score": score / n}

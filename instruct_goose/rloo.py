@@ -33,7 +33,7 @@ _TRL_REFUSED: dict[str, str] = {
     "disable_dropout": "dropout is always off here (the first pass's ratio is exactly 1); it cannot be turned back on",
     "cast_lm_head_to_fp32": f"{_LATER} (log-probabilities are computed in float32 from the logits)",
     "ds3_gather_for_generation": f"{_LATER} (ZeRO-3 generation always gathers the full weights)",
-    "pad_to_multiple_of": _LATER, "chat_template_kwargs": _LATER,
+    "pad_to_multiple_of": _LATER,
     **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
                     f"{_LATER} (generation is built in)"),
     **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"), f"{_LATER} (the reference stays the initial policy)"),
@@ -58,7 +58,6 @@ class TRLNotYet:
     disable_dropout: bool = True                   # dropout is always off here (TRL's default: False); False is refused
     ds3_gather_for_generation: bool = True         # refused (_TRL_REFUSED) unless True
     pad_to_multiple_of: str | None = "auto"       # refused (_TRL_REFUSED) unless "auto" (TRL: an int, or "auto")
-    chat_template_kwargs: dict | None = None       # refused (_TRL_REFUSED): not implemented yet, issue 28
     use_vllm: bool = False                         # refused (_TRL_REFUSED): generation is built in
     vllm_mode: str = "colocate"                    # refused (_TRL_REFUSED): vLLM does not run here
     vllm_model_impl: str = "vllm"                  # refused (_TRL_REFUSED): vLLM does not run here

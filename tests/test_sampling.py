@@ -129,3 +129,20 @@ def test_shuffle_dataset_false_takes_rows_in_order(policy_dir, tmp_path):
 def test_bad_values_are_one_line_errors(config, bad, names):
     with pytest.raises(ValueError) as error: config(per_device_train_batch_size=4, num_generations=2, **bad)
     assert names in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_chat_template_kwargs_reach_the_template(policy_dir, tmp_path):
+    "TRL's `chat_template_kwargs` are variables of the chat template, for training and evaluation prompts alike."
+    from instruct_goose.data import CHATML_TEMPLATE
+    think = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    conversation = [[{"role": "user", "content": "the movie was"}]]
+    rendered = {}
+    for kwargs in (None, {"enable_thinking": False}):
+        trainer = _trainer(policy_dir, tmp_path, chat_template_kwargs=kwargs)
+        trainer.processing_class.chat_template = CHATML_TEMPLATE + think
+        samples = trainer.sample_and_score(trainer.model, conversation, seed=0)
+        records = evaluate_policy(trainer.model, None, trainer.processing_class, conversation, length, response_length=4,
+                                  chat_template_kwargs=kwargs)[1]
+        rendered[bool(kwargs)] = samples.prompts[0], records[0]["prompt"]
+    assert rendered[True] == (rendered[False][0] + "<think></think>",) * 2 and rendered[False][0] == rendered[False][1]
+    assert rendered[False][0].endswith("<|im_start|>assistant\n")
