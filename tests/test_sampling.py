@@ -146,3 +146,18 @@ def test_chat_template_kwargs_reach_the_template(policy_dir, tmp_path):
         rendered[bool(kwargs)] = samples.prompts[0], records[0]["prompt"]
     assert rendered[True] == (rendered[False][0] + "<think></think>",) * 2 and rendered[False][0] == rendered[False][1]
     assert rendered[False][0].endswith("<|im_start|>assistant\n")
+
+
+def test_ppo_takes_them_from_the_same_engine(tmp_path):
+    "PPO samples through the same `sample_and_score`: `top_k=1` is greedy there too, and `steps_per_generation` sets its minibatches."
+    from instruct_goose import PPOConfig, PPOTrainer, task_tokenizer, tiny_causal_lm
+    tokenizer = task_tokenizer()
+    config = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=4,
+                       top_k=1, response_length=5)
+    assert config.num_mini_batches == 2
+    trainer = PPOTrainer(tiny_causal_lm(tokenizer, seed=0), args=config, processing_class=tokenizer, reward_funcs=length)
+    policy = trainer.model.model
+    samples = trainer.sample_and_score(policy, ["Review: The film", "Review: A goose"], seed=0)
+    ids, mask = samples.response_ids, samples.response_mask
+    with torch.no_grad(): logits = response_logits(policy, samples.query_ids, samples.query_attention_mask, ids, mask)[0]
+    assert torch.equal(ids[mask], logits.argmax(-1)[mask])
