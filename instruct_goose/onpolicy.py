@@ -382,6 +382,7 @@ def setup(
     "Optimizer and schedule, frozen models on their device, KL controller in the checkpoints, resume, Ctrl-C handling."
     c = self.args
     loop.register(self.kl_ctl)
+    if getattr(self, "entropy_ctl", None) is not None: loop.register(self.entropy_ctl)   # GRPO's adaptive entropy coefficient (`use_adaptive_entropy`)
     loop.progress_keys = self.progress_keys
     model = loop.accelerator.unwrap_model(loop.setup_optimizer(self.model, steps * c.num_ppo_epochs * c.num_mini_batches))
     for frozen in (self.ref_model, self.reward_model):

@@ -42,8 +42,6 @@ _TRL_REFUSED: dict[str, str] = {
     **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
                     f"{_LATER} (generation is built in)"),
     **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"), f"{_LATER} (the reference stays the initial policy)"),
-    **dict.fromkeys(("top_entropy_quantile", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
-                     "entropy_coef_delta", "entropy_target"), _LATER),
     "max_tool_calling_iterations": f"{_LATER} (no tool calls)",
     **dict.fromkeys(("log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo"), _LOGS),
     **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
@@ -103,12 +101,6 @@ class TRLNotYet:
 class GRPONotYet(TRLNotYet):
     "The further fields of TRL 1.16's `GRPOConfig` that this library does not run yet, at TRL's defaults (see `_TRL_REFUSED`)."
     cast_lm_head_to_fp32: bool = False             # refused (_TRL_REFUSED): not implemented yet, issue 28
-    top_entropy_quantile: float = 1.0              # refused (_TRL_REFUSED) unless 1.0: not implemented yet, issue 28
-    use_adaptive_entropy: bool = False             # refused (_TRL_REFUSED): not implemented yet, issue 28
-    entropy_coef_min: float = 0.0                  # refused (_TRL_REFUSED) unless 0: not implemented yet, issue 28
-    entropy_coef_max: float = 1.0                  # refused (_TRL_REFUSED) unless 1: not implemented yet, issue 28
-    entropy_coef_delta: float = 0.005              # refused (_TRL_REFUSED) unless 0.005: not implemented yet, issue 28
-    entropy_target: float = 0.2                    # refused (_TRL_REFUSED) unless 0.2: not implemented yet, issue 28
     max_tool_calling_iterations: int | None = None # refused (_TRL_REFUSED): not implemented yet, issue 28
     vllm_importance_sampling_correction: bool = True  # refused (_TRL_REFUSED) unless True: vLLM does not run here
     vllm_importance_sampling_mode: str = "sequence_mask"  # refused (_TRL_REFUSED): vLLM does not run here
