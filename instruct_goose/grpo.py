@@ -24,13 +24,13 @@ from .losses import AdaptiveEntropyController, kl_penalty
 from .rloo import GRPONotYet, refuse_unsupported
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
 from .agent import response_logits
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
 _LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")   # TRL 1.16's `loss_type`s
 
 @dataclass
-class GRPOConfig(OnPolicyConfig, GRPONotYet):
+class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet):
     "GRPO's knobs under TRL's `GRPOConfig` names and defaults (TRL 1.16), each kept equal to its shared on-policy field (`merge_names`)."
     num_generations: int = 4               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL: 8; 4 suits the tiny models)
     max_completion_length: int = 32        # tokens sampled per completion (sets `response_length`; TRL: 512)
@@ -67,10 +67,13 @@ class GRPOConfig(OnPolicyConfig, GRPONotYet):
 
     def __post_init__(self):
         refuse_unsupported(self)                  # TRL's fields not run here yet: refused by name (`_TRL_REFUSED`)
+        self.check_trl_options()                  # model loading, reference sync (`TRLOptions`)
         if isinstance(self.scale_rewards, bool) or self.scale_rewards in ("True", "False"):
             self.scale_rewards = "group" if self.scale_rewards in (True, "True") else "none"
         super().__post_init__()
         if self.num_generations < 2: raise ValueError(f"`num_generations` must be at least 2 (a group needs siblings), got {self.num_generations}")
+        if self.sync_ref_model and self.kl_coef == 0:
+            raise ValueError("`sync_ref_model` mixes the policy into the reference, and with `beta`=0 there is none: set `beta` > 0 or leave it off")
         for name, default in (("kl_estimator", "k1"), ("whiten_rewards", False)):   # PPO's and RLOO's settings, shared by the base config
             if getattr(self, name) != default:
                 raise ValueError(f"`{name}` is PPO's and RLOO's setting, not GRPO's: GRPO's KL is k3 inside the loss and its rewards "

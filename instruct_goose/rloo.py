@@ -18,7 +18,7 @@ from .core import check_number, entropy_from_logits, logprobs_from_logits, maske
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
 
 # %% ../nbs/09_rloo.ipynb #f5fc4aff
 _LATER = "not implemented yet; issue 28"
@@ -29,19 +29,18 @@ _ONE_STEP = f"{_LATER} (one generation serves one optimizer step: it holds per_d
 _LOGS = f"{_LATER} (a table of samples is printed `num_sample_generations` times)"
 
 _TRL_REFUSED: dict[str, str] = {
-    "model_init_kwargs": f"{_LATER} (load the model yourself and pass it as `model`)",
-    "trust_remote_code": f"{_LATER} (load the model yourself and pass it as `model`)",
     "router_aux_loss_coef": f"{_LATER} (no mixture-of-experts auxiliary loss)",
     "disable_dropout": "dropout is always off here (the first pass's ratio is exactly 1); it cannot be turned back on",
-    "cast_lm_head_to_fp32": f"{_LATER} (log-probabilities are computed in float32 from the logits)",
+    "cast_lm_head_to_fp32": f"{_LATER} (the head runs in the model's dtype, bf16 under mixed precision; the log-softmax of its logits is float32)",
     "num_generations_eval": f"{_LATER} (evaluation samples one completion per prompt)",
     "ds3_gather_for_generation": f"{_LATER} (ZeRO-3 generation always gathers the full weights)",
-    "shuffle_dataset": _LATER, "pad_to_multiple_of": _LATER, "chat_template_kwargs": _LATER,
+    "shuffle_dataset": _LATER, "chat_template_kwargs": _LATER,
+    "pad_to_multiple_of": ("padding only widens tensors (for Neuron's one compile per shape), it changes no number; widths here are the "
+                           "longest prompt and `max_completion_length`; leave it at 'auto' (TRL's: no padding off Neuron)"),
     "generation_batch_size": _ONE_STEP, "steps_per_generation": _ONE_STEP,
     **dict.fromkeys(("top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs", "cache_implementation"), _SAMPLER),
     **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
                     f"{_LATER} (generation is built in)"),
-    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"), f"{_LATER} (the reference stays the initial policy)"),
     "max_tool_calling_iterations": f"{_LATER} (no tool calls)",
     **dict.fromkeys(("log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo"), _LOGS),
     **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
@@ -55,14 +54,12 @@ _TRL_REFUSED: dict[str, str] = {
 @dataclass
 class TRLNotYet:
     "The fields TRL 1.16's `RLOOConfig` and `GRPOConfig` both add that this library does not run yet, at TRL's defaults (see `_TRL_REFUSED`)."
-    model_init_kwargs: dict | None = None          # refused (_TRL_REFUSED): pass a loaded `model`
-    trust_remote_code: bool = False                # refused (_TRL_REFUSED): pass a loaded `model`
     router_aux_loss_coef: float | None = None      # refused (_TRL_REFUSED)
     disable_dropout: bool = True                   # dropout is always off here (TRL's default: False); False is refused
     num_generations_eval: int | None = None        # refused (_TRL_REFUSED)
     ds3_gather_for_generation: bool = True         # refused (_TRL_REFUSED) unless True
     shuffle_dataset: bool = True                   # refused (_TRL_REFUSED) unless True
-    pad_to_multiple_of: str | None = "auto"       # refused (_TRL_REFUSED) unless "auto" (TRL: an int, or "auto")
+    pad_to_multiple_of: str | None = "auto"       # refused (_TRL_REFUSED) unless "auto": padding changes no number (TRL: an int, or "auto": none off Neuron)
     generation_batch_size: int | None = None       # refused (_TRL_REFUSED): not implemented yet, issue 28
     steps_per_generation: int | None = None        # refused (_TRL_REFUSED): not implemented yet, issue 28
     top_p: float = 1.0                             # refused (_TRL_REFUSED) unless 1.0: not implemented yet, issue 28
@@ -85,9 +82,6 @@ class TRLNotYet:
     vllm_gpu_memory_utilization: float = 0.3       # refused (_TRL_REFUSED): vLLM does not run here
     vllm_max_model_length: int | None = None       # refused (_TRL_REFUSED): vLLM does not run here
     vllm_tensor_parallel_size: int = 1             # refused (_TRL_REFUSED): vLLM does not run here
-    sync_ref_model: bool = False                   # refused (_TRL_REFUSED): not implemented yet, issue 28
-    ref_model_mixup_alpha: float = 0.6             # refused (_TRL_REFUSED) unless 0.6: not implemented yet, issue 28
-    ref_model_sync_steps: int = 512                # refused (_TRL_REFUSED) unless 512: not implemented yet, issue 28
     log_completions: bool = False                  # refused (_TRL_REFUSED): not implemented yet, issue 28
     log_multimodal: bool = True                    # refused (_TRL_REFUSED) unless True: not implemented yet, issue 28
     num_completions_to_print: int | None = None    # refused (_TRL_REFUSED): not implemented yet, issue 28
@@ -118,7 +112,7 @@ def refuse_unsupported(config) -> None:
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
-class RLOOConfig(OnPolicyConfig, TRLNotYet):
+class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options, under TRL's `RLOOConfig` names: current TRL's (≥ 0.22) or, as aliases, TRL ≤ 0.21's (`merge_names`)."
     num_generations: int = 2                 # k: responses sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL ≤ 0.21: `rloo_k`)
     beta: float = 0.05                       # β: weight of the KL penalty (TRL ≤ 0.21 and PPO: `kl_coef`)
@@ -139,6 +133,7 @@ class RLOOConfig(OnPolicyConfig, TRLNotYet):
 
     def __post_init__(self):
         refuse_unsupported(self)
+        self.check_trl_options()                 # model loading, reference sync (`TRLOptions`)
         super().__post_init__()
         k = self.num_generations
         if k < 2: raise ValueError(f"`num_generations` (`rloo_k`) must be at least 2 (the baseline needs another response), got {k}")
