@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['merge_names', 'OnPolicyConfig', 'frozen_reference', 'trl_arguments', 'OnPolicyTrainer', 'TRLOptions', 'mix_reference',
-           'SyncRefModelCallback', 'prompt_budget', 'evaluate_policy']
+           'SyncRefModelCallback', 'CompletionsResume', 'prompt_budget', 'evaluate_policy']
 
 # %% ../nbs/08_onpolicy.ipynb #2a44eff2
 import json, os, time
@@ -21,6 +21,8 @@ from accelerate.utils import DistributedType
 
 from .agent import Agent, _is_peft, context_length, create_reference_model, disable_dropout, eval_mode, load_tokenizer, response_logits, with_peft
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from accelerate.utils import gather_object
+from .completions import append_completions, completion_rows, completions_table, completions_to_trackers, drop_completions_after, first_per_prompt
 from .generation import generate_responses
 from .data import as_dataset, encode_prompts, prompt_text
 from .reward import RewardModel, WeightedReward, reward_from
@@ -247,12 +249,15 @@ def on_device(
 # %% ../nbs/08_onpolicy.ipynb #b1d2e3f4
 @dataclass
 class TRLOptions:
-    "TRL 1.16's RLOO and GRPO options for loading the policy and syncing the reference, honoured by the shared engine (see the section)."
+    "TRL 1.16's RLOO and GRPO options for loading the policy, syncing the reference and logging completions, honoured by the shared engine (see the section)."
     model_init_kwargs: dict | str | None = None   # keywords of `AutoModelForCausalLM.from_pretrained` when `model` is a name or path (a JSON string is read as a dict)
     trust_remote_code: bool = False               # let `from_pretrained` run a checkpoint's own code (the policy and its tokenizer)
     sync_ref_model: bool = False                  # TR-DPO: every `ref_model_sync_steps` steps, π_ref ← α·π_θ + (1 − α)·π_ref
     ref_model_mixup_alpha: float = 0.6            # α of the sync, in [0, 1]
     ref_model_sync_steps: int = 512               # steps between syncs (a step: one rollout and its updates)
+    log_completions: bool = False                 # every logging step: prompt, completion, each reward, advantage: printed, in completions.jsonl, to table trackers
+    num_completions_to_print: int | None = None   # rows of that table printed (None: all); the file and trackers get every row
+    log_unique_prompts: bool = False              # only the first completion of each prompt in the table
 
     def check_trl_options(self):
         "Read a JSON `model_init_kwargs`; refuse values out of range, by name."
@@ -261,6 +266,7 @@ class TRLOptions:
             raise ValueError(f"`model_init_kwargs` must be a dict of `from_pretrained` keywords (or its JSON), got {self.model_init_kwargs!r}")
         check_number("ref_model_mixup_alpha", self.ref_model_mixup_alpha, high=1.0)
         check_number("ref_model_sync_steps", self.ref_model_sync_steps, low=1)
+        if self.num_completions_to_print is not None: check_number("num_completions_to_print", self.num_completions_to_print)
 
 # %% ../nbs/08_onpolicy.ipynb #06e82979
 def _from_pretrained_kwargs(args) -> dict:
@@ -302,12 +308,40 @@ class SyncRefModelCallback(TrainerCallback):
 # %% ../nbs/08_onpolicy.ipynb #d3f4a5b6
 @patch
 def trl_callbacks(self: OnPolicyTrainer) -> list:
-    "The callbacks `TRLOptions` add to a run: TR-DPO's reference sync (`SyncRefModelCallback`) when `sync_ref_model`."
+    "The callbacks `TRLOptions` add to a run: TR-DPO's reference sync (`SyncRefModelCallback`) when `sync_ref_model`; with `log_completions`, the file's rows of steps to be redone dropped at the start (`CompletionsResume`)."
     c = self.args
-    if not (isinstance(c, TRLOptions) and c.sync_ref_model): return []
+    if not isinstance(c, TRLOptions): return []
+    resume = [CompletionsResume()] if c.log_completions else []
+    if not c.sync_ref_model: return resume
     if self.ref_model is None: raise ValueError("`sync_ref_model` mixes the policy into the reference, and with `beta`=0 there is none: set `beta` > 0 or leave it off")
     if _is_peft(self.model): raise ValueError("`sync_ref_model` with LoRA (`peft_config`): the reference is the adapter-off base, there is no copy to sync")
-    return [SyncRefModelCallback(self.ref_model, c.ref_model_mixup_alpha, c.ref_model_sync_steps)]
+    return [SyncRefModelCallback(self.ref_model, c.ref_model_mixup_alpha, c.ref_model_sync_steps), *resume]
+
+# %% ../nbs/08_onpolicy.ipynb #a6c7d8e9
+class CompletionsResume(TrainerCallback):
+    "At the start of training, keep only the rows of `completions.jsonl` of steps up to the one resumed from (`drop_completions_after`)."
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero: drop_completions_after(args.output_dir, state.global_step)
+
+# %% ../nbs/08_onpolicy.ipynb #b7d8e9f0
+@patch
+def log_completions(
+    self: OnPolicyTrainer,
+    loop: TrainLoop,         # the run's loop
+    rollout,                 # the step's rollout: its `advantages`
+    samples: Samples,        # the step's prompts, completions and each reward's scores
+    steps: int,              # training steps in the run
+):
+    "At every logging step (and the last) with `log_completions`: all processes' `completion_rows`, printed (`num_completions_to_print` rows), appended to completions.jsonl, sent to table trackers."
+    c, acc, step = self.args, loop.accelerator, loop.state.step
+    if not (isinstance(c, TRLOptions) and c.log_completions) or (step % c.logging_steps and step != steps): return
+    rows = completion_rows(step, samples.prompts, samples.completions, self.reward_model.names, samples.reward_scores, rollout.advantages)
+    if acc.num_processes > 1: rows = gather_object(rows)
+    if c.log_unique_prompts: rows = first_per_prompt(rows)
+    if not acc.is_main_process: return
+    loop.console.print(completions_table(rows, f"completions at step {step}", c.num_completions_to_print))
+    append_completions(c.output_dir, rows)
+    completions_to_trackers(acc.trackers, rows, step)
 
 # %% ../nbs/08_onpolicy.ipynb #8e7ee646
 @patch(as_prop=True)
@@ -433,6 +467,7 @@ def train(
                 loop.fire("on_evaluate", metrics=evals)
                 stats.update(evals)
             self.report(loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress)
+            self.log_completions(loop, rollout, samples, steps)   # `log_completions`: the step's table (`TRLOptions`)
             if loop.end_step(loop.state.step == steps): break   # the last step, or a callback's `control.should_training_stop`
     finally: loop._restore_signals()      # an exception must not leave our Ctrl-C handler installed
     progress.close()

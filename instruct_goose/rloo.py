@@ -26,7 +26,6 @@ _SAMPLER = f"{_LATER} (sampling draws from softmax(logits / temperature), the di
 _VLLM = ("vLLM does not run here: generation is built in; set `temperature`, `max_completion_length` and "
          "`local_rollout_forward_batch_size` (rows per generation call) instead")
 _ONE_STEP = f"{_LATER} (one generation serves one optimizer step: it holds per_device_train_batch_size × gradient_accumulation_steps prompts)"
-_LOGS = f"{_LATER} (a table of samples is printed `num_sample_generations` times)"
 
 _TRL_REFUSED: dict[str, str] = {
     "router_aux_loss_coef": f"{_LATER} (no mixture-of-experts auxiliary loss)",
@@ -42,7 +41,8 @@ _TRL_REFUSED: dict[str, str] = {
     **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
                     f"{_LATER} (generation is built in)"),
     "max_tool_calling_iterations": f"{_LATER} (no tool calls)",
-    **dict.fromkeys(("log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo"), _LOGS),
+    "log_multimodal": "completions here are text only: there is nothing multimodal to log or to leave out; leave it at True",
+    "log_completions_hub_repo": "nothing is uploaded to the Hub from here: with `log_completions` the table is in output_dir/completions.jsonl (`goose completions`)",
     **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
                      "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
@@ -82,10 +82,7 @@ class TRLNotYet:
     vllm_gpu_memory_utilization: float = 0.3       # refused (_TRL_REFUSED): vLLM does not run here
     vllm_max_model_length: int | None = None       # refused (_TRL_REFUSED): vLLM does not run here
     vllm_tensor_parallel_size: int = 1             # refused (_TRL_REFUSED): vLLM does not run here
-    log_completions: bool = False                  # refused (_TRL_REFUSED): not implemented yet, issue 28
-    log_multimodal: bool = True                    # refused (_TRL_REFUSED) unless True: not implemented yet, issue 28
-    num_completions_to_print: int | None = None    # refused (_TRL_REFUSED): not implemented yet, issue 28
-    log_unique_prompts: bool = False               # refused (_TRL_REFUSED): not implemented yet, issue 28
+    log_multimodal: bool = True                    # refused (_TRL_REFUSED) unless True: text only, nothing multimodal to log
     use_transformers_continuous_batching: bool = False  # refused (_TRL_REFUSED): not implemented yet, issue 28
     transformers_continuous_batching_config: dict | None = None  # refused (_TRL_REFUSED): not implemented yet, issue 28
     use_transformers_paged: bool = False           # refused (_TRL_REFUSED): not implemented yet, issue 28
@@ -101,7 +98,7 @@ class GRPONotYet(TRLNotYet):
     vllm_importance_sampling_clip_max: float | None = 3.0  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_clip_min: float | None = None  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_cap: float | None = None  # refused (_TRL_REFUSED): vLLM does not run here
-    log_completions_hub_repo: str | None = None    # refused (_TRL_REFUSED): not implemented yet, issue 28
+    log_completions_hub_repo: str | None = None    # refused (_TRL_REFUSED): no Hub uploads; completions.jsonl in output_dir
 
 # %% ../nbs/09_rloo.ipynb #50a31207
 def refuse_unsupported(config) -> None:
