@@ -1,4 +1,4 @@
-"""`log_completions` end to end (GRPO and RLOO on the tiny policy): the rows of completions.jsonl, their scores against the
+"""The TRL options of issue 28 end to end: `log_completions` (GRPO and RLOO on the tiny policy): the rows of completions.jsonl, their scores against the
 logged reward means, their advantages against the group formula, resume without doubled or lost rows, `goose completions`.
 
 - `test_grpo_logs_every_completion`: 2 steps, 2 prompts × 4 completions: 16 rows, 8 per step; each step's mean `length` score is
@@ -7,6 +7,8 @@ logged reward means, their advantages against the group formula, resume without 
 - `test_resume_neither_doubles_nor_loses_rows` (slow): resumed from step 1's checkpoint, step 2 is redone: the file again holds steps
   1 and 2 once each, with the same rows as the uninterrupted run.
 - `test_unique_prompts_and_rloo` (slow): `log_unique_prompts` keeps one row per prompt; RLOO logs its leave-one-out advantages.
+- `test_rloo_syncs_its_reference` (slow): RLOO's TR-DPO sync after step 2: π_ref = α·θ₂ + (1 − α)·π₀.
+- `test_adaptive_entropy_coefficient_survives_resume` (slow): GRPO's entropy controller, applied 0 then c₁ = 0.03, is checkpointed.
 """
 import json
 import shutil
@@ -26,8 +28,8 @@ def length(prompts, completions): return [len(c) / 10 for c in completions]
 
 def _train(policy_dir, out, trainer=GRPOTrainer, config=GRPOConfig, resume=None, **options):
     args = config(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
-                  logging_steps=1, save_steps=1, num_sample_generations=0, disable_tqdm=True, learning_rate=1e-3,
-                  log_completions=True, num_completions_to_print=2, resume_from_checkpoint=resume, **options)
+                  logging_steps=1, save_steps=1, num_sample_generations=0, disable_tqdm=True,
+                  resume_from_checkpoint=resume, **{"learning_rate": 1e-3, "log_completions": True, "num_completions_to_print": 2, **options})
     t = trainer(AutoModelForCausalLM.from_pretrained(policy_dir), args=args, processing_class=AutoTokenizer.from_pretrained(policy_dir),
                 train_dataset=load_task("prompts").select(range(8)), reward_funcs=length)
     t.train()
@@ -87,3 +89,26 @@ def test_unique_prompts_and_rloo(policy_dir, tmp_path):
     _train(policy_dir, tmp_path / "unique", log_unique_prompts=True)
     unique = read_completions(tmp_path / "unique")
     assert [r["step"] for r in unique] == [1, 1, 2, 2] and unique[0]["prompt"] != unique[1]["prompt"]
+
+
+@pytest.mark.slow
+def test_rloo_syncs_its_reference(policy_dir, tmp_path):
+    "RLOO's `sync_ref_model` (TR-DPO) after step 2 of 2: π_ref = α·θ₂ + (1 − α)·π₀, π₀ the initial policy."
+    initial = AutoModelForCausalLM.from_pretrained(policy_dir)
+    t = _train(policy_dir, tmp_path / "rloo_sync", trainer=RLOOTrainer, config=RLOOConfig, num_iterations=1, sync_ref_model=True,
+               ref_model_mixup_alpha=0.25, ref_model_sync_steps=2, learning_rate=1e-2)
+    for r, p, p0 in zip(t.ref_model.parameters(), t.model.parameters(), initial.parameters()):
+        assert torch.allclose(r, 0.25 * p.detach() + 0.75 * p0.detach(), atol=1e-6)
+    assert max((p.detach() - p0).abs().max().item() for p, p0 in zip(t.model.parameters(), initial.parameters())) > 1e-4
+
+
+@pytest.mark.slow
+def test_adaptive_entropy_coefficient_survives_resume(policy_dir, tmp_path):
+    "GRPO's `use_adaptive_entropy` controller is saved with each checkpoint: resumed from step 1, it ends where the whole run ends."
+    options = dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.02, entropy_target=50.0, log_completions=False)
+    whole = _train(policy_dir, tmp_path / "whole", **options)
+    assert whole.entropy_ctl.state_dict()["coef"] == pytest.approx(0.05)          # two steps below the target: 0.01 + 2 × 0.02
+    assert [row["entropy_coef"] for row in whole.loop.state.history] == pytest.approx([0.0, 0.03])   # applied: off, then c₁
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    resumed = _train(policy_dir, tmp_path / "resumed", resume=str(tmp_path / "resumed" / "checkpoint-1"), **options)
+    assert resumed.entropy_ctl.state_dict() == pytest.approx(whole.entropy_ctl.state_dict())
