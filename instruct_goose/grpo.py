@@ -106,9 +106,11 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet):
     @property
     def entropy_bonus(self) -> bool: return bool(self.entropy_coef) or self.use_adaptive_entropy   # the bonus term exists for the whole run (TRL's `_entropy_bonus_enabled`)
 
-    def entropy_controller(self) -> AdaptiveEntropyController:
-        "A fresh `AdaptiveEntropyController` from `entropy_coef` (its start), `entropy_target`, `entropy_coef_delta`, `entropy_coef_min/max`."
-        return AdaptiveEntropyController(self.entropy_coef, self.entropy_target, self.entropy_coef_delta, self.entropy_coef_min, self.entropy_coef_max)
+# %% ../nbs/09b_grpo.ipynb #9a8b7c6d
+@patch
+def entropy_controller(self: GRPOConfig) -> AdaptiveEntropyController:
+    "A fresh `AdaptiveEntropyController` from `entropy_coef` (its start), `entropy_target`, `entropy_coef_delta`, `entropy_coef_min/max`."
+    return AdaptiveEntropyController(self.entropy_coef, self.entropy_target, self.entropy_coef_delta, self.entropy_coef_min, self.entropy_coef_max)
 
 # %% ../nbs/09b_grpo.ipynb #b61abbb6
 @typecheck
