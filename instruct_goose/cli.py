@@ -7,7 +7,8 @@ __all__ = ['field_help', 'GooseParser', 'parse_config', 'SFTCommand', 'RMCommand
            'GRPOCommand', 'DPOCommand', 'EvalCommand', 'PipelineCommand', 'PlotCommand', 'UsageError',
            'load_tokenizer_and_model', 'load_data', 'set_threads', 'import_function', 'command_reward', 'python_call',
            'run_sft', 'run_rm', 'lora_config', 'run_ppo', 'run_rloo', 'run_grpo', 'run_dpo', 'run_eval',
-           'comparison_table', 'plot_metrics', 'run_plot', 'run_pipeline', 'resume_command', 'main']
+           'comparison_table', 'plot_metrics', 'run_plot', 'CompletionsCommand', 'run_completions', 'run_pipeline',
+           'resume_command', 'main']
 
 # %% ../nbs/10_cli.ipynb #91472c31
 import argparse, copy, dataclasses, importlib, inspect, json, logging, os, shlex, sys, time
@@ -36,6 +37,7 @@ from .rloo import RLOOConfig, RLOOTrainer
 from .grpo import GRPOConfig, GRPOTrainer
 from .dpo import DPOConfig, DPOTrainer
 from .onpolicy import OnPolicyConfig, evaluate_policy
+from .completions import completions_table, read_completions
 from .ppo import RLHFConfig, RLHFTrainer
 
 # %% ../nbs/10_cli.ipynb #f1a00002
@@ -526,6 +528,22 @@ def run_plot(args: PlotCommand) -> Path:
     Console().print(f"plot: {path}")
     return path
 
+# %% ../nbs/10_cli.ipynb #1c0e7a02
+@dataclass
+class CompletionsCommand:
+    "goose completions: print the last completions a run logged with log_completions=True (prompt, completion, each reward, advantage)."
+    run_dir: str = "runs/grpo"               # a run's output_dir, holding completions.jsonl (may be given without --run_dir)
+    last: int = 8                            # how many of the last logged completions to show
+
+# %% ../nbs/10_cli.ipynb #1c0e7a03
+def run_completions(args: CompletionsCommand) -> list[dict]:
+    "goose completions"
+    if args.last < 0: raise UsageError(f"`--last` must be 0 or more, got {args.last}")
+    try: rows = read_completions(args.run_dir, args.last)
+    except FileNotFoundError as e: raise UsageError(str(e)) from None
+    Console().print(completions_table(rows, f"the last {len(rows)} completions of {args.run_dir}"))
+    return rows
+
 # %% ../nbs/10_cli.ipynb #20d51251
 def _given(**settings) -> dict:
     "The settings that are not None: what the pipeline passes on, leaving the rest at the stage command's defaults."
@@ -583,7 +601,7 @@ def run_pipeline(args: PipelineCommand) -> dict:
 # %% ../nbs/10_cli.ipynb #ec78e88f
 _COMMANDS = {"sft": (SFTCommand, run_sft), "rm": (RMCommand, run_rm), "ppo": (PPOCommand, run_ppo),
              "rloo": (RLOOCommand, run_rloo), "grpo": (GRPOCommand, run_grpo), "dpo": (DPOCommand, run_dpo), "eval": (EvalCommand, run_eval), "pipeline": (PipelineCommand, run_pipeline),
-             "plot": (PlotCommand, run_plot)}
+             "plot": (PlotCommand, run_plot), "completions": (CompletionsCommand, run_completions)}
 
 _COMMAND_NAMES = {cls.__name__: f"goose {name}" for name, (cls, _) in _COMMANDS.items()}
 
@@ -612,7 +630,7 @@ def main(argv: list[str] | None = None):
               file=sys.stderr)
         sys.exit(2)
     command, rest = argv[0], argv[1:]
-    if command == "plot" and rest and not rest[0].startswith("-"): rest = ["--run_dir", *rest]   # goose plot RUN_DIR
+    if command in ("plot", "completions") and rest and not rest[0].startswith("-"): rest = ["--run_dir", *rest]   # goose plot RUN_DIR
     config_class, run = _COMMANDS[command]
     args = parse_config(config_class, rest, prog=f"goose {command}")
     transformers_logging.disable_progress_bar()                  # 🤗's per-file load/save bars; ours stay

@@ -4,8 +4,7 @@
 
 # %% auto #0
 __all__ = ['f_divergence_scores', 'dpo_loss', 'DPOConfig', 'tokenize_pairs', 'collate_pairs', 'encode_pairs', 'CompletionLogps',
-           'packed_forward', 'completion_logps', 'mix_reference', 'SyncRefModelCallback', 'DPOTrainer', 'dpo_metrics',
-           'ld_weights', 'mixed_dpo_loss']
+           'packed_forward', 'completion_logps', 'DPOTrainer', 'dpo_metrics', 'ld_weights', 'mixed_dpo_loss']
 
 # %% ../nbs/09c_dpo.ipynb #eab44d0e
 import contextlib, math, os
@@ -27,7 +26,7 @@ from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
 from .sft import StageConfig, drop_long_prompts, fit_to_context
-from .onpolicy import frozen_reference
+from .onpolicy import SyncRefModelCallback, _from_pretrained_kwargs, _load_model, _load_tokenizer, frozen_reference, mix_reference
 
 # %% ../nbs/09c_dpo.ipynb #cb13c4eb
 _LossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
@@ -276,42 +275,6 @@ def completion_logps(
     if wpo:
         with torch.no_grad(): aligned = per_row(token_logps - torch.logsumexp(2 * logits.float().log_softmax(-1), -1))
     return CompletionLogps(per_row(weighted), per_row(logits.detach().float().mean(-1)), per_row(token_logps), aligned)
-
-# %% ../nbs/09c_dpo.ipynb #06e82979
-def _from_pretrained_kwargs(args) -> dict:
-    return {**(args.model_init_kwargs or {}), "trust_remote_code": args.trust_remote_code}
-
-# %% ../nbs/09c_dpo.ipynb #9ff3c073
-def _load_model(model, args):
-    "`model` as it is, or loaded from a name/path with `model_init_kwargs` and `trust_remote_code` (TRL's)."
-    return AutoModelForCausalLM.from_pretrained(model, **_from_pretrained_kwargs(args)) if isinstance(model, (str, os.PathLike)) else model
-
-# %% ../nbs/09c_dpo.ipynb #2607a72c
-def _load_tokenizer(processing_class, model, args):
-    "The tokenizer given, or loaded from `model`'s name/path (at `model_init_kwargs`' revision, with `trust_remote_code`)."
-    if processing_class is not None or not isinstance(model, (str, os.PathLike)): return load_tokenizer(processing_class, model)
-    revision = (args.model_init_kwargs or {}).get("revision")
-    return AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code, **({"revision": revision} if revision else {}))
-
-# %% ../nbs/09c_dpo.ipynb #b0a93b9f
-@torch.no_grad()
-def mix_reference(
-    ref_model: nn.Module,     # π_ref, updated in place
-    model: nn.Module,         # π_θ, the same architecture
-    alpha: float,             # TR-DPO's α
-) -> None:
-    "TR-DPO's soft update (Gorbatovski et al. 2024, eq. 4): π_ref ← α·π_θ + (1 − α)·π_ref, parameter by parameter."
-    ref, pol = list(ref_model.parameters()), list(model.parameters())
-    if len(ref) != len(pol) or any(r.shape != p.shape for r, p in zip(ref, pol)):
-        raise ValueError("`sync_ref_model` needs `ref_model` of the policy's architecture (or ref_model=None: a copy of the policy)")
-    for r, p in zip(ref, pol): r.mul_(1 - alpha).add_(p.to(r), alpha=alpha)
-
-# %% ../nbs/09c_dpo.ipynb #e92023d5
-class SyncRefModelCallback(TrainerCallback):
-    "TRL's callback: every `ref_model_sync_steps` optimizer steps, `mix_reference` the policy into π_ref."
-    def __init__(self, ref_model: nn.Module, alpha: float, every: int): self.ref_model, self.alpha, self.every = ref_model, alpha, every
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.every == 0: mix_reference(self.ref_model, model, self.alpha)
 
 # %% ../nbs/09c_dpo.ipynb #58ee7cdb
 class DPOTrainer(Trainer):

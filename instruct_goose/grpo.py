@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['GRPOConfig', 'group_advantages', 'normalized_sum_advantages', 'sapo_gate', 'vespo_weights', 'off_policy_mask',
-           'grpo_token_loss', 'aggregate', 'GRPORollout', 'clip_stats', 'group_stats', 'GRPOTrainer']
+           'grpo_token_loss', 'aggregate', 'GRPORollout', 'clip_stats', 'group_stats', 'GRPOTrainer',
+           'high_entropy_mask']
 
 # %% ../nbs/09b_grpo.ipynb #3e0211ca
 import math
@@ -19,16 +20,17 @@ from jaxtyping import Bool, Float
 
 from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, typecheck
 from .loop import TrainLoop
-from .losses import kl_penalty
+from .losses import AdaptiveEntropyController, kl_penalty
 from .rloo import GRPONotYet, refuse_unsupported
-from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
+from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
+from .agent import response_logits
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
 _LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")   # TRL 1.16's `loss_type`s
 
 @dataclass
-class GRPOConfig(OnPolicyConfig, GRPONotYet):
+class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet):
     "GRPO's knobs under TRL's `GRPOConfig` names and defaults (TRL 1.16), each kept equal to its shared on-policy field (`merge_names`)."
     num_generations: int = 4               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL: 8; 4 suits the tiny models)
     max_completion_length: int = 32        # tokens sampled per completion (sets `response_length`; TRL: 512)
@@ -49,7 +51,13 @@ class GRPOConfig(OnPolicyConfig, GRPONotYet):
     mask_truncated_completions: bool = False  # completions that never stopped get no loss (DAPO)
     importance_sampling_level: Literal["token", "sequence"] = "token"  # per-token ratios, or GSPO's sequence ratio
     off_policy_mask_threshold: float | None = None  # drop a completion with a negative advantage whose mean KL(π_old‖π_θ) per token exceeds this (DeepSeek-V3.2's off-policy sequence mask); None: off
-    entropy_coef: float = 0.0              # weight of the entropy bonus: −coef × the mean entropy of the loss's tokens (TRL 1.16); 0: none
+    entropy_coef: float = 0.0              # weight of the entropy bonus: −coef × the mean entropy of the loss's tokens (TRL 1.16); 0: none. With `use_adaptive_entropy`: its start value
+    top_entropy_quantile: float = 1.0      # ρ: only the top ρ of the rollout's loss tokens by π_old's entropy (all processes) get the surrogate (Wang et al. 2025); 1: all
+    use_adaptive_entropy: bool = False     # Skywork-OR1's controller of the entropy coefficient (`AdaptiveEntropyController`), one update per step
+    entropy_coef_min: float = 0.0          # the adaptive coefficient's floor
+    entropy_coef_max: float = 1.0          # the adaptive coefficient's ceiling
+    entropy_coef_delta: float = 0.005      # the adaptive coefficient's change per step
+    entropy_target: float = 0.2            # the mean entropy per token (nats, over the loss's tokens) at or below which the adaptive bonus applies
     use_bias_correction_kl: bool = True    # weight the k3 KL by the importance ratio (DeepSeek-V3.2), TRL 1.16's default: the unbiased reverse-KL gradient
     kl_coef: float = 0.0                   # the shared name of `beta`
     response_length: int = 32              # the shared name of `max_completion_length`
@@ -59,10 +67,13 @@ class GRPOConfig(OnPolicyConfig, GRPONotYet):
 
     def __post_init__(self):
         refuse_unsupported(self)                  # TRL's fields not run here yet: refused by name (`_TRL_REFUSED`)
+        self.check_trl_options()                  # model loading, reference sync (`TRLOptions`)
         if isinstance(self.scale_rewards, bool) or self.scale_rewards in ("True", "False"):
             self.scale_rewards = "group" if self.scale_rewards in (True, "True") else "none"
         super().__post_init__()
         if self.num_generations < 2: raise ValueError(f"`num_generations` must be at least 2 (a group needs siblings), got {self.num_generations}")
+        if self.sync_ref_model and self.kl_coef == 0:
+            raise ValueError("`sync_ref_model` mixes the policy into the reference, and with `beta`=0 there is none: set `beta` > 0 or leave it off")
         for name, default in (("kl_estimator", "k1"), ("whiten_rewards", False)):   # PPO's and RLOO's settings, shared by the base config
             if getattr(self, name) != default:
                 raise ValueError(f"`{name}` is PPO's and RLOO's setting, not GRPO's: GRPO's KL is k3 inside the loss and its rewards "
@@ -81,6 +92,9 @@ class GRPOConfig(OnPolicyConfig, GRPONotYet):
         for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             check_number(name, getattr(self, name), low_open=True)
         for name in ("vespo_k_pos", "vespo_k_neg", "entropy_coef"): check_number(name, getattr(self, name))
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError(f"`top_entropy_quantile` is the share of tokens kept and must be in [0, 1], got {self.top_entropy_quantile!r}; 1 keeps all")
+        if self.use_adaptive_entropy: self.entropy_controller()   # checks min ≤ max and the other numbers
         if self.multi_objective_aggregation == "normalize_then_sum" and self.missing_eos_penalty is not None:
             raise ValueError("`missing_eos_penalty` cannot be combined with multi_objective_aggregation='normalize_then_sum' (each reward is "
                              "normalised on its own, so there is no sum to subtract it from): add the penalty as a reward function instead")
@@ -88,6 +102,15 @@ class GRPOConfig(OnPolicyConfig, GRPONotYet):
 
     @property
     def clip_high(self) -> float: return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def entropy_bonus(self) -> bool: return bool(self.entropy_coef) or self.use_adaptive_entropy   # the bonus term exists for the whole run (TRL's `_entropy_bonus_enabled`)
+
+# %% ../nbs/09b_grpo.ipynb #9a8b7c6d
+@patch
+def entropy_controller(self: GRPOConfig) -> AdaptiveEntropyController:
+    "A fresh `AdaptiveEntropyController` from `entropy_coef` (its start), `entropy_target`, `entropy_coef_delta`, `entropy_coef_min/max`."
+    return AdaptiveEntropyController(self.entropy_coef, self.entropy_target, self.entropy_coef_delta, self.entropy_coef_min, self.entropy_coef_max)
 
 # %% ../nbs/09b_grpo.ipynb #b61abbb6
 @typecheck
@@ -190,6 +213,7 @@ def grpo_token_loss(
     vespo_parameters: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),  # "vespo"'s (k+, λ+, k−, λ−)
     bias_correction_kl: bool = True,              # weight the k3 KL by the ratio (TRL 1.16's `use_bias_correction_kl`)
     off_policy_mask_threshold: float | None = None,  # drop negative-advantage completions whose mean KL(π_old‖π_θ) exceeds this
+    entropy_mask: Bool[Tensor, "batch resp"] | None = None,  # `top_entropy_quantile`: only these tokens' surrogate counts (the KL term counts on all of `mask`, as in TRL)
 ) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None]:  # (loss per token, ratio, KL term or None)
     "The `loss_type`'s surrogate per token (−min(ρ·Â, clip(ρ, 1−ε, 1+ε_high)·Â) for the clipped ones) + β·(ρ·)k3, 0 off the mask."
     log_ratio = logprobs - old_logprobs.detach()
@@ -203,6 +227,7 @@ def grpo_token_loss(
         capped = ratio if delta is None else ratio.clamp(max=delta)
         loss = -torch.minimum(capped * a, ratio.clamp(1 - epsilon, 1 + epsilon_high) * a)
     if off_policy_mask_threshold is not None: loss = loss * off_policy_mask(logprobs, old_logprobs, advantages, mask, off_policy_mask_threshold)
+    if entropy_mask is not None: loss = loss * entropy_mask
     kl = None if ref_logprobs is None else kl_penalty(logprobs, ref_logprobs.detach(), "k3")
     if kl is not None and bias_correction_kl: kl = kl * ratio
     if kl is not None and beta > 0: loss = loss + beta * kl
@@ -235,6 +260,8 @@ class GRPORollout(RowBatch):
     advantages: Tensor           # (batch,) Â_i
     logprobs: Tensor             # (batch, resp) log π_θold (zeros when the current policy stands in for it, μ = 1)
     ref_logprobs: Tensor         # (batch, resp) log π_ref (zeros when beta = 0)
+    entropy_mask: Tensor         # (batch, resp) the tokens whose surrogate counts: `loss_mask`, only its high-entropy part with `top_entropy_quantile` < 1
+    entropy_coef: Tensor         # (batch,) the entropy bonus's coefficient this step (the same on every row, so each micro-batch carries it)
     kept: object = None          # the policy's pass over the whole rollout, with gradients (`first_pass`), for the update's first micro-batch; None: none kept
 
 # %% ../nbs/09b_grpo.ipynb #7b855cc4
@@ -290,7 +317,7 @@ class GRPOTrainer(OnPolicyTrainer):
         "What the micro-batch's loss is a mean over, for `loss_type` (see `aggregate`); the entropy bonus: its tokens."
         c, rows = self.args, torch.tensor(float(len(part)))
         units = {"grpo": rows, "sapo": rows, "luspo": rows, "dr_grpo": rows * c.response_length}.get(c.loss_type, part.loss_mask.sum())
-        return {"policy": units, "entropy": part.loss_mask.sum()} if c.entropy_coef else {"policy": units}
+        return {"policy": units, "entropy": (part.loss_mask & part.entropy_mask).sum()} if c.entropy_bonus else {"policy": units}
 
     @torch.no_grad()
     def sample_rollout(
@@ -306,9 +333,7 @@ class GRPOTrainer(OnPolicyTrainer):
         x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
         inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
         zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
-        kept = None if self.reuses_current_logprobs else self.first_pass(policy, x, loop)   # π_θold: the loss's own pass (detached), the kept pass, or its own
-        logprobs = (zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs) if kept is None
-                    else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature))
+        kept, logprobs, entropy = self.old_pass(policy, x, loop)    # π_θold: the loss's own pass (detached), the kept pass, or its own
         ref_logprobs = zeros
         if self.ref_model is not None:
             with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
@@ -317,7 +342,7 @@ class GRPOTrainer(OnPolicyTrainer):
         per_reward = x.reward_scores.to(x.scores.device) if c.multi_objective_aggregation == "normalize_then_sum" else None   # each reward's scores (`Samples`)
         advantages = self.advantages(x.scores, None if loop is None else loop.accelerator, per_reward)
         return GRPORollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, loss_mask, x.scores, advantages,
-                           logprobs, ref_logprobs, kept), x
+                           logprobs, ref_logprobs, *self.entropy_control(entropy, loss_mask, loop), kept), x
 
     def micro_batch_loss(
         self,
@@ -335,14 +360,14 @@ class GRPOTrainer(OnPolicyTrainer):
         token_loss, ratio, kl = grpo_token_loss(
             logprobs, old, part.advantages, mask, c.cliprange, c.clip_high, ref, c.kl_coef, c.importance_sampling_level, c.loss_type, c.delta,
             (c.sapo_temperature_pos, c.sapo_temperature_neg), (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg),
-            c.use_bias_correction_kl, c.off_policy_mask_threshold)
+            c.use_bias_correction_kl, c.off_policy_mask_threshold, part.entropy_mask)
         loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length)
-        entropy = entropy_from_logits(logits if c.entropy_coef else logits.detach(), c.temperature)
+        entropy = entropy_from_logits(logits if c.entropy_bonus else logits.detach(), c.temperature)
         stats = {"entropy": masked_mean(entropy.detach(), part.response_mask), **clip_stats(ratio, part.advantages, mask, c)}
         if kl is not None: stats["kl"] = masked_mean(kl.detach(), mask)
-        if not c.entropy_coef: return {"policy": loss}, stats
-        stats["entropy_coef"] = torch.tensor(c.entropy_coef)
-        return {"policy": loss, "entropy": -c.entropy_coef * masked_mean(entropy, mask)}, stats
+        if not c.entropy_bonus: return {"policy": loss}, stats
+        stats["entropy_coef"] = part.entropy_coef[0]
+        return {"policy": loss, "entropy": -part.entropy_coef[0] * masked_mean(entropy, mask & part.entropy_mask)}, stats
 
     def rollout_stats(self, rollout: GRPORollout) -> dict[str, Tensor]:
         "The rollout's statistics under TRL's GRPO names: rewards, their spread within groups, completion lengths (each reward function's `rewards/<name>/mean` and `/std` come from `train`)."
@@ -364,3 +389,70 @@ def advantages(
     if accelerator is None or accelerator.num_processes == 1: return of(scores, per_reward)
     everything = of(accelerator.gather(scores), None if per_reward is None else accelerator.gather(per_reward.T.contiguous()).T)
     return everything.split(scores.shape[0])[accelerator.process_index]
+
+# %% ../nbs/09b_grpo.ipynb #a1b2c3d4
+@torch.no_grad()
+def high_entropy_mask(
+    entropy: Tensor,             # (batch, resp) entropy per token
+    mask: Tensor,                # (batch, resp) True on the tokens to rank (the loss's tokens)
+    quantile: float,             # ρ: the share of tokens to keep, in [0, 1]
+    accelerator: Accelerator | None = None,  # rank over all processes' tokens (None: this process's)
+) -> Tensor:                     # (batch, resp) True on the tokens of `mask` with entropy ≥ the (1 − ρ) quantile
+    "TRL's `top_entropy_quantile` mask: the tokens of `mask` whose entropy is at least the (1 − ρ) quantile (linear interpolation) of all ranked tokens."
+    ranked = entropy[mask].float()
+    if accelerator is not None and accelerator.num_processes > 1:   # processes hold different numbers of tokens: pad with a value no entropy takes
+        ranked = accelerator.gather(accelerator.pad_across_processes(ranked, dim=0, pad_index=-1.0))
+        ranked = ranked[ranked >= 0]
+    if ranked.numel() == 0: return torch.zeros_like(mask)
+    return (entropy >= torch.quantile(ranked, 1 - quantile)) & mask
+
+# %% ../nbs/09b_grpo.ipynb #e5f6a7b8
+@patch
+@torch.no_grad()
+def old_pass(
+    self: GRPOTrainer,
+    policy: nn.Module,               # the causal LM that sampled
+    x: Samples,                      # the rollout's prompts and completions
+    loop: TrainLoop | None = None,   # the run's loop (None: outside training, nothing kept)
+) -> tuple:                          # (the kept pass or None, log π_θold (zeros when the loss's own pass stands in, μ = 1), π_θold's entropy per token or None)
+    "π_θold's log-probabilities and, when entropy control needs it, its entropy per token: from the kept pass (`first_pass`), else one chunked no-grad pass for both."
+    c = self.args
+    needs_entropy = c.top_entropy_quantile < 1 or c.use_adaptive_entropy
+    kept = None if self.reuses_current_logprobs else self.first_pass(policy, x, loop)
+    if kept is not None:
+        logits = kept.detach()
+        return kept, logprobs_from_logits(logits, x.response_ids, c.temperature), entropy_from_logits(logits, c.temperature) if needs_entropy else None
+    zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
+    inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask)
+    if not needs_entropy: return None, zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs, c.temperature, c.local_rollout_forward_batch_size), None
+    def both(q, m, r, rm):
+        logits = response_logits(policy, q, m, r, rm)[0]
+        return logprobs_from_logits(logits, r, c.temperature), entropy_from_logits(logits, c.temperature)
+    logprobs, entropy = chunked(both, *inputs, size=c.local_rollout_forward_batch_size)
+    return None, zeros if self.reuses_current_logprobs else logprobs, entropy
+
+# %% ../nbs/09b_grpo.ipynb #a7b8c9d0
+@patch(as_prop=True)
+def entropy_ctl(self: GRPOTrainer) -> AdaptiveEntropyController | None:
+    "The run's adaptive entropy coefficient (`use_adaptive_entropy`), made once and saved with every checkpoint; None when off."
+    if not self.args.use_adaptive_entropy: return None
+    if "_entropy_ctl" not in self.__dict__: self._entropy_ctl = self.args.entropy_controller()
+    return self._entropy_ctl
+
+# %% ../nbs/09b_grpo.ipynb #b8c9d0e1
+@patch
+def entropy_control(
+    self: GRPOTrainer,
+    entropy: Tensor | None,          # (batch, resp) π_θold's entropy per token (None: entropy control is off)
+    loss_mask: Tensor,               # (batch, resp) the loss's tokens
+    loop: TrainLoop | None = None,   # the run's loop (None: outside training: the controller is read, not updated)
+) -> tuple[Tensor, Tensor]:          # (the tokens whose surrogate counts, the bonus's coefficient per row)
+    "`top_entropy_quantile`'s mask over the whole rollout (all processes) and this step's entropy coefficient; the adaptive controller then takes the step's mean entropy over the masked tokens."
+    c, acc = self.args, None if loop is None else loop.accelerator
+    keep = loss_mask.clone() if c.top_entropy_quantile >= 1 else high_entropy_mask(entropy, loss_mask, c.top_entropy_quantile, acc)
+    coef = c.entropy_coef if self.entropy_ctl is None else self.entropy_ctl.value   # applied in this step's loss: the value from before its update
+    if self.entropy_ctl is not None and loop is not None:
+        sums = torch.stack([masked_sum(entropy, keep), keep.sum().float()])
+        if acc.num_processes > 1: sums = acc.reduce(sums, reduction="sum")
+        self.entropy_ctl.update(sums[0] / sums[1].clamp(min=1))
+    return keep, torch.full((len(loss_mask),), float(coef), device=loss_mask.device)

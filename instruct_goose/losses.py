@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['kl_penalty', 'compute_rewards', 'compute_gae', 'policy_loss', 'value_loss', 'PPOTerms', 'PPOLoss', 'rloo_advantages',
-           'KLController', 'FixedKLController', 'AdaptiveKLController', 'PairwiseLoss', 'pairwise_accuracy']
+           'KLController', 'FixedKLController', 'AdaptiveKLController', 'AdaptiveEntropyController', 'PairwiseLoss',
+           'pairwise_accuracy']
 
 # %% ../nbs/01_losses.ipynb #81574ca3
 import math
@@ -233,6 +234,38 @@ class AdaptiveKLController(KLController):
         current_kl = check_number("current_kl", float(current_kl), low=-math.inf)
         proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
         self.value *= 1 + proportional_error * n_steps / self.horizon
+
+# %% ../nbs/01_losses.ipynb #a9e3c5f1
+class AdaptiveEntropyController:
+    "Skywork-OR1's entropy coefficient (TRL 1.16's `use_adaptive_entropy`): ±`delta` per step within [`low`, `high`], applied only while the entropy is at or below `target`."
+    def __init__(
+        self,
+        init_coef: float,   # c₀: the coefficient before any step (TRL: `entropy_coef`)
+        target: float,      # H*: the mean entropy per token (nats) at or below which the bonus applies
+        delta: float,       # δ: the change of the coefficient per step
+        low: float = 0.0,   # c_min
+        high: float = 1.0,  # c_max
+    ):
+        for name, v in (("entropy_coef", init_coef), ("entropy_target", target), ("entropy_coef_delta", delta), ("entropy_coef_min", low)):
+            check_number(name, v)
+        if high < low: raise ValueError(f"`entropy_coef_max`={high} is below `entropy_coef_min`={low}")
+        self.coef, self.target, self.delta, self.low, self.high, self.last_entropy = init_coef, target, delta, low, high, math.inf
+
+    @property
+    def value(self) -> float:
+        "a: the coefficient the next step's loss applies (0 while the last entropy measured is above `target`)."
+        return self.coef if self.last_entropy <= self.target else 0.0
+
+    def update(self, entropy: float | Tensor):  # H̄_t: the mean entropy per token measured in the step just done
+        "c ← c + δ (at most `high`) if H̄ ≤ H*, else c − δ (at least `low`); remember H̄ for `value`."
+        entropy = check_number("entropy", float(entropy))
+        self.coef = min(self.coef + self.delta, self.high) if entropy <= self.target else max(self.coef - self.delta, self.low)
+        self.last_entropy = entropy
+
+    def state_dict(self) -> dict: return {"coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict): self.coef, self.last_entropy = float(state["coef"]), float(state["last_entropy"])
+
 
 # %% ../nbs/01_losses.ipynb #6522406c
 class PairwiseLoss(nn.Module):

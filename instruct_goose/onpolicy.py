@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['merge_names', 'generation_batches', 'OnPolicyConfig', 'sampling_options', 'frozen_reference', 'trl_arguments',
-           'OnPolicyTrainer', 'prompt_budget', 'step_rows', 'evaluate_policy']
+           'OnPolicyTrainer', 'TRLOptions', 'mix_reference', 'SyncRefModelCallback', 'CompletionsResume',
+           'prompt_budget', 'step_rows', 'evaluate_policy']
 
 # %% ../nbs/08_onpolicy.ipynb #2a44eff2
 import json, os, time
@@ -19,7 +20,10 @@ from torch import Tensor, nn
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from .agent import Agent, context_length, create_reference_model, disable_dropout, eval_mode, load_tokenizer, response_logits, with_peft
+from .agent import Agent, _is_peft, context_length, create_reference_model, disable_dropout, eval_mode, load_tokenizer, response_logits, with_peft
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from accelerate.utils import gather_object
+from .completions import append_completions, completion_rows, completions_table, completions_to_trackers, drop_completions_after, first_per_prompt
 from .generation import check_generation_kwargs, check_sampling, generate_responses
 from .data import as_dataset, encode_prompts, prompt_text
 from .reward import RewardModel, WeightedReward, reward_from
@@ -215,7 +219,7 @@ class OnPolicyTrainer(Trainer):
         **renamed,                    # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
     ):
         a = trl_arguments(type(self), model, ref_model, dict(args=args, processing_class=processing_class, reward_funcs=reward_funcs), renamed)
-        self.args, self.processing_class = a["args"], load_tokenizer(a["processing_class"], model)
+        self.args, self.processing_class = a["args"], _load_tokenizer(a["processing_class"], model, a["args"])
         self.reward_model = None if a["reward_funcs"] is None else reward_from(a["reward_funcs"], self.args.reward_weights, self.processing_class)
         self.train_dataset, self.eval_dataset = (None if d is None else as_dataset(_prompts_from_ids(d, self.processing_class), name, [("prompt",)])
                                                  for d, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
@@ -259,7 +263,11 @@ def policy_from(
     model,                   # a name/path, a causal LM, or an `Agent` (its causal LM is taken)
     peft_config=None,        # a peft config: adapters on the causal LM
 ) -> nn.Module:              # the causal LM to train, dropout off
-    "RLOO's and GRPO's policy: a causal LM (loaded when a name/path, taken out of an `Agent`), with peft adapters when asked."
+    "RLOO's and GRPO's policy: a causal LM (loaded when a name/path, with `model_init_kwargs` and `trust_remote_code`; taken out of an `Agent`), with peft adapters when asked."
+    if isinstance(self.args, TRLOptions):
+        if self.args.model_init_kwargs is not None and not isinstance(model, (str, os.PathLike)):
+            raise ValueError("`model_init_kwargs` is used when `model` is a name or path, and `model` is already loaded: load it with those options yourself, or pass its path")
+        model = _load_model(model, self.args)
     return disable_dropout(with_peft(model.model if isinstance(model, Agent) else model, peft_config))
 
 # %% ../nbs/08_onpolicy.ipynb #54241b5e
@@ -291,6 +299,103 @@ def on_device(
     model.to(device)
     try: yield model
     finally: model.to("cpu")
+
+# %% ../nbs/08_onpolicy.ipynb #b1d2e3f4
+@dataclass
+class TRLOptions:
+    "TRL 1.16's RLOO and GRPO options for loading the policy, syncing the reference and logging completions, honoured by the shared engine (see the section)."
+    model_init_kwargs: dict | str | None = None   # keywords of `AutoModelForCausalLM.from_pretrained` when `model` is a name or path (a JSON string is read as a dict)
+    trust_remote_code: bool = False               # let `from_pretrained` run a checkpoint's own code (the policy and its tokenizer)
+    sync_ref_model: bool = False                  # TR-DPO: every `ref_model_sync_steps` steps, π_ref ← α·π_θ + (1 − α)·π_ref
+    ref_model_mixup_alpha: float = 0.6            # α of the sync, in [0, 1]
+    ref_model_sync_steps: int = 512               # steps between syncs (a step: one rollout and its updates)
+    log_completions: bool = False                 # every logging step: prompt, completion, each reward, advantage: printed, in completions.jsonl, to table trackers
+    num_completions_to_print: int | None = None   # rows of that table printed (None: all); the file and trackers get every row
+    log_unique_prompts: bool = False              # only the first completion of each prompt in the table
+
+    def check_trl_options(self):
+        "Read a JSON `model_init_kwargs`; refuse values out of range, by name."
+        if isinstance(self.model_init_kwargs, str): self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
+            raise ValueError(f"`model_init_kwargs` must be a dict of `from_pretrained` keywords (or its JSON), got {self.model_init_kwargs!r}")
+        check_number("ref_model_mixup_alpha", self.ref_model_mixup_alpha, high=1.0)
+        check_number("ref_model_sync_steps", self.ref_model_sync_steps, low=1)
+        if self.num_completions_to_print is not None: check_number("num_completions_to_print", self.num_completions_to_print)
+
+# %% ../nbs/08_onpolicy.ipynb #06e82979
+def _from_pretrained_kwargs(args) -> dict:
+    "`from_pretrained`'s keywords from TRL's `model_init_kwargs` and `trust_remote_code`."
+    return {**(args.model_init_kwargs or {}), "trust_remote_code": args.trust_remote_code}
+
+# %% ../nbs/08_onpolicy.ipynb #9ff3c073
+def _load_model(model, args):
+    "`model` as it is, or loaded from a name/path with `model_init_kwargs` and `trust_remote_code` (TRL's)."
+    return AutoModelForCausalLM.from_pretrained(model, **_from_pretrained_kwargs(args)) if isinstance(model, (str, os.PathLike)) else model
+
+# %% ../nbs/08_onpolicy.ipynb #2607a72c
+def _load_tokenizer(processing_class, model, args):
+    "The tokenizer given, or loaded from `model`'s name/path (at `model_init_kwargs`' revision, with `trust_remote_code`)."
+    if processing_class is not None or not isinstance(model, (str, os.PathLike)): return load_tokenizer(processing_class, model)
+    revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")   # PPO's config has neither field: 🤗's defaults
+    return AutoTokenizer.from_pretrained(model, trust_remote_code=getattr(args, "trust_remote_code", False), **({"revision": revision} if revision else {}))
+
+# %% ../nbs/08_onpolicy.ipynb #b0a93b9f
+@torch.no_grad()
+def mix_reference(
+    ref_model: nn.Module,     # π_ref, updated in place
+    model: nn.Module,         # π_θ, the same architecture
+    alpha: float,             # TR-DPO's α
+) -> None:
+    "TR-DPO's soft update (Gorbatovski et al. 2024, eq. 4): π_ref ← α·π_θ + (1 − α)·π_ref, parameter by parameter."
+    ref, pol = list(ref_model.parameters()), list(model.parameters())
+    if len(ref) != len(pol) or any(r.shape != p.shape for r, p in zip(ref, pol)):
+        raise ValueError("`sync_ref_model` needs `ref_model` of the policy's architecture (or ref_model=None: a copy of the policy)")
+    for r, p in zip(ref, pol): r.mul_(1 - alpha).add_(p.to(r), alpha=alpha)
+
+# %% ../nbs/08_onpolicy.ipynb #e92023d5
+class SyncRefModelCallback(TrainerCallback):
+    "TRL's callback: every `ref_model_sync_steps` optimizer steps, `mix_reference` the policy into π_ref."
+    def __init__(self, ref_model: nn.Module, alpha: float, every: int): self.ref_model, self.alpha, self.every = ref_model, alpha, every
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0: mix_reference(self.ref_model, model, self.alpha)
+
+# %% ../nbs/08_onpolicy.ipynb #d3f4a5b6
+@patch
+def trl_callbacks(self: OnPolicyTrainer) -> list:
+    "The callbacks `TRLOptions` add to a run: TR-DPO's reference sync (`SyncRefModelCallback`) when `sync_ref_model`; with `log_completions`, the file's rows of steps to be redone dropped at the start (`CompletionsResume`)."
+    c = self.args
+    if not isinstance(c, TRLOptions): return []
+    resume = [CompletionsResume()] if c.log_completions else []
+    if not c.sync_ref_model: return resume
+    if self.ref_model is None: raise ValueError("`sync_ref_model` mixes the policy into the reference, and with `beta`=0 there is none: set `beta` > 0 or leave it off")
+    if _is_peft(self.model): raise ValueError("`sync_ref_model` with LoRA (`peft_config`): the reference is the adapter-off base, there is no copy to sync")
+    return [SyncRefModelCallback(self.ref_model, c.ref_model_mixup_alpha, c.ref_model_sync_steps), *resume]
+
+# %% ../nbs/08_onpolicy.ipynb #a6c7d8e9
+class CompletionsResume(TrainerCallback):
+    "At the start of training, keep only the rows of `completions.jsonl` of steps up to the one resumed from (`drop_completions_after`)."
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero: drop_completions_after(args.output_dir, state.global_step)
+
+# %% ../nbs/08_onpolicy.ipynb #b7d8e9f0
+@patch
+def log_completions(
+    self: OnPolicyTrainer,
+    loop: TrainLoop,         # the run's loop
+    rollout,                 # the step's rollout: its `advantages`
+    samples: Samples,        # the step's prompts, completions and each reward's scores
+    steps: int,              # training steps in the run
+):
+    "At every logging step (and the last) with `log_completions`: all processes' `completion_rows`, printed (`num_completions_to_print` rows), appended to completions.jsonl, sent to table trackers."
+    c, acc, step = self.args, loop.accelerator, loop.state.step
+    if not (isinstance(c, TRLOptions) and c.log_completions) or (step % c.logging_steps and step != steps): return
+    rows = completion_rows(step, samples.prompts, samples.completions, self.reward_model.names, samples.reward_scores, rollout.advantages)
+    if acc.num_processes > 1: rows = gather_object(rows)
+    if c.log_unique_prompts: rows = first_per_prompt(rows)
+    if not acc.is_main_process: return
+    loop.console.print(completions_table(rows, f"completions at step {step}", c.num_completions_to_print))
+    append_completions(c.output_dir, rows)
+    completions_to_trackers(acc.trackers, rows, step)
 
 # %% ../nbs/08_onpolicy.ipynb #8e7ee646
 @patch(as_prop=True)
@@ -434,6 +539,7 @@ def train(
                 loop.fire("on_evaluate", metrics=evals)
                 stats.update(evals)
             self.report(loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress)
+            self.log_completions(loop, rollout, samples, steps)   # `log_completions`: the step's table (`TRLOptions`)
             if loop.end_step(loop.state.step == steps): break   # the last step, or a callback's `control.should_training_stop`
     finally: loop._restore_signals()      # an exception must not leave our Ctrl-C handler installed
     progress.close()
@@ -453,7 +559,9 @@ def setup(
     "Optimizer and schedule, frozen models on their device, KL controller in the checkpoints, resume, Ctrl-C handling."
     c = self.args
     loop.register(self.kl_ctl)
+    if getattr(self, "entropy_ctl", None) is not None: loop.register(self.entropy_ctl)   # GRPO's adaptive entropy coefficient (`use_adaptive_entropy`)
     loop.progress_keys = self.progress_keys
+    loop.callbacks += self.trl_callbacks()                     # TR-DPO's reference sync (`TRLOptions`)
     model = loop.accelerator.unwrap_model(loop.setup_optimizer(self.model, steps * c.num_ppo_epochs * c.num_mini_batches))
     for frozen in (self.ref_model, self.reward_model):
         if isinstance(frozen, nn.Module): frozen.to("cpu" if c.offload_models else loop.device)

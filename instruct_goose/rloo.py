@@ -18,29 +18,25 @@ from .core import check_number, entropy_from_logits, logprobs_from_logits, maske
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
 
 # %% ../nbs/09_rloo.ipynb #f5fc4aff
 _LATER = "not implemented yet; issue 28"
 _VLLM = ("vLLM does not run here: generation is built in; set `temperature`, `max_completion_length` and "
          "`local_rollout_forward_batch_size` (rows per generation call) instead, and `top_p`/`top_k`/`min_p`/`repetition_penalty` for the sampler")
-_LOGS = f"{_LATER} (a table of samples is printed `num_sample_generations` times)"
 
 _TRL_REFUSED: dict[str, str] = {
-    "model_init_kwargs": f"{_LATER} (load the model yourself and pass it as `model`)",
-    "trust_remote_code": f"{_LATER} (load the model yourself and pass it as `model`)",
     "router_aux_loss_coef": f"{_LATER} (no mixture-of-experts auxiliary loss)",
     "disable_dropout": "dropout is always off here (the first pass's ratio is exactly 1); it cannot be turned back on",
-    "cast_lm_head_to_fp32": f"{_LATER} (log-probabilities are computed in float32 from the logits)",
+    "cast_lm_head_to_fp32": f"{_LATER} (the head runs in the model's dtype, bf16 under mixed precision; the log-softmax of its logits is float32)",
     "ds3_gather_for_generation": f"{_LATER} (ZeRO-3 generation always gathers the full weights)",
-    "pad_to_multiple_of": _LATER,
+    "pad_to_multiple_of": ("padding only widens tensors (for Neuron's one compile per shape), it changes no number; widths here are the "
+                           "longest prompt and `max_completion_length`; leave it at 'auto' (TRL's: no padding off Neuron)"),
     **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
                     f"{_LATER} (generation is built in)"),
-    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"), f"{_LATER} (the reference stays the initial policy)"),
-    **dict.fromkeys(("top_entropy_quantile", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
-                     "entropy_coef_delta", "entropy_target"), _LATER),
     "max_tool_calling_iterations": f"{_LATER} (no tool calls)",
-    **dict.fromkeys(("log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo"), _LOGS),
+    "log_multimodal": "completions here are text only: there is nothing multimodal to log or to leave out; leave it at True",
+    "log_completions_hub_repo": "nothing is uploaded to the Hub from here: with `log_completions` the table is in output_dir/completions.jsonl (`goose completions`)",
     **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
                      "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
@@ -52,12 +48,10 @@ _TRL_REFUSED: dict[str, str] = {
 @dataclass
 class TRLNotYet:
     "The fields TRL 1.16's `RLOOConfig` and `GRPOConfig` both add that this library does not run yet, at TRL's defaults (see `_TRL_REFUSED`)."
-    model_init_kwargs: dict | None = None          # refused (_TRL_REFUSED): pass a loaded `model`
-    trust_remote_code: bool = False                # refused (_TRL_REFUSED): pass a loaded `model`
     router_aux_loss_coef: float | None = None      # refused (_TRL_REFUSED)
     disable_dropout: bool = True                   # dropout is always off here (TRL's default: False); False is refused
     ds3_gather_for_generation: bool = True         # refused (_TRL_REFUSED) unless True
-    pad_to_multiple_of: str | None = "auto"       # refused (_TRL_REFUSED) unless "auto" (TRL: an int, or "auto")
+    pad_to_multiple_of: str | None = "auto"       # refused (_TRL_REFUSED) unless "auto": padding changes no number (TRL: an int, or "auto": none off Neuron)
     use_vllm: bool = False                         # refused (_TRL_REFUSED): generation is built in
     vllm_mode: str = "colocate"                    # refused (_TRL_REFUSED): vLLM does not run here
     vllm_model_impl: str = "vllm"                  # refused (_TRL_REFUSED): vLLM does not run here
@@ -71,13 +65,7 @@ class TRLNotYet:
     vllm_gpu_memory_utilization: float = 0.3       # refused (_TRL_REFUSED): vLLM does not run here
     vllm_max_model_length: int | None = None       # refused (_TRL_REFUSED): vLLM does not run here
     vllm_tensor_parallel_size: int = 1             # refused (_TRL_REFUSED): vLLM does not run here
-    sync_ref_model: bool = False                   # refused (_TRL_REFUSED): not implemented yet, issue 28
-    ref_model_mixup_alpha: float = 0.6             # refused (_TRL_REFUSED) unless 0.6: not implemented yet, issue 28
-    ref_model_sync_steps: int = 512                # refused (_TRL_REFUSED) unless 512: not implemented yet, issue 28
-    log_completions: bool = False                  # refused (_TRL_REFUSED): not implemented yet, issue 28
-    log_multimodal: bool = True                    # refused (_TRL_REFUSED) unless True: not implemented yet, issue 28
-    num_completions_to_print: int | None = None    # refused (_TRL_REFUSED): not implemented yet, issue 28
-    log_unique_prompts: bool = False               # refused (_TRL_REFUSED): not implemented yet, issue 28
+    log_multimodal: bool = True                    # refused (_TRL_REFUSED) unless True: text only, nothing multimodal to log
     use_transformers_continuous_batching: bool = False  # refused (_TRL_REFUSED): not implemented yet, issue 28
     transformers_continuous_batching_config: dict | None = None  # refused (_TRL_REFUSED): not implemented yet, issue 28
     use_transformers_paged: bool = False           # refused (_TRL_REFUSED): not implemented yet, issue 28
@@ -87,19 +75,13 @@ class TRLNotYet:
 class GRPONotYet(TRLNotYet):
     "The further fields of TRL 1.16's `GRPOConfig` that this library does not run yet, at TRL's defaults (see `_TRL_REFUSED`)."
     cast_lm_head_to_fp32: bool = False             # refused (_TRL_REFUSED): not implemented yet, issue 28
-    top_entropy_quantile: float = 1.0              # refused (_TRL_REFUSED) unless 1.0: not implemented yet, issue 28
-    use_adaptive_entropy: bool = False             # refused (_TRL_REFUSED): not implemented yet, issue 28
-    entropy_coef_min: float = 0.0                  # refused (_TRL_REFUSED) unless 0: not implemented yet, issue 28
-    entropy_coef_max: float = 1.0                  # refused (_TRL_REFUSED) unless 1: not implemented yet, issue 28
-    entropy_coef_delta: float = 0.005              # refused (_TRL_REFUSED) unless 0.005: not implemented yet, issue 28
-    entropy_target: float = 0.2                    # refused (_TRL_REFUSED) unless 0.2: not implemented yet, issue 28
     max_tool_calling_iterations: int | None = None # refused (_TRL_REFUSED): not implemented yet, issue 28
     vllm_importance_sampling_correction: bool = True  # refused (_TRL_REFUSED) unless True: vLLM does not run here
     vllm_importance_sampling_mode: str = "sequence_mask"  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_clip_max: float | None = 3.0  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_clip_min: float | None = None  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_cap: float | None = None  # refused (_TRL_REFUSED): vLLM does not run here
-    log_completions_hub_repo: str | None = None    # refused (_TRL_REFUSED): not implemented yet, issue 28
+    log_completions_hub_repo: str | None = None    # refused (_TRL_REFUSED): no Hub uploads; completions.jsonl in output_dir
 
 # %% ../nbs/09_rloo.ipynb #50a31207
 def refuse_unsupported(config) -> None:
@@ -110,7 +92,7 @@ def refuse_unsupported(config) -> None:
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
-class RLOOConfig(OnPolicyConfig, TRLNotYet):
+class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options, under TRL's `RLOOConfig` names: current TRL's (≥ 0.22) or, as aliases, TRL ≤ 0.21's (`merge_names`)."
     num_generations: int = 2                 # k: responses sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL ≤ 0.21: `rloo_k`)
     beta: float = 0.05                       # β: weight of the KL penalty (TRL ≤ 0.21 and PPO: `kl_coef`)
@@ -131,6 +113,7 @@ class RLOOConfig(OnPolicyConfig, TRLNotYet):
 
     def __post_init__(self):
         refuse_unsupported(self)
+        self.check_trl_options()                 # model loading, reference sync (`TRLOptions`)
         super().__post_init__()
         k = self.num_generations
         if k < 2: raise ValueError(f"`num_generations` (`rloo_k`) must be at least 2 (the baseline needs another response), got {k}")

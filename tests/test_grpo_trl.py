@@ -20,7 +20,8 @@ from trl import RLOOConfig as TRLRLOOConfig
 from transformers import TrainingArguments
 
 from instruct_goose.core import entropy_from_logits, logprobs_from_logits, masked_mean
-from instruct_goose.grpo import _LOSS_TYPES, GRPOConfig, aggregate, grpo_token_loss, off_policy_mask
+from instruct_goose.grpo import _LOSS_TYPES, GRPOConfig, aggregate, grpo_token_loss, high_entropy_mask, off_policy_mask
+from instruct_goose.losses import AdaptiveEntropyController
 from instruct_goose.rloo import _TRL_REFUSED, RLOOConfig
 
 T, LENGTHS, MAX_LEN = 7, (5, 2, 7, 4), 8
@@ -113,7 +114,7 @@ def _trl_added(trl_config):
     return {f.name: default(f) for f in dataclasses.fields(trl_config) if f.name not in base}
 
 
-@pytest.mark.parametrize("trl_config, ours, counts", [(TRLGRPOConfig, GRPOConfig, (77, 34, 43, 18)), (TRLRLOOConfig, RLOOConfig, (51, 22, 29, 13))])
+@pytest.mark.parametrize("trl_config, ours, counts", [(TRLGRPOConfig, GRPOConfig, (77, 48, 29, 18)), (TRLRLOOConfig, RLOOConfig, (51, 30, 21, 13))])
 def test_every_trl_field_is_taken_or_refused(trl_config, ours, counts):
     "Each field TRL 1.16 adds to `TrainingArguments` exists here: taken at TRL's default, or refused by name in one line when set."
     added = _trl_added(trl_config)
@@ -158,3 +159,65 @@ def test_entropy_bonus_equal_trl(loss_type):
     ours_grad, = torch.autograd.grad(ours, ours_logits)
     assert abs(ours.item() - theirs.item()) <= 1e-6, (ours.item(), theirs.item())
     assert (ours_grad - theirs_grad).abs().max().item() <= 1e-6
+
+
+def _logits_rollout(seed=1):
+    "Logits (so the entropy is differentiable), token ids and π_old a little off the logits' log-probabilities."
+    g = torch.Generator().manual_seed(seed)
+    logits, ids = torch.randn(4, T, 5, generator=g), torch.randint(0, 5, (4, T), generator=g)
+    def logprobs_and_entropy(x):
+        lp = torch.log_softmax(x, -1)
+        return lp.gather(-1, ids[..., None])[..., 0], -(lp.exp() * lp).sum(-1)
+    old = logprobs_and_entropy(logits)[0] - (torch.rand(4, T, generator=g) * 1.18 - 0.48)
+    return logits, ids, old, logprobs_and_entropy
+
+
+def _trl_logits_loss(t, logits, ids, old, ref, advantages, mask, logprobs_and_entropy):
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (*logprobs_and_entropy(logits), None)
+    inputs = {"prompt_ids": torch.zeros(4, 1, dtype=torch.long), "prompt_mask": torch.ones(4, 1, dtype=torch.long),
+              "completion_ids": ids, "completion_mask": mask.long(), "advantages": advantages,
+              "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    return TRLGRPOTrainer._compute_loss(t, None, inputs)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_top_entropy_quantile_equal_trl(loss_type):
+    "`top_entropy_quantile=0.5` with a bonus: the same tokens kept (padding never ranked), the same loss and gradient as TRL on one micro-batch."
+    mask, _, _, ref, advantages = _rollout()
+    logits, ids, old, logprobs_and_entropy = _logits_rollout()
+    t = _trl_trainer(loss_type=loss_type, entropy_coef=0.03, top_entropy_quantile=0.5)
+    theirs_logits = logits.clone().requires_grad_()
+    theirs = _trl_logits_loss(t, theirs_logits, ids, old, ref, advantages, mask, logprobs_and_entropy)
+    theirs_grad, = torch.autograd.grad(theirs, theirs_logits)
+    ours_logits = logits.clone().requires_grad_()
+    entropy = entropy_from_logits(ours_logits, 1.0)
+    keep = high_entropy_mask(entropy.detach(), mask, 0.5)
+    assert keep.sum().item() == math.ceil(mask.sum().item() / 2) and not (keep & ~mask).any()
+    logprobs = logprobs_from_logits(ours_logits, ids, 1.0)
+    token_loss, _, _ = grpo_token_loss(logprobs, old, advantages, mask, 0.2, 0.2, ref, 0.04, loss_type=loss_type, entropy_mask=keep)
+    ours = aggregate(token_loss, mask, loss_type, MAX_LEN)[0] - 0.03 * masked_mean(entropy, mask & keep)
+    ours_grad, = torch.autograd.grad(ours, ours_logits)
+    assert abs(ours.item() - theirs.item()) <= 1e-6, (ours.item(), theirs.item())
+    assert (ours_grad - theirs_grad).abs().max().item() <= 1e-6
+
+
+def test_adaptive_entropy_equal_trl():
+    "`use_adaptive_entropy` over five optimizer steps (one micro-batch each): the coefficient applied and the one after each step are TRL's."
+    mask, _, _, ref, advantages = _rollout()
+    logits, ids, old, logprobs_and_entropy = _logits_rollout()
+    scales = (1.0, 3.0, 3.0, 0.5, 3.0)              # sharper logits: lower entropy, so the target is crossed both ways
+    target = masked_mean(entropy_from_logits(logits * 2.0, 1.0), mask).item()
+    t = _trl_trainer(loss_type="dapo", entropy_coef=0.01, use_adaptive_entropy=True, entropy_coef_delta=0.02, entropy_target=target)
+    t.entropy_coef, t._last_world_entropy, t._entropy_window_stats = 0.01, math.inf, None
+    ours_ctl, applied = AdaptiveEntropyController(0.01, target, 0.02, 0.0, 1.0), []
+    for s in scales:
+        x = logits * s
+        theirs = _trl_logits_loss(t, x, ids, old, ref, advantages, mask, logprobs_and_entropy)
+        entropy = entropy_from_logits(x, 1.0)
+        token_loss, _, _ = grpo_token_loss(logprobs_from_logits(x, ids, 1.0), old, advantages, mask, 0.2, 0.2, ref, 0.04, loss_type="dapo")
+        applied.append(ours_ctl.value)
+        ours = aggregate(token_loss, mask, "dapo", MAX_LEN)[0] - ours_ctl.value * masked_mean(entropy, mask)
+        ours_ctl.update(masked_mean(entropy, mask))
+        assert abs(ours.item() - theirs.item()) <= 1e-6, (s, ours.item(), theirs.item())
+        assert abs(ours_ctl.coef - t.entropy_coef) <= 1e-12, (ours_ctl.coef, t.entropy_coef)
+    assert applied[0] == 0.0 and len({round(a, 6) for a in applied}) >= 3, applied   # off at first, then on, up and down
