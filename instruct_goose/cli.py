@@ -7,8 +7,8 @@ __all__ = ['field_help', 'GooseParser', 'parse_config', 'SFTCommand', 'RMCommand
            'GRPOCommand', 'DPOCommand', 'EvalCommand', 'PipelineCommand', 'PlotCommand', 'UsageError',
            'load_tokenizer_and_model', 'load_data', 'set_threads', 'import_function', 'command_reward', 'python_call',
            'run_sft', 'run_rm', 'lora_config', 'run_ppo', 'run_rloo', 'run_grpo', 'run_dpo', 'run_eval',
-           'comparison_table', 'plot_metrics', 'run_plot', 'CompletionsCommand', 'run_completions', 'run_pipeline',
-           'resume_command', 'main']
+           'eval_reward_model', 'comparison_table', 'plot_metrics', 'run_plot', 'CompletionsCommand', 'run_completions',
+           'run_pipeline', 'resume_command', 'main']
 
 # %% ../nbs/10_cli.ipynb #91472c31
 import argparse, copy, dataclasses, importlib, inspect, json, logging, os, shlex, sys, time
@@ -32,6 +32,7 @@ from .data import read_dataset
 from .toy import gold_score, load_task, task_tokenizer, tiny_causal_lm
 from .loop import TrainingInterrupted, coerce_numbers, read_metrics
 from .reward import RewardModel, WeightedReward, reward_from
+from .reward_eval import RewardEnsemble, pair_scores, plot_report, report_table, reward_report
 from .sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from .rloo import RLOOConfig, RLOOTrainer
 from .grpo import GRPOConfig, GRPOTrainer
@@ -161,7 +162,9 @@ class RMCommand(RewardConfig):
 class OnPolicyCommand(OnPolicyConfig):
     "What `goose ppo`, `goose rloo` and `goose grpo` share: where the policy, reward and prompts come from, and laptop-sized defaults."
     policy: str = "runs/sft"                 # the SFT model to start from (also the frozen reference)
-    reward_model: str = "runs/rm"            # a reward model saved by `goose rm`, or "gold" to optimise the task's gold scorer
+    reward_model: list[str] = dataclasses.field(default_factory=lambda: ["runs/rm"])  # a reward model saved by `goose rm`, or "gold" to optimise the task's gold scorer; several: an ensemble
+    ensemble_aggregation: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = "mean"  # several --reward_model paths: combine their scores (`RewardEnsemble`, Coste et al. 2023)
+    ensemble_k: float = 1.0                  # k of mean_minus_std / mean_minus_var: the weight of the members' spread
     reward_funcs: list[str] | None = None    # instead of --reward_model: module:function rewards f(prompts, completions) -> scores, weighted by --reward_weights
     dataset: str = "task"                    # prompts: "task", or a file/folder/Hub name with a "prompt" column
     columns: str | None = None               # rename the dataset's columns, e.g. "question:prompt"
@@ -222,19 +225,23 @@ class DPOCommand(DPOConfig):
 # %% ../nbs/10_cli.ipynb #76f82999
 @dataclass
 class EvalCommand:
-    "goose eval: a trained policy against its reference on held-out prompts (reward, gold, win rates, KL)."
+    "goose eval: a trained policy against its reference on held-out prompts (reward, gold, win rates, KL); on preference pairs, the reward model's report."
     policy: str = "runs/ppo"                 # the trained policy (an agent saved by `goose ppo`, or any causal LM)
     reference: str = "runs/sft"              # the reference (SFT) model
-    reward_model: str = "runs/rm"            # the reward model, or "gold"
+    reward_model: list[str] = dataclasses.field(default_factory=lambda: ["runs/rm"])  # the reward model, or "gold"; several: an ensemble
+    ensemble_aggregation: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = "mean"  # several --reward_model paths: combine their scores (`RewardEnsemble`, Coste et al. 2023)
+    ensemble_k: float = 1.0                  # k of mean_minus_std / mean_minus_var: the weight of the members' spread
     reward_funcs: list[str] | None = None    # instead of --reward_model: module:function rewards
     reward_weights: list[float] | None = None  # weights of --reward_funcs (default: 1 each)
-    dataset: str = "task"                    # prompts: "task" (held-out built-in prompts), or a file/folder/Hub name with a "prompt" column
+    dataset: str = "task"                    # prompts: "task" (held-out built-in prompts), or a file/folder/Hub name with a "prompt" column; with "chosen" and "rejected" columns, pairs: the reward model's report
+    category_column: str | None = None       # pairs: accuracy per group of this column (None: "category" when the pairs have it)
     columns: str | None = None               # rename the dataset's columns, e.g. "question:prompt"
     gold: str = "auto"                       # the independent judge: "vader" (the task's), "none", a module:function, or "auto" (vader when --dataset is task, else none)
     response_length: int = 16                # tokens sampled per response
     temperature: float = 1.0                 # sampling temperature
     seed: int = 0                            # sampling seed
     output: str | None = None                # write the metrics and samples to this JSON file
+    output_dir: str | None = None            # pairs: append the report to metrics.jsonl here and draw report.png
 
     def __post_init__(self): coerce_numbers(self)
 
@@ -325,12 +332,18 @@ def import_function(spec: str, flag: str):
     return function
 
 # %% ../nbs/10_cli.ipynb #eae9ee85
-def command_reward(args) -> "RewardModel | list | callable":
-    "The reward a command names: its `--reward_funcs` (a list, weighted by `reward_weights` as TRL does), the task's gold scorer, or a saved reward model."
+def command_reward(args) -> "RewardModel | RewardEnsemble | list | callable":
+    "The reward a command names: its `--reward_funcs` (a list, weighted by `reward_weights` as TRL does), the task's gold scorer, a saved reward model, or several as a `RewardEnsemble`."
+    paths = [args.reward_model] if isinstance(args.reward_model, str) else list(args.reward_model)   # a YAML config may give one path
+    aggregation, k = getattr(args, "ensemble_aggregation", "mean"), getattr(args, "ensemble_k", 1.0)
+    if (aggregation, k) != ("mean", 1.0) and (args.reward_funcs or len(paths) < 2):
+        raise UsageError("--ensemble_aggregation and --ensemble_k combine several reward models: give two or more --reward_model paths")
+    if k != 1.0 and aggregation in ("mean", "min"): raise UsageError(f"--ensemble_k weighs the spread: it needs --ensemble_aggregation mean_minus_std or mean_minus_var, not {aggregation}")
     if args.reward_funcs: return [import_function(s, "--reward_funcs") for s in args.reward_funcs]
-    if args.reward_model == "gold": return gold_score
-    if not Path(args.reward_model).is_dir(): raise UsageError(f"--reward_model {args.reward_model!r} does not exist (train one with goose rm)")
-    return RewardModel.from_pretrained(args.reward_model)
+    missing = [p for p in paths if p != "gold" and not Path(p).is_dir()]
+    if missing: raise UsageError(f"--reward_model {missing[0]!r} does not exist (train one with goose rm)")
+    rewards = [gold_score if p == "gold" else RewardModel.from_pretrained(p) for p in paths]
+    return rewards[0] if len(rewards) == 1 else RewardEnsemble(rewards, aggregation, k)
 
 # %% ../nbs/10_cli.ipynb #4e8bb2e6
 _PYTHON_API = {"SFTCommand": SFTConfig, "RMCommand": RewardConfig, "PPOCommand": RLHFConfig, "RLOOCommand": RLOOConfig,
@@ -460,17 +473,46 @@ def run_eval(args: EvalCommand) -> dict:
     "goose eval"
     console = Console()
     _start(args, console)
-    prompts = list(load_data(args.dataset, "prompts", "eval", args.columns)["prompt"])
+    data = load_data(args.dataset, "prompts", "eval", args.columns)
     gold = _auto(args.gold, args.dataset, "vader", "gold judge", console)
     gold = None if gold == "none" else gold_score if gold == "vader" else import_function(gold, "--gold")
+    if {"chosen", "rejected"} <= set(data.column_names): return eval_reward_model(args, data, gold, console)
+    if args.output_dir or args.category_column:
+        raise UsageError("--output_dir and --category_column are for a reward model's report: give --dataset pairs with chosen and rejected columns")
     reward = reward_from(command_reward(args), args.reward_weights)
     tokenizer, policy = load_tokenizer_and_model(args.policy, flag="--policy")
     _, reference = load_tokenizer_and_model(args.reference, flag="--reference")
     set_threads(policy)
-    metrics, records = evaluate_policy(policy, reference, tokenizer, prompts, reward, gold=gold,
+    metrics, records = evaluate_policy(policy, reference, tokenizer, list(data["prompt"]), reward, gold=gold,
                                        response_length=args.response_length, temperature=args.temperature, seed=args.seed)
     console.print(comparison_table(metrics))
     if args.output: Path(args.output).write_text(json.dumps({"metrics": metrics, "samples": records}, indent=1))
+    return metrics
+
+# %% ../nbs/10_cli.ipynb #c7e2a4d1
+def eval_reward_model(
+    args: EvalCommand,        # the command: --reward_model (one or several), --category_column, --output_dir, --output
+    pairs: datasets.Dataset,  # preference pairs (chosen, rejected; a prompt column or an implicit prompt)
+    gold,                     # a gold judge f(prompts, completions), or None
+    console: Console,
+) -> dict:                    # the flat report (`reward_report`, keys `eval/...`)
+    "`goose eval` on pairs: the reward model's report as a rich table; metrics.jsonl and report.png in --output_dir."
+    if args.category_column and args.category_column not in pairs.column_names:
+        raise UsageError(f"--category_column {args.category_column!r} is not a column of --dataset (it has {pairs.column_names})")
+    scores = pair_scores(reward_from(command_reward(args), args.reward_weights), pairs, gold=gold, category_column=args.category_column or "category")
+    metrics = reward_report(scores)
+    console.print(report_table(metrics))
+    if args.output: Path(args.output).write_text(json.dumps({"metrics": metrics}, indent=1))
+    if args.output_dir:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "metrics.jsonl", "a") as f: f.write(json.dumps({"step": 0, **metrics}) + "\n")
+        figure = plot_report(scores)
+        figure.savefig(out / "report.png", dpi=100)
+        plt.close(figure)
     return metrics
 
 # %% ../nbs/10_cli.ipynb #e8bf77f1

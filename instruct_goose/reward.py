@@ -292,7 +292,7 @@ def score_completions(
 
 # %% ../nbs/04_reward.ipynb #0d3960b9
 class WeightedReward(nn.Module):
-    "The weighted sum of several rewards (TRL's `reward_funcs` with `reward_weights`): None-aware; `each` scores, `combine` sums, `stats` summarises."
+    "The weighted sum of several rewards (TRL's `reward_funcs` with `reward_weights`): None-aware; `each` scores, `combine` sums, `stats` summarises. `weights` has one entry per row of `each`: the given weights, then 0 for each member of an ensemble (logged, never summed)."
     def __init__(
         self,
         functions: list,         # `RewardModel`s or reward functions
@@ -302,7 +302,8 @@ class WeightedReward(nn.Module):
         if len(weights) != len(functions): raise ValueError(f"`reward_weights` has {len(weights)} numbers for {len(functions)} reward functions")
         bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, Real) or not math.isfinite(w)]
         if bad: raise ValueError(f"`reward_weights` must be finite numbers; got {bad[0]!r}")
-        self.functions, self.weights, self.warned = list(functions), [float(w) for w in weights], False
+        members = sum(len(f.names) for f in functions if _is_ensemble(f))   # their rows follow the rewards' rows in `each`
+        self.functions, self.weights, self.warned = list(functions), [float(w) for w in weights] + [0.0] * members, False
         self.models = nn.ModuleList([f for f in functions if isinstance(f, nn.Module)])   # `.to(device)` moves the reward models
         names = [_reward_name(f) for f in functions]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]   # two lambdas stay apart
@@ -314,6 +315,11 @@ def _reward_name(f) -> str:
     if not isinstance(f, RewardModel): return getattr(f, "__name__", type(f).__name__)
     return str(getattr(f.config, "_name_or_path", "")).rstrip("/").split("/")[-1] or type(f.model).__name__
 
+# %% ../nbs/04_reward.ipynb #3f6c0b8e
+def _is_ensemble(f) -> bool:
+    "Whether a reward is an ensemble (a `RewardEnsemble` of the reward-evaluation chapter): it scores each member (`member_scores`) and aggregates (`aggregate`)."
+    return hasattr(f, "member_scores") and hasattr(f, "aggregate")
+
 # %% ../nbs/04_reward.ipynb #9c0779be
 @patch
 def each(
@@ -322,10 +328,12 @@ def each(
     completions: list[str],     # the decoded completions
     **columns,                  # the data's other columns, one value per completion
 ) -> Float[Tensor, "rewards batch"]:  # every reward's scores, NaN where it returned None
-    "Score with every reward (async ones concurrently): one row per reward, in the order of `functions`."
+    "Score with every reward (async ones concurrently): one row per reward, in the order of `functions`; then a row per member of each ensemble (scored once, aggregated for its reward's row)."
     _check_columns(columns, len(completions))
-    raws = [_raw_scores(f, prompts, completions, columns) for f in self.functions]
-    return torch.stack(_checked_scores(self.functions, raws, len(completions)))
+    members = {i: f.member_scores(prompts, _chat_completions(prompts, completions), **columns).float().cpu()
+               for i, f in enumerate(self.functions) if _is_ensemble(f)}
+    raws = [f.aggregate(members[i]) if i in members else _raw_scores(f, prompts, completions, columns) for i, f in enumerate(self.functions)]
+    return torch.cat([torch.stack(_checked_scores(self.functions, raws, len(completions))), *members.values()])
 
 # %% ../nbs/04_reward.ipynb #de91dcb4
 @patch
@@ -358,11 +366,14 @@ def stats(
     self: WeightedReward,
     scores: Tensor,              # (rewards, completions) each reward's scores, NaN where it returned None (`each`)
 ) -> dict[str, Tensor]:          # `rewards/<name>/mean` and `/std` (n − 1) over the completions each reward applies to
-    "Each reward's mean and standard deviation under TRL's names; the trainers pass every process's `each` scores, gathered, as TRL computes them."
-    out = {}
+    "Each reward's mean and standard deviation under TRL's names, and each ensemble's `stats` (its members' means, their spread); the trainers pass every process's `each` scores, gathered, as TRL computes them."
+    out, row = {}, len(self.functions)
     for name, s in zip(self.names, scores):
         applies = ~s.isnan()
         out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = masked_mean(s, applies), masked_var(s, applies).sqrt()
+    for f in filter(_is_ensemble, self.functions):
+        out |= {k: torch.tensor(v, device=scores.device) for k, v in f.stats(scores[row:row + len(f.names)]).items()}
+        row += len(f.names)
     return out
 
 # %% ../nbs/04_reward.ipynb #a5e1b0c3

@@ -353,6 +353,15 @@ def member_scores(
     completions = _texts(completions)
     return torch.stack([m(prompts, completions, **columns).float() for m in self.members])
 
+# %% ../nbs/04c_reward_eval.ipynb #9a4e2c71
+@patch
+def aggregate(
+    self: RewardEnsemble,
+    scores: Float[Tensor, "members batch"],   # the members' scores (`member_scores`)
+) -> Float[Tensor, "batch"]:                  # `aggregate_rewards` with the ensemble's aggregation and k
+    "The ensemble's score from its members' scores: what `forward` returns, and what `WeightedReward.each` computes once it has the members' rows."
+    return aggregate_rewards(scores, self.aggregation, self.k)
+
 # %% ../nbs/04c_reward_eval.ipynb #f5faf38a
 @patch
 def forward(
@@ -361,8 +370,8 @@ def forward(
     completions: list,         # completions
     **columns,                 # the data's other columns
 ) -> Float[Tensor, "batch"]:   # the aggregated score
-    "Score with every member (`member_scores`) and aggregate; nothing is kept between calls."
-    return aggregate_rewards(self.member_scores(prompts, completions, **columns), self.aggregation, self.k)
+    "Score with every member (`member_scores`) and `aggregate`; nothing is kept between calls."
+    return self.aggregate(self.member_scores(prompts, completions, **columns))
 
 # %% ../nbs/04c_reward_eval.ipynb #71158424
 @patch

@@ -278,15 +278,43 @@ def pair_loss_sum(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Te
                                 "reward/margin": (chosen - rejected).mean().detach()}
 
 # %% ../nbs/06_sft.ipynb #6e1ea6d7
+import json
+from pathlib import Path
+from accelerate import PartialState
+from rich.console import Console
+from .reward import score_completions
+from .reward_eval import PairScores, completion_lengths, report_table, reward_report
+
 @patch
 @torch.no_grad()
-def evaluate(self: RewardTrainer, model: nn.Module | None = None, dataset=None, batch_size: int = 64) -> dict:
-    "`eval/loss` and `eval/accuracy` on `dataset` (default: the eval set), as floats."
+def evaluate(
+    self: RewardTrainer,
+    model: nn.Module | None = None,      # the reward model (None: the trainer's)
+    dataset=None,                        # pairs as the trainer holds them (None: the eval set)
+    batch_size: int = 64,                # pairs per forward pass
+    report: bool = False,                # also the whole `reward_report`: printed as a rich table and appended to `output_dir/metrics.jsonl`
+    gold=None,                           # with `report`: a gold judge f(prompts, completions) -> scores (e.g. `gold_score`)
+    category_column: str = "category",   # with `report`: accuracy per group of this column, when the pairs have it
+) -> dict:
+    "`eval/loss` and `eval/accuracy` on `dataset` (default: the eval set), as floats; with `report`, every `eval/` quantity of `reward_report`."
+    if gold is not None and not report: raise ValueError("`gold` is read only by the report: pass report=True with it")
     model, dataset = model or self.reward_model, dataset or self.eval_dataset
     with eval_mode(model):
         pairs = [self.pair_scores(model, dataset[i:i + batch_size]) for i in range(0, len(dataset), batch_size)]
-    chosen, rejected = torch.cat([c for c, _ in pairs]), torch.cat([r for _, r in pairs])
-    return {"eval/loss": self.loss_fn(chosen, rejected).item(), "eval/accuracy": pairwise_accuracy(chosen, rejected).item()}
+    chosen, rejected = torch.cat([c for c, _ in pairs]).float().cpu(), torch.cat([r for _, r in pairs]).float().cpu()
+    out = {"eval/loss": self.loss_fn(chosen, rejected).item(), "eval/accuracy": pairwise_accuracy(chosen, rejected).item()}
+    if not report: return out
+    length = lambda column: completion_lengths(dataset[column], self.processing_class)
+    groups = list(dataset[category_column]) if category_column in dataset.column_names else None
+    golds = [score_completions(gold, dataset["prompt"], dataset[c]).float().cpu() for c in ("chosen", "rejected")] if gold is not None else (None, None)
+    out |= reward_report(PairScores(chosen, rejected, length("chosen"), length("rejected"), groups, *golds))
+    step = self.loop.state.step if hasattr(self, "loop") else 0
+    if PartialState().is_main_process:
+        Console().print(report_table(out))
+        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(self.args.output_dir) / "metrics.jsonl", "a") as f: f.write(json.dumps({"step": step, **out}) + "\n")
+    return out
+
 
 # %% ../nbs/06_sft.ipynb #f779c18c
 @patch

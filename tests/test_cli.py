@@ -242,3 +242,69 @@ def test_training_config_records_every_setting(command, monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[0] == f"goose {command}: {cli.python_call(trainer.config)}"
     if command in ("ppo", "rloo", "grpo"):
         assert recorded["reward_weights"] == [1.0, 0.5] and len(recorded["reward_funcs"]) == len(trainer.reward_funcs) == 2
+
+
+# --- goose eval on preference pairs: a reward model's report (issue 31) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def rm_dirs(tmp_path_factory):
+    "Two tiny reward models of different seeds, saved as `goose rm` saves them."
+    from instruct_goose import RewardModel, task_tokenizer, tiny_causal_lm
+    tok, root = task_tokenizer(), tmp_path_factory.mktemp("rms")
+    for seed in (0, 1): RewardModel(tiny_causal_lm(tok, seed=seed), tokenizer=tok).save_pretrained(root / f"rm{seed}")
+    return [str(root / f"rm{seed}") for seed in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def pair_rows():
+    from instruct_goose.toy import load_task
+    pairs = load_task("preferences", "eval").select(range(24))
+    return [{**row, "topic": ["plot", "cast", "music"][i % 3]} for i, row in enumerate(pairs)]
+
+
+def test_eval_reports_a_reward_model_on_local_pairs(tmp_path, rm_dirs, pair_rows):
+    "goose eval on a JSONL of pairs: the same numbers as `evaluate_reward_model` in Python, in metrics.jsonl, with the plot."
+    from instruct_goose.reward_eval import evaluate_reward_model
+    from instruct_goose.toy import gold_score
+    pairs, out = write_jsonl(tmp_path / "pairs.jsonl", pair_rows), tmp_path / "report"
+    result = goose("eval", "--reward_model", rm_dirs[0], "--dataset", pairs, "--category_column", "topic", "--gold", "vader",
+                   "--output_dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reward model report" in result.stdout and "accuracy (95% Wilson)" in result.stdout
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    expected = evaluate_reward_model(rm_dirs[0], pair_rows, gold=gold_score, category_column="topic")
+    assert row.pop("step") == 0 and row.keys() == expected.keys()
+    assert {"eval/accuracy/plot", "eval/pairs/music", "eval/gold/agreement", "eval/length/prefer_shorter"} <= row.keys()
+    assert all(row[k] == pytest.approx(v, abs=1e-5, nan_ok=True) for k, v in expected.items())
+    assert row["eval/pairs/plot"] == row["eval/pairs/cast"] == row["eval/pairs/music"] == 8
+    assert (out / "report.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow   # ~30 s: a goose start-up and three reports in process
+def test_eval_ensembles_several_reward_models_from_parquet(tmp_path, rm_dirs, pair_rows):
+    "Two --reward_model paths and --ensemble_aggregation min: the report of `RewardEnsemble(..., 'min')`, not of either member."
+    from datasets import Dataset
+    from instruct_goose.reward_eval import RewardEnsemble, evaluate_reward_model
+    Dataset.from_list(pair_rows).to_parquet(tmp_path / "pairs.parquet")
+    result = goose("eval", "--reward_model", *rm_dirs, "--ensemble_aggregation", "min", "--dataset", str(tmp_path / "pairs.parquet"),
+                   "--output", str(tmp_path / "report.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "report.json").read_text())["metrics"]
+    ensemble = evaluate_reward_model(RewardEnsemble(rm_dirs, "min"), pair_rows, category_column="topic")
+    assert metrics["eval/margin"] == pytest.approx(ensemble["eval/margin"], abs=1e-5)
+    assert all(metrics["eval/margin"] != pytest.approx(evaluate_reward_model(d, pair_rows)["eval/margin"], abs=1e-5) for d in rm_dirs)
+    assert not any(k.startswith("eval/pairs/") and k != "eval/pairs/chosen_shorter" and k != "eval/pairs/chosen_longer" for k in metrics)  # no "category" column, no --category_column: no groups
+
+
+def test_eval_refuses_report_flags_it_cannot_honour(rm_dirs, pair_rows, tmp_path):
+    "Each mistake is one UsageError naming the flag, before any model is read."
+    from instruct_goose.cli import EvalCommand, UsageError, parse_config, run_eval
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", pair_rows)
+    def refused(flags, *words):
+        with pytest.raises(UsageError) as e: run_eval(parse_config(EvalCommand, flags, "goose eval"))
+        assert all(w in str(e.value) for w in words), str(e.value)
+    refused(["--reward_model", rm_dirs[0], "--dataset", pairs, "--category_column", "genre"], "--category_column 'genre'", "topic")
+    refused(["--reward_model", rm_dirs[0], "--dataset", pairs, "--ensemble_aggregation", "min"], "two or more --reward_model")
+    refused(["--reward_model", *rm_dirs, "--dataset", pairs, "--ensemble_aggregation", "min", "--ensemble_k", "2"], "--ensemble_k", "min")
+    refused(["--reward_model", rm_dirs[0], "--output_dir", str(tmp_path / "x")], "--output_dir", "chosen and rejected")
+    assert not (tmp_path / "x").exists()

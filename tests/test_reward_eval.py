@@ -48,6 +48,8 @@ def test_ensemble_rewards_a_short_rl_run(algo, tmp_path, tok, members):
     assert scores.shape[0] == 2 and (scores[0] != scores[1]).any()         # two seeds, two opinions
     stats = ensemble.stats(scores)
     assert stats["rewards/ensemble/std"] > 0 and set(stats) >= {f"rewards/{n}/mean" for n in ensemble.names}
+    for row in rows:                                                        # each member's mean and the spread, every step
+        assert all(math.isfinite(row[k]) for k in stats), set(stats) - set(row)
 
 
 def test_ensemble_scores_are_its_members_aggregated_inside_the_trainer(tmp_path, tok, members):
@@ -56,6 +58,77 @@ def test_ensemble_scores_are_its_members_aggregated_inside_the_trainer(tmp_path,
     _, samples = t.sample_rollout(t.model, PROMPTS[:2], seed=0)
     one, two = (m.score(samples.prompts, samples.completions) for m in members)
     torch.testing.assert_close(samples.scores, torch.minimum(one, two), rtol=0, atol=1e-5)
+
+
+def test_ensemble_members_are_logged_from_the_rollouts_own_scores(tmp_path, tok, members):
+    "The members' means in the trainer's statistics are those of the rollout's completions, scored by each member alone."
+    ensemble = RewardEnsemble(members, "mean_minus_std", k=0.5)
+    t = rl_trainer("rloo", tmp_path, tok, ensemble)
+    _, samples = t.sample_rollout(t.model, PROMPTS[:4], seed=0)
+    alone = [m.score(samples.prompts, samples.completions) for m in members]
+    stats = t.reward_model.stats(samples.reward_scores)
+    for name, scores in zip(ensemble.names, alone):
+        torch.testing.assert_close(stats[f"rewards/{name}/mean"], scores.mean(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(stats["rewards/ensemble/std"], (alone[0] - alone[1]).abs().mean() / 2, rtol=0, atol=1e-5)
+    mean, spread = (alone[0] + alone[1]) / 2, (alone[0] - alone[1]).abs() / 2
+    torch.testing.assert_close(samples.scores, mean - 0.5 * spread, rtol=0, atol=1e-5)
+
+
+def test_grpo_normalize_then_sum_leaves_the_members_rows_out():
+    "GDPO standardises each reward's row and sums with `weights`: the members' rows weigh 0, so they change nothing."
+    from instruct_goose.grpo import normalized_sum_advantages
+    from instruct_goose.reward import reward_from
+    def one(prompts, completions): return [float(len(c)) for c in completions]
+    def two(prompts, completions): return [float(c.count("a")) for c in completions]
+    def three(prompts, completions): return [1.0] * len(completions)
+    combined = reward_from([RewardEnsemble([one, two], "min"), three], [1.0, 0.5])
+    rows = combined.each([""] * 4, ["a", "aab", "bbbb", "aa"])
+    assert rows.shape == (4, 4) and combined.weights == [1.0, 0.5, 0.0, 0.0]
+    torch.testing.assert_close(normalized_sum_advantages(rows, combined.weights, 2),
+                               normalized_sum_advantages(rows[:2], [1.0, 0.5], 2), rtol=0, atol=0)
+
+
+ENSEMBLE_SCRIPT = '''
+import json, os, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from instruct_goose import RLOOConfig, RLOOTrainer, load_task
+from instruct_goose.reward_eval import RewardEnsemble
+policy, out, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
+def long(prompts, completions): return [len(c) / 10 for c in completions]
+def vowels(prompts, completions): return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+reward = RewardEnsemble([long, vowels], "mean_minus_std", k=0.5)
+config = RLOOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, total_episodes=32,
+                    response_length=6, local_rollout_forward_batch_size=4, num_generations=2, num_sample_generations=0,
+                    disable_tqdm=True, learning_rate=1e-3)
+trainer = RLOOTrainer(model, args=config, processing_class=tokenizer, reward_funcs=reward,
+                      train_dataset=load_task("prompts").select(range(64)))
+trainer.train()
+json.dump(trainer.loop.state.history, open(f"{out}/history{os.environ.get('RANK', '0')}.json", "w"))
+'''
+
+
+@pytest.mark.slow   # two RLOO runs, one under torchrun: ~1 min
+def test_ensemble_members_logged_over_two_processes_equal_one(policy_dir, tmp_path):
+    "Each member's mean and the spread are over every process's completions: 2 processes log what 1 process logs."
+    import os, subprocess, sys
+    from pathlib import Path
+    (tmp_path / "train.py").write_text(ENSEMBLE_SCRIPT)
+    def run(processes, accumulation):
+        out = tmp_path / f"p{processes}"
+        env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache"}
+        script = [str(tmp_path / "train.py"), str(policy_dir), str(out), str(accumulation)]
+        launcher = [sys.executable] if processes == 1 else [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+        result = subprocess.run(launcher + script, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr[-8000:]
+        return json.loads((out / "history0.json").read_text())
+    one, two = run(1, 2), run(2, 1)
+    keys = ("rewards/long/mean", "rewards/vowels/mean", "rewards/ensemble/std", "rewards/ensemble_mean_minus_std/mean",
+            "rewards/ensemble_mean_minus_std/std")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        for key in keys: assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key, a[key], b[key])
+    assert len({row["rewards/long/mean"] for row in one}) > 1 and one[0]["rewards/ensemble/std"] > 0   # the steps differ; the members disagree
 
 
 def test_an_ensemble_of_one_has_the_report_of_its_member(members):
