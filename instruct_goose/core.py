@@ -229,7 +229,7 @@ def logprobs_from_logits(
 def _entropy(z: Tensor, lse: Tensor) -> Tensor:
     "Entropy of softmax(z) along the last axis, given lse = logsumexp(z): finite value and gradient where a probability underflows."
     z_finite = z.masked_fill(~torch.isfinite(z), 0.0)   # a −inf logit has probability 0: it adds nothing, and no 0·∞ to the gradient
-    return lse - (z.softmax(-1) * z_finite).sum(-1)
+    return lse - torch.linalg.vecdot(z.softmax(-1), z_finite)   # Σ p·z without a third (rows × vocab) tensor
 
 @typecheck
 def entropy_from_logits(
@@ -241,14 +241,14 @@ def entropy_from_logits(
 
 
 # %% ../nbs/00_core.ipynb #c7a1e002
-LOGITS_PER_CHUNK = 2 ** 25   # (positions × vocab) logits `logprobs_from_hidden` holds at once: 128 MiB in float32
+LOGITS_PER_CHUNK = 2 ** 24   # (positions × vocab) logits `logprobs_from_hidden` holds at once: 64 MiB in float32
 
 
 # %% ../nbs/00_core.ipynb #c7a1e003
 def _head_stats(hidden, weight, bias, labels, temperature: float, entropy: str):
     "log π(label) and the entropy (None for \"skip\"; no graph for \"no_grad\") of each row of the float32 logits (h Wᵀ + b) / T."
     z = torch.nn.functional.linear(hidden, weight, bias).float()
-    if temperature != 1.0: z = z / temperature
+    if temperature != 1.0: z = z.div_(temperature)       # in place: the layer's backward needs its inputs, not z
     lse = torch.logsumexp(z, -1)
     logprobs = z.gather(-1, labels[:, None]).squeeze(-1) - lse
     if entropy == "skip": return logprobs, None
