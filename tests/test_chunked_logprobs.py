@@ -174,12 +174,17 @@ def test_no_saved_tensor_holds_the_logits(arch):
     "At V = 151,936 and 512 response tokens the chunked pass keeps nothing near batch × resp × vocab; the logits path keeps it."
     model = tiny(arch, QWEN_VOCAB, hidden=16).train()
     x = batch(QWEN_VOCAB, n_resp=512)
-    full = 2 * 512 * QWEN_VOCAB
     ours, (lp, H) = saved_tensor_sizes(lambda: training_pass(model, x, chunked=True))
     assert ours[0] <= QWEN_VOCAB * 16, ours[:3]                  # the largest: the output weight (V × 16), 1/64 of the logits
     (lp.sum() + H.sum()).backward()
-    theirs, _ = saved_tensor_sizes(lambda: training_pass(model, x, chunked=False))
-    assert theirs[0] >= full, theirs[:3]                         # the count does see the logits where they are kept
+
+
+@pytest.mark.slow
+def test_the_count_sees_the_logits():
+    "The same count on the logits path does find a tensor of batch × resp × vocab elements (so the test above can fail)."
+    model = tiny("qwen2", QWEN_VOCAB, hidden=16).train()
+    theirs, _ = saved_tensor_sizes(lambda: training_pass(model, batch(QWEN_VOCAB, n_resp=512), chunked=False))
+    assert theirs[0] >= 2 * 512 * QWEN_VOCAB, theirs[:3]
 
 
 def peak_allocated(fn) -> int:
