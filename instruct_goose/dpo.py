@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 
 from .agent import (_final_hidden, _output_layer, disable_dropout, eval_mode, load_tokenizer, position_ids_from_mask,
                                   positions_for, with_peft)
-from .core import LOGITS_PER_CHUNK, check_number, logprobs_from_hidden, logprobs_from_logits, typecheck
+from .core import _LOGITS_PER_CHUNK, check_number, logprobs_from_hidden, logprobs_from_logits, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
@@ -284,7 +284,7 @@ def completion_logps(
         hidden = _final_hidden(model, input_ids, attention_mask)[row, col]                # (tokens, hidden)
         token_logps = logprobs_from_hidden(hidden[None], head.weight, head.bias, labels[None])[0][0]
         mean_logits = _mean_logits(hidden.detach(), head.weight, head.bias)
-        log_sum_sq = lambda: torch.cat([_log_sum_sq(F.linear(h, head.weight, head.bias)) for h in hidden.split(max(1, LOGITS_PER_CHUNK // head.out_features))])
+        log_sum_sq = lambda: torch.cat([_log_sum_sq(F.linear(h, head.weight, head.bias)) for h in hidden.split(max(1, _LOGITS_PER_CHUNK // head.out_features))])
     else:
         if padding_free:                                                                   # (row, col) → its place in the packed row
             logits = packed_forward(model, input_ids, attention_mask)[(attention_mask.flatten().long().cumsum(0) - 1).view_as(input_ids)[row, col]]

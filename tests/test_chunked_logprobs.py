@@ -51,7 +51,7 @@ def batch(vocab_size: int, n_resp: int = 6, seed: int = 0):
 @pytest.fixture
 def small_chunks(monkeypatch):
     "Chunks of 2 positions whatever the vocabulary, so a few positions make several chunks."
-    def chunk_for(model): monkeypatch.setattr(core, "LOGITS_PER_CHUNK", 2 * model.config.vocab_size)
+    def chunk_for(model): monkeypatch.setattr(core, "_LOGITS_PER_CHUNK", 2 * model.config.vocab_size)
     return chunk_for
 
 
