@@ -169,7 +169,7 @@ def training_pass(model, x, chunked: bool):
     return logprobs_from_logits(logits, x[2]), entropy_from_logits(logits)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("arch", [pytest.param("gpt2", marks=pytest.mark.slow), "qwen2"])   # ~10 s each on 2 busy cores
 def test_no_saved_tensor_holds_the_logits(arch):
     "At V = 151,936 and 512 response tokens the chunked pass keeps nothing near batch × resp × vocab; the logits path keeps it."
     model = tiny(arch, QWEN_VOCAB, hidden=16).train()
