@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['assert_tensor', 'ShapeError', 'typecheck', 'check_number', 'masked_sum', 'masked_mean', 'masked_var', 'masked_whiten',
-           'last_true_index', 'pad_to_side', 'logprobs_from_logits', 'entropy_from_logits', 'truncate_after_stop',
-           'quiet_progress']
+           'last_true_index', 'pad_to_side', 'logprobs_from_logits', 'entropy_from_logits', 'logprobs_from_hidden',
+           'truncate_after_stop', 'quiet_progress']
 
 # %% ../nbs/00_core.ipynb #27f526c8
 import contextlib, functools, inspect, math
@@ -226,16 +226,93 @@ def logprobs_from_logits(
                         for row, lab in zip(_float_rows(logits, temperature), labels)])
 
 # %% ../nbs/00_core.ipynb #ee789499
+def _entropy(z: Tensor, lse: Tensor) -> Tensor:
+    "Entropy of softmax(z) along the last axis, given lse = logsumexp(z): finite value and gradient where a probability underflows."
+    z_finite = z.masked_fill(~torch.isfinite(z), 0.0)   # a −inf logit has probability 0: it adds nothing, and no 0·∞ to the gradient
+    return lse - torch.linalg.vecdot(z.softmax(-1), z_finite)   # Σ p·z without a third (rows × vocab) tensor
+
 @typecheck
 def entropy_from_logits(
     logits: Float[Tensor, "batch resp vocab"],  # model outputs
     temperature: float = 1.0,                   # the sampling temperature T
 ) -> Float[Tensor, "batch resp"]:               # entropy of softmax(logits / T) per position, float32
     "Entropy in nats as logsumexp(z) − Σ softmax(z)·z: value and gradient finite where a probability underflows or a logit is −inf."
-    def entropy(z):
-        z_finite = z.masked_fill(~torch.isfinite(z), 0.0)   # a −inf logit has probability 0: it adds nothing, and no 0·∞ to the gradient
-        return torch.logsumexp(z, -1) - (z.softmax(-1) * z_finite).sum(-1)
-    return torch.stack([entropy(row) for row in _float_rows(logits, temperature)])
+    return torch.stack([_entropy(row, torch.logsumexp(row, -1)) for row in _float_rows(logits, temperature)])
+
+
+# %% ../nbs/00_core.ipynb #c7a1e002
+_LOGITS_PER_CHUNK = 2 ** 24   # (positions × vocab) logits `logprobs_from_hidden` holds at once: 64 MiB in float32
+
+
+# %% ../nbs/00_core.ipynb #c7a1e003
+def _head_stats(hidden, weight, bias, labels, temperature: float, entropy: str):
+    "log π(label) and the entropy (None for \"skip\"; no graph for \"no_grad\") of each row of the float32 logits (h Wᵀ + b) / T."
+    z = torch.nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0: z = z.div_(temperature)       # in place: the layer's backward needs its inputs, not z
+    lse = torch.logsumexp(z, -1)
+    logprobs = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+    if entropy == "skip": return logprobs, None
+    return logprobs, _entropy(z, lse) if entropy == "grad" else _entropy(z.detach(), lse.detach())
+
+
+# %% ../nbs/00_core.ipynb #c7a1e004
+class _ChunkedHead(torch.autograd.Function):
+    "`_head_stats` over chunks of positions. The forward keeps (hidden, weight, bias, labels); the backward recomputes each chunk's logits under the forward's autocast and pushes that chunk's gradient through them (weight and bias gradients summed in float32)."
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature: float, size: int, entropy: str):
+        ctx.set_materialize_grads(False)                      # a logging-only entropy brings no gradient
+        with torch.no_grad():
+            parts = [_head_stats(h, weight, bias, y, temperature, entropy) for h, y in zip(hidden.split(size), labels.split(size))]
+        logprobs = torch.cat([p[0] for p in parts])
+        entropies = logprobs.new_zeros(0) if entropy == "skip" else torch.cat([p[1] for p in parts])
+        if entropy != "grad": ctx.mark_non_differentiable(entropies)
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        device = hidden.device.type
+        ctx.args = temperature, size, (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        return logprobs, entropies
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        temperature, size, (device, dtype, autocast) = ctx.args
+        wants = ctx.needs_input_grad[:3]
+        grads = [torch.zeros_like(x, dtype=torch.float32 if i else x.dtype) if w else None
+                 for i, (x, w) in enumerate(zip((hidden, weight, bias), wants))]
+        for start in range(0, len(hidden), size):
+            rows = slice(start, start + size)
+            inputs = [None if x is None else x.detach().requires_grad_(w) for x, w in zip((hidden[rows], weight, bias), wants)]
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+                logprobs, entropies = _head_stats(*inputs, labels[rows], temperature, "skip" if grad_entropy is None else "grad")
+            outs = [(o, g[rows]) for o, g in ((logprobs, grad_logprobs), (entropies, grad_entropy)) if g is not None]
+            got = iter(torch.autograd.grad([o for o, _ in outs], [x for x, w in zip(inputs, wants) if w],
+                                           [g for _, g in outs], allow_unused=True))
+            for i, w in enumerate(wants):
+                g = next(got) if w else None
+                if g is None: continue
+                if i == 0: grads[0][rows] = g
+                else: grads[i] += g
+        return (grads[0], *(None if g is None else g.to(x.dtype) for g, x in zip(grads[1:], (weight, bias))), None, None, None, None)
+
+
+# %% ../nbs/00_core.ipynb #c7a1e006
+@typecheck
+def logprobs_from_hidden(
+    hidden: Float[Tensor, "batch resp hidden"],  # last hidden states at the positions that predict `labels`
+    weight: Float[Tensor, "vocab hidden"],       # the output layer's weight W (logits = h Wᵀ + b)
+    bias: Float[Tensor, "vocab"] | None,         # its bias b, or None
+    labels: Int[Tensor, "batch resp"],           # the token ids whose log-probabilities we want
+    temperature: float = 1.0,                    # the sampling temperature T: logits are divided by it
+    entropy: Literal["grad", "no_grad", "skip"] = "skip",  # the entropy too: with gradients, without, or not at all (None)
+    chunk_size: int | None = None,               # positions per chunk; None: as many as `_LOGITS_PER_CHUNK` logits
+) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None]:  # (log π(label), entropy) per position, float32
+    "`logprobs_from_logits` and `entropy_from_logits` of h Wᵀ + b, `chunk_size` positions at a time: never the whole (batch × resp × vocab) logits, with or without gradients."
+    check_number("temperature", temperature, low_open=True)
+    size = max(1, _LOGITS_PER_CHUNK // weight.shape[0]) if chunk_size is None else int(check_number("chunk_size", chunk_size, low=1))
+    flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if len(flat) <= size: logprobs, entropies = _head_stats(flat, weight, bias, flat_labels, temperature, entropy)
+    else: logprobs, entropies = _ChunkedHead.apply(flat, weight, bias, flat_labels, temperature, size, entropy)
+    return logprobs.view_as(labels), None if entropy == "skip" else entropies.view_as(labels)
+
 
 # %% ../nbs/00_core.ipynb #579d85f0
 @typecheck

@@ -20,8 +20,9 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
-from .agent import disable_dropout, eval_mode, load_tokenizer, position_ids_from_mask, positions_for, with_peft
-from .core import check_number, logprobs_from_logits, typecheck
+from .agent import (_final_hidden, _output_layer, disable_dropout, eval_mode, load_tokenizer, position_ids_from_mask,
+                                  positions_for, with_peft)
+from .core import _LOGITS_PER_CHUNK, check_number, logprobs_from_hidden, logprobs_from_logits, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
@@ -251,6 +252,19 @@ def packed_forward(
     block = None if flash else ((segment[:, None] == segment[None]) & (position[0][:, None] >= position[0][None]))[None, None]
     return model(input_ids=input_ids[keep][None], attention_mask=block, position_ids=position, use_cache=False).logits[0]
 
+# %% ../nbs/09c_dpo.ipynb #d4f0c001
+def _mean_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    "The mean over the vocabulary of each position's logits h Wᵀ + b, without them: h · mean_v W_v + mean(b)."
+    mean = hidden.float() @ weight.float().mean(0)
+    return mean if bias is None else mean + bias.float().mean()
+
+
+# %% ../nbs/09c_dpo.ipynb #d4f0c002
+def _log_sum_sq(logits: Tensor) -> Tensor:
+    "log Σ_v π_v² of each position (WPO's weight), in float32."
+    return torch.logsumexp(2 * logits.float().log_softmax(-1), -1)
+
+
 # %% ../nbs/09c_dpo.ipynb #b5c45fba
 @typecheck
 def completion_logps(
@@ -264,17 +278,26 @@ def completion_logps(
 ) -> CompletionLogps:                                # per row, see `CompletionLogps`
     "Summed log-probability of each row's completion tokens (optionally weighted), and the statistics read from the same forward pass."
     row, col = (i.to(input_ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))  # logits at col predict token col + 1
-    if padding_free:                                                                       # (row, col) → its place in the packed row
-        logits = packed_forward(model, input_ids, attention_mask)[(attention_mask.flatten().long().cumsum(0) - 1).view_as(input_ids)[row, col]]
-    else: logits = model(input_ids=input_ids, attention_mask=attention_mask, **positions_for(model, attention_mask),
-                         use_cache=False).logits[row, col]                                 # (tokens, vocab)
-    token_logps = logprobs_from_logits(logits[None], input_ids[row, col + 1][None])[0]
+    labels, head = input_ids[row, col + 1], None if padding_free else _output_layer(model)
+    if head is not None:                                                                   # from the last hidden state, in chunks
+        hidden = _final_hidden(model, input_ids, attention_mask)[row, col]                # (tokens, hidden)
+        token_logps = logprobs_from_hidden(hidden[None], head.weight, head.bias, labels[None])[0][0]
+        mean_logits = _mean_logits(hidden.detach(), head.weight, head.bias)
+        log_sum_sq = lambda: torch.cat([_log_sum_sq(F.linear(h, head.weight, head.bias)) for h in hidden.split(max(1, _LOGITS_PER_CHUNK // head.out_features))])
+    else:
+        if padding_free:                                                                   # (row, col) → its place in the packed row
+            logits = packed_forward(model, input_ids, attention_mask)[(attention_mask.flatten().long().cumsum(0) - 1).view_as(input_ids)[row, col]]
+        else: logits = model(input_ids=input_ids, attention_mask=attention_mask, **positions_for(model, attention_mask),
+                             use_cache=False).logits[row, col]                             # (tokens, vocab)
+        token_logps = logprobs_from_logits(logits[None], labels[None])[0]
+        mean_logits, log_sum_sq = logits.detach().float().mean(-1), lambda: _log_sum_sq(logits)
     per_row = lambda x: torch.zeros(len(input_ids), device=x.device).index_add(0, row, x)
     weighted = token_logps if token_weights is None else token_logps * token_weights[:, 1:].to(token_logps)[row, col]
     aligned = None
     if wpo:
-        with torch.no_grad(): aligned = per_row(token_logps - torch.logsumexp(2 * logits.float().log_softmax(-1), -1))
-    return CompletionLogps(per_row(weighted), per_row(logits.detach().float().mean(-1)), per_row(token_logps), aligned)
+        with torch.no_grad(): aligned = per_row(token_logps - log_sum_sq())
+    return CompletionLogps(per_row(weighted), per_row(mean_logits), per_row(token_logps), aligned)
+
 
 # %% ../nbs/09c_dpo.ipynb #58ee7cdb
 class DPOTrainer(Trainer):

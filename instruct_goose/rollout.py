@@ -14,8 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .agent import response_logits
-from .core import logprobs_from_logits
+from .agent import response_logprobs
 
 # %% ../nbs/07_rollout.ipynb #d79644e1
 class Samples(NamedTuple):
@@ -90,8 +89,8 @@ def logprobs_in_chunks(
     temperature: float,            # the sampling temperature T
     size: int,                     # rows per forward pass
 ) -> Tensor:                       # (batch, resp) log π(y_t), float32
-    "`model`'s log-probabilities of the response tokens at temperature T, `size` rows at a time."
-    return chunked(lambda q, m, r, rm: logprobs_from_logits(response_logits(model, q, m, r, rm)[0], r, temperature),
+    "`model`'s log-probabilities of the response tokens at temperature T, `size` rows per forward pass, each pass's positions in chunks (`response_logprobs`)."
+    return chunked(lambda q, m, r, rm: response_logprobs(model, q, m, r, rm, temperature)[0],
                    query_ids, query_attention_mask, response_ids, response_mask, size=size)
 
 # %% ../nbs/07_rollout.ipynb #62dcb538

@@ -1,0 +1,226 @@
+"""Log-probabilities and entropy from the last hidden state in chunks (`logprobs_from_hidden`, `response_logprobs`).
+
+- The same numbers and gradients as the logits path, on GPT-2 and Qwen2, at a temperature, through `Agent.response_stats`
+  (shared and separate critic), `logprobs_in_chunks`, `token_logprobs` and a LoRA policy with its adapter-off reference.
+- Models whose logits are more than the output layer's (soft-capping) are scored from their logits.
+- At Qwen2.5's vocabulary (151,936) and 512 response tokens, autograd keeps no tensor of batch × resp × vocab elements,
+  and the peak of torch's CPU allocations in a scoring or training pass falls (`python tests/test_chunked_logprobs.py` prints them).
+"""
+import copy
+import json
+import sys
+
+import pytest
+import torch
+import transformers as T
+
+import instruct_goose.core as core
+from instruct_goose import Agent, create_reference_model, entropy_from_logits, logprobs_from_logits, task_tokenizer
+from instruct_goose.agent import _output_layer, response_logits, response_logprobs, token_logprobs
+from instruct_goose.rollout import logprobs_in_chunks
+
+QWEN_VOCAB = 151_936
+
+
+@pytest.fixture(scope="module")
+def tokenizer(): return task_tokenizer()
+
+
+def tiny(arch: str, vocab_size: int, hidden: int = 32, seed: int = 0, **extra):
+    "A 2-layer GPT-2 or Qwen2 from its config class (Qwen2 unties its output layer, as Qwen2.5-7B and up do)."
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=hidden, n_head=2, n_inner=2 * hidden, vocab_size=vocab_size,
+                                              n_positions=1024, **extra)).eval()
+    return T.Qwen2ForCausalLM(T.Qwen2Config(num_hidden_layers=2, hidden_size=hidden, intermediate_size=2 * hidden,
+                                            num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab_size,
+                                            max_position_embeddings=1024, tie_word_embeddings=False, **extra)).eval()
+
+
+def batch(vocab_size: int, n_resp: int = 6, seed: int = 0):
+    "Two left-padded prompts and two right-padded responses."
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(3, vocab_size, (2, 4), generator=g)
+    qm = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    r = torch.randint(3, vocab_size, (2, n_resp), generator=g)
+    rm = torch.ones(2, n_resp, dtype=torch.bool)
+    rm[1, n_resp - 2:] = False
+    return q, qm, r, rm
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    "Chunks of 2 positions whatever the vocabulary, so a few positions make several chunks."
+    def chunk_for(model): monkeypatch.setattr(core, "_LOGITS_PER_CHUNK", 2 * model.config.vocab_size)
+    return chunk_for
+
+
+def grads(model): return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_response_stats_equal_the_logits_path(arch, small_chunks):
+    "Log-probabilities, entropies, values and every gradient (policy and value head) agree with the logits path."
+    agent = Agent(tiny(arch, 97)).eval()
+    small_chunks(agent.model)
+    x = batch(97)
+    assert _output_layer(agent.model) is agent.model.get_output_embeddings()
+    stats = agent.response_stats(*x, temperature=0.7)
+    (stats.logprobs.exp().sum() + 0.3 * stats.entropy.sum() + stats.values.pow(2).sum()).backward()
+    ours = grads(agent)
+    agent.zero_grad()
+    logits, hidden = response_logits(agent.model, *x, output_hidden_states=True)
+    lp, H, V = logprobs_from_logits(logits, x[2], 0.7), entropy_from_logits(logits, 0.7), agent._values(hidden)
+    (lp.exp().sum() + 0.3 * H.sum() + V.pow(2).sum()).backward()
+    torch.testing.assert_close(stats.logprobs, lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(stats.entropy, H, rtol=0, atol=1e-5)
+    torch.testing.assert_close(stats.values, V, rtol=0, atol=1e-6)
+    for a, b in zip(ours, grads(agent)): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_separate_critic_and_no_grad_entropy(small_chunks):
+    "With a separate critic the values come from it; an entropy for logging carries no graph."
+    agent = Agent(tiny("qwen2", 97), value_model=tiny("gpt2", 97, seed=1)).eval()
+    small_chunks(agent.model)
+    x = batch(97)
+    stats = agent.response_stats(*x, temperature=1.3, entropy="no_grad")
+    assert stats.logprobs.requires_grad and not stats.entropy.requires_grad
+    logits = response_logits(agent.model, *x)[0]
+    torch.testing.assert_close(stats.logprobs, logprobs_from_logits(logits, x[2], 1.3), rtol=0, atol=1e-5)
+    torch.testing.assert_close(stats.entropy, entropy_from_logits(logits.detach(), 1.3), rtol=0, atol=1e-5)
+    assert agent.response_stats(*x, entropy="skip").entropy is None
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_scoring_passes_equal_the_logits_path(arch, small_chunks):
+    "`logprobs_in_chunks` (π_old, π_ref) and `token_logprobs` (SFT, pretraining term) equal the logits path."
+    model = tiny(arch, 97)
+    small_chunks(model)
+    x = batch(97)
+    with torch.no_grad():
+        ours = logprobs_in_chunks(model, *x, temperature=0.7, size=1)
+        theirs = logprobs_from_logits(response_logits(model, *x)[0], x[2], 0.7)
+        torch.testing.assert_close(ours[x[3]], theirs[x[3]], rtol=0, atol=1e-5)
+        ids, mask = torch.cat([x[0], x[2]], 1), torch.cat([x[1], x[3].long()], 1)
+        full = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        torch.testing.assert_close(token_logprobs(model, ids, mask)[:, 1:], logprobs_from_logits(full[:, :-1], ids[:, 1:]),
+                                   rtol=0, atol=1e-5)
+
+
+def test_bf16_autocast_backward(small_chunks):
+    "Under bf16 autocast (`mixed_precision`) the forward gives the logits path's numbers and the recomputed backward (run under the same autocast) is no further from the float32 gradients than the logits path's."
+    model = tiny("qwen2", 97)
+    small_chunks(model)
+    x = batch(97)
+    def run(chunked, autocast):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast): lp, H = training_pass(model, x, chunked)
+        (lp.sum() + H.sum()).backward()
+        return lp, grads(model)
+    (lp, ours), (ref_lp, theirs), (_, exact) = run(True, True), run(False, True), run(False, False)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-6)      # the same bf16 products, the same float32 reductions
+    error = lambda g: max((a - b).abs().max().item() for a, b in zip(g, exact))
+    assert error(ours) <= 1.5 * error(theirs), (error(ours), error(theirs))
+
+
+def test_lora_policy_and_adapter_off_reference(small_chunks):
+    "A LoRA policy is scored with its adapter, its reference (the same weights, adapter off) without."
+    peft = pytest.importorskip("peft")
+    base = tiny("gpt2", 97)
+    policy = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                                      init_lora_weights=False))
+    reference = create_reference_model(policy)
+    small_chunks(base)
+    x = batch(97)
+    assert _output_layer(policy) is not None and _output_layer(reference) is not None
+    with torch.no_grad():
+        ref_lp = response_logprobs(reference, *x)[0]
+        torch.testing.assert_close(ref_lp, logprobs_from_logits(response_logits(base, *x)[0], x[2]), rtol=0, atol=1e-5)
+        pol_lp = response_logprobs(policy, *x)[0]
+        torch.testing.assert_close(pol_lp, logprobs_from_logits(response_logits(policy, *x)[0], x[2]), rtol=0, atol=1e-5)
+        assert (pol_lp - ref_lp).abs().max() > 1e-3
+
+
+def test_logit_soft_capping_is_scored_from_the_logits():
+    "Gemma 2 soft-caps its logits after the output layer: the chunked path would miss it, so such a model keeps the logits path."
+    gemma = T.Gemma2ForCausalLM(T.Gemma2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                                num_key_value_heads=1, head_dim=8, vocab_size=97, final_logit_softcapping=3.0)).eval()
+    assert _output_layer(gemma) is None
+    x = batch(97)
+    with torch.no_grad():
+        torch.testing.assert_close(response_logprobs(gemma, *x)[0], logprobs_from_logits(response_logits(gemma, *x)[0], x[2]))
+
+
+# ------------------------------------------------------------------ memory at a real vocabulary (151,936, 512 tokens)
+def saved_tensor_sizes(fn):
+    "Run `fn` and return the sizes in elements of the storages autograd keeps for the backward (each once), largest first."
+    kept = {}
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): out = fn()
+    return sorted(kept.values(), reverse=True), out
+
+
+def training_pass(model, x, chunked: bool):
+    "The loss's pass: log-probabilities and entropy with gradients, from the hidden state in chunks or from the logits."
+    if chunked: return response_logprobs(model, *x, entropy="grad")[:2]
+    logits = response_logits(model, *x)[0]
+    return logprobs_from_logits(logits, x[2]), entropy_from_logits(logits)
+
+
+@pytest.mark.parametrize("arch", [pytest.param("gpt2", marks=pytest.mark.slow), "qwen2"])   # ~10 s each on 2 busy cores
+def test_no_saved_tensor_holds_the_logits(arch):
+    "At V = 151,936 and 512 response tokens the chunked pass keeps nothing near batch × resp × vocab; the logits path keeps it."
+    model = tiny(arch, QWEN_VOCAB, hidden=16).train()
+    x = batch(QWEN_VOCAB, n_resp=512)
+    ours, (lp, H) = saved_tensor_sizes(lambda: training_pass(model, x, chunked=True))
+    assert ours[0] <= QWEN_VOCAB * 16, ours[:3]                  # the largest: the output weight (V × 16), 1/64 of the logits
+    (lp.sum() + H.sum()).backward()
+
+
+@pytest.mark.slow
+def test_the_count_sees_the_logits():
+    "The same count on the logits path does find a tensor of batch × resp × vocab elements (so the test above can fail)."
+    model = tiny("qwen2", QWEN_VOCAB, hidden=16).train()
+    theirs, _ = saved_tensor_sizes(lambda: training_pass(model, batch(QWEN_VOCAB, n_resp=512), chunked=False))
+    assert theirs[0] >= 2 * 512 * QWEN_VOCAB, theirs[:3]
+
+
+def peak_allocated(fn) -> int:
+    "The most bytes torch's CPU allocator held at once while `fn` ran, above what it held before (the profiler's memory events)."
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof: fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
+def measure(arch: str, chunked: bool, grad: bool) -> dict:
+    "Peak bytes a pass allocates (a training pass: forward and backward) and the largest tensor autograd keeps, at V = 151,936, 2 × 512 tokens."
+    model = tiny(arch, QWEN_VOCAB, hidden=64).train()
+    x = batch(QWEN_VOCAB, n_resp=512)
+    sizes = []
+    def run():
+        with torch.set_grad_enabled(grad):
+            sizes[:], (lp, H) = saved_tensor_sizes(lambda: training_pass(model, x, chunked))
+            if grad: (lp.sum() + H.sum()).backward()
+    return {"arch": arch, "chunked": chunked, "grad": grad, "peak_mib": round(peak_allocated(run) / 2 ** 20),
+            "largest_saved": sizes[0] if sizes else 0}
+
+
+@pytest.mark.slow
+def test_peak_memory_falls():
+    "A training pass (Qwen2 shape, hidden 64, V = 151,936, 2 × 512 tokens): a fifth of the logits path's peak or less."
+    chunked, logits = measure("qwen2", True, True), measure("qwen2", False, True)
+    assert chunked["peak_mib"] * 5 < logits["peak_mib"], (chunked, logits)
+    assert logits["peak_mib"] > 2 * 512 * QWEN_VOCAB * 4 / 2 ** 20     # above one float32 logits tensor (594 MiB)
+
+
+if __name__ == "__main__":                                     # the numbers quoted in the levers chapter
+    for arch in ("gpt2", "qwen2"):
+        for grad in (False, True):
+            for chunked in (False, True): print(json.dumps(measure(arch, chunked, grad)))
