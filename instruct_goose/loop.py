@@ -175,6 +175,8 @@ def _fsdp_on_cpu(accelerator: Accelerator):
 def fresh_accelerator(**kwargs) -> Accelerator:
     "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several); FSDP2 runs on the CPU too."
     AcceleratorState._reset_state(reset_partial_state=False)
+    if PartialState._shared_state and PartialState().distributed_type == DistributedType.FSDP:   # set by `_fsdp_on_cpu` for an earlier one
+        PartialState().distributed_type = DistributedType.MULTI_CPU                              # Accelerate chooses afresh
     accelerator = Accelerator(**kwargs)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true": _fsdp_on_cpu(accelerator)
     return accelerator
