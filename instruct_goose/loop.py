@@ -171,10 +171,20 @@ def _fsdp_on_cpu(accelerator: Accelerator):
     accelerator.state.fsdp_plugin = plugin
     PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP  # `AcceleratorState()` re-reads PartialState's
 
+# %% ../nbs/05_loop.ipynb #d40b6e2a
+def _cpu_for_fsdp2_launch():
+    "`accelerate launch` with an FSDP2 config on a machine without an accelerator: its processes join one gloo group on the CPU."
+    env = os.environ
+    if not (env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and env.get("FSDP_VERSION") == "2"
+            and int(env.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available()): return
+    env["ACCELERATE_USE_CPU"] = "true"     # the FSDP launcher sets it to false whatever the config's `use_cpu` says
+    if PartialState._shared_state and PartialState().distributed_type == DistributedType.NO: PartialState._reset_state()
+
 # %% ../nbs/05_loop.ipynb #cae84347
 def fresh_accelerator(**kwargs) -> Accelerator:
     "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several); FSDP2 runs on the CPU too."
     AcceleratorState._reset_state(reset_partial_state=False)
+    _cpu_for_fsdp2_launch()
     if PartialState._shared_state and PartialState().distributed_type == DistributedType.FSDP:   # set by `_fsdp_on_cpu` for an earlier one
         PartialState().distributed_type = DistributedType.MULTI_CPU                              # Accelerate chooses afresh
     accelerator = Accelerator(**kwargs)

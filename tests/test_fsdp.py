@@ -158,3 +158,25 @@ def test_fsdp_launch_it_cannot_honour_is_one_line(env, says):
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: the launch asks for FSDP") and says in last and "ACCELERATE_USE_CPU=true FSDP_VERSION=2" in last, last
+
+
+@pytest.mark.slow
+def test_accelerate_launch_fsdp2_config_runs_goose_grpo(policy_dir, tmp_path):
+    "`accelerate launch --config_file configs/fsdp2_cpu.yaml -m instruct_goose.cli grpo`: 2 sharded CPU processes, end to end."
+    out = tmp_path / "grpo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    config = Path(__file__).parents[1] / "configs" / "fsdp2_cpu.yaml"
+    result = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config),
+                             "-m", "instruct_goose.cli", "grpo", "--policy", str(policy_dir), "--reward_model", "gold",
+                             "--output_dir", str(out), "--per_device_train_batch_size", "4", "--num_generations", "2",
+                             "--max_steps", "2", "--max_completion_length", "6", "--num_sample_generations", "0",
+                             "--save_steps", "1", "--logging_steps", "1", "--disable_tqdm"],
+                            capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1",
+                                                                              "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert (out / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()                    # sharded: one shard per rank
+    assert {p.name for p in (out / "checkpoint-2").glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["episode"] for row in rows] == [8, 16]                                   # 2 processes × 4 completions a step
+    trained, start = _saved(out, "grpo"), _saved(policy_dir)
+    assert not torch.equal(trained["transformer.h.0.mlp.c_fc.weight"], start["transformer.h.0.mlp.c_fc.weight"])
