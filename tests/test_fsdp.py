@@ -164,10 +164,12 @@ def test_fsdp_launch_it_cannot_honour_is_one_line(env, says):
 def test_accelerate_launch_fsdp2_config_runs_goose_grpo(policy_dir, tmp_path):
     "`accelerate launch --config_file configs/fsdp2_cpu.yaml -m instruct_goose.cli grpo`: 2 sharded CPU processes, end to end."
     out = tmp_path / "grpo"
+    (tmp_path / "length_reward.py").write_text("def length(prompts, completions): return [len(c) / 10 for c in completions]\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
     config = Path(__file__).parents[1] / "configs" / "fsdp2_cpu.yaml"
     result = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config),
-                             "-m", "instruct_goose.cli", "grpo", "--policy", str(policy_dir), "--reward_model", "gold",
+                             "-m", "instruct_goose.cli", "grpo", "--policy", str(policy_dir), "--reward_funcs", "length_reward:length",
                              "--output_dir", str(out), "--per_device_train_batch_size", "4", "--num_generations", "2",
                              "--max_steps", "2", "--max_completion_length", "6", "--num_sample_generations", "0",
                              "--save_steps", "1", "--logging_steps", "1", "--disable_tqdm"],
