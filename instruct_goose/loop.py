@@ -180,6 +180,13 @@ def _cpu_for_fsdp2_launch():
     env["ACCELERATE_USE_CPU"] = "true"     # the FSDP launcher sets it to false whatever the config's `use_cpu` says
     if PartialState._shared_state and PartialState().distributed_type == DistributedType.NO: PartialState._reset_state()
 
+# %% ../nbs/05_loop.ipynb #5be19c74
+def _check_deepspeed_launch(accelerator: Accelerator):
+    "A launch asking for DeepSpeed (`ACCELERATE_USE_DEEPSPEED`) that Accelerate dropped (it never picks DeepSpeed with `use_cpu`) is an error."
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or accelerator.distributed_type == DistributedType.DEEPSPEED: return
+    raise ValueError(f"the launch asks for DeepSpeed but Accelerate would train without it ({accelerator.distributed_type}; it never selects "
+                     "DeepSpeed with use_cpu): launch DeepSpeed ZeRO on GPUs (configs/deepspeed_zero2.yaml), or shard on the CPU with FSDP2 (configs/fsdp2_cpu.yaml)")
+
 # %% ../nbs/05_loop.ipynb #cae84347
 def fresh_accelerator(**kwargs) -> Accelerator:
     "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several); FSDP2 runs on the CPU too."
@@ -189,6 +196,7 @@ def fresh_accelerator(**kwargs) -> Accelerator:
         PartialState().distributed_type = DistributedType.MULTI_CPU                              # Accelerate chooses afresh
     accelerator = Accelerator(**kwargs)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true": _fsdp_on_cpu(accelerator)
+    _check_deepspeed_launch(accelerator)
     return accelerator
 
 # %% ../nbs/05_loop.ipynb #f77769e1

@@ -6,6 +6,7 @@ Accelerate 1.15 selects FSDP only on an accelerator (on the CPU it silently fall
 `ACCELERATE_USE_CPU`, under torchrun) and refuses, in one line, an FSDP launch it cannot honour. (`accelerate launch`
 cannot start this: its FSDP launcher sets `ACCELERATE_USE_CPU=false` whatever the config's `use_cpu` says.)
 """
+import importlib.util
 import json
 import os
 import shutil
@@ -158,6 +159,19 @@ def test_fsdp_launch_it_cannot_honour_is_one_line(env, says):
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: the launch asks for FSDP") and says in last and "ACCELERATE_USE_CPU=true FSDP_VERSION=2" in last, last
+
+
+def test_deepspeed_launch_on_the_cpu_is_one_line():
+    "Accelerate never selects DeepSpeed with `use_cpu` and would train plain DDP; goose stops in one line naming the fix (~9 s)."
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))},
+           "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_USE_CPU": "true"}
+    result = subprocess.run([sys.executable, "-c", "from instruct_goose.loop import fresh_accelerator; fresh_accelerator()"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    if importlib.util.find_spec("deepspeed") is None:      # Accelerate's own one line (the project does not install DeepSpeed)
+        assert last.startswith("ImportError: DeepSpeed is not installed"), last
+    else: assert last.startswith("ValueError: the launch asks for DeepSpeed") and "use_cpu" in last and "fsdp2_cpu.yaml" in last, last
 
 
 @pytest.mark.slow
