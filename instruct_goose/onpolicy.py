@@ -17,7 +17,6 @@ from datasets import Dataset
 from fastcore.basics import patch
 from torch import Tensor, nn
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from .agent import Agent, context_length, create_reference_model, disable_dropout, eval_mode, load_tokenizer, response_logits, with_peft
 from .generation import generate_responses
