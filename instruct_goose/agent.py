@@ -312,13 +312,18 @@ class Agent(nn.Module):
 
 # %% ../nbs/03_agent.ipynb #8e79b330
 @patch
-def save_pretrained(self: Agent, save_directory: str | Path, **kwargs):
+def save_pretrained(self: Agent, save_directory: str | Path,
+                    state_dict: dict | None = None,  # the whole `Agent`'s weights to write instead of its own (FSDP: gathered beforehand)
+                    **kwargs):
     "Save the policy (🤗 format), the value head and any separate critic to `save_directory`."
     save_directory = Path(save_directory)
-    with dropout_as_configured(self.model): self.model.save_pretrained(save_directory, **kwargs)
-    save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, save_directory / "value_head.safetensors")
+    part = lambda prefix: None if state_dict is None else {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+    with dropout_as_configured(self.model): self.model.save_pretrained(save_directory, state_dict=part("model."), **kwargs)
+    head = part("value_head.") or self.value_head.state_dict()
+    save_file({k: v.contiguous() for k, v in head.items()}, save_directory / "value_head.safetensors")
     if self.value_model is not None:
-        with dropout_as_configured(self.value_model): self.value_model.save_pretrained(save_directory / "value_model", **kwargs)
+        with dropout_as_configured(self.value_model):
+            self.value_model.save_pretrained(save_directory / "value_model", state_dict=part("value_model."), **kwargs)
 
 # %% ../nbs/03_agent.ipynb #94315c91
 @patch(cls_method=True)
@@ -335,6 +340,16 @@ def from_pretrained(cls: Agent, path: str | Path, **kwargs) -> "Agent":
     head = path / "value_head.safetensors"
     if head.is_file(): agent.value_head.load_state_dict(load_file(head))
     return agent
+
+# %% ../nbs/03_agent.ipynb #4a8c2e67
+@patch(as_prop=True)
+def _no_split_modules(self: Agent) -> list[str]:
+    "FSDP's units in an `Agent` (Accelerate's `TRANSFORMER_BASED_WRAP`): its models' blocks, then the policy whole."
+    blocks = [n for m in (self.model, self.value_model) if m is not None for n in (getattr(m, "_no_split_modules", None) or [])]
+    return [*dict.fromkeys(blocks), type(self.model).__name__]   # not the critic's class: a GPT-2 critic's is the policy's trunk's
+
+# %% ../nbs/03_agent.ipynb #e71b4f20
+Agent.fsdp_forward_methods = ("response_stats",)   # run the wrapped models other than through `forward`: FSDP2 must gather for them
 
 # %% ../nbs/03_agent.ipynb #5f832ebd
 class AdapterOffReference(nn.Module):

@@ -171,12 +171,32 @@ def _fsdp_on_cpu(accelerator: Accelerator):
     accelerator.state.fsdp_plugin = plugin
     PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP  # `AcceleratorState()` re-reads PartialState's
 
+# %% ../nbs/05_loop.ipynb #d40b6e2a
+def _cpu_for_fsdp2_launch():
+    "`accelerate launch` with an FSDP2 config on a machine without an accelerator: its processes join one gloo group on the CPU."
+    env = os.environ
+    if not (env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and env.get("FSDP_VERSION") == "2"
+            and int(env.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available()): return
+    env["ACCELERATE_USE_CPU"] = "true"     # the FSDP launcher sets it to false whatever the config's `use_cpu` says
+    if PartialState._shared_state and PartialState().distributed_type == DistributedType.NO: PartialState._reset_state()
+
+# %% ../nbs/05_loop.ipynb #5be19c74
+def _check_deepspeed_launch(accelerator: Accelerator):
+    "A launch asking for DeepSpeed (`ACCELERATE_USE_DEEPSPEED`) that Accelerate dropped (it never picks DeepSpeed with `use_cpu`) is an error."
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or accelerator.distributed_type == DistributedType.DEEPSPEED: return
+    raise ValueError(f"the launch asks for DeepSpeed but Accelerate would train without it ({accelerator.distributed_type}; it never selects "
+                     "DeepSpeed with use_cpu): launch DeepSpeed ZeRO on GPUs (configs/deepspeed_zero2.yaml), or shard on the CPU with FSDP2 (configs/fsdp2_cpu.yaml)")
+
 # %% ../nbs/05_loop.ipynb #cae84347
 def fresh_accelerator(**kwargs) -> Accelerator:
     "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several); FSDP2 runs on the CPU too."
     AcceleratorState._reset_state(reset_partial_state=False)
+    _cpu_for_fsdp2_launch()
+    if PartialState._shared_state and PartialState().distributed_type == DistributedType.FSDP:   # set by `_fsdp_on_cpu` for an earlier one
+        PartialState().distributed_type = DistributedType.MULTI_CPU                              # Accelerate chooses afresh
     accelerator = Accelerator(**kwargs)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true": _fsdp_on_cpu(accelerator)
+    _check_deepspeed_launch(accelerator)
     return accelerator
 
 # %% ../nbs/05_loop.ipynb #f77769e1
@@ -338,6 +358,12 @@ def claim_output_dir(self: TrainLoop):
         self.metrics_path.unlink(missing_ok=True)
     acc.wait_for_everyone()
 
+# %% ../nbs/05_loop.ipynb #7d2e9b41
+def _register_forward_methods(model: nn.Module):
+    "Under FSDP2, the methods `model` lists in `fsdp_forward_methods` (an `Agent`'s `response_stats`) gather its weights as `forward` does."
+    from torch.distributed.fsdp import register_fsdp_forward_method   # a no-op on a model that is not sharded
+    for name in getattr(model, "fsdp_forward_methods", ()): register_fsdp_forward_method(model, name)
+
 # %% ../nbs/05_loop.ipynb #921d40f2
 @patch
 def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) -> nn.Module:
@@ -356,6 +382,7 @@ def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) 
                               num_training_steps=num_training_steps)
     model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
     self.prepared = model
+    _register_forward_methods(model)
     return model
 
 # %% ../nbs/05_loop.ipynb #8eba0be7
@@ -381,11 +408,33 @@ def loss_scale(
     if total == 0: raise ValueError(f"step {self.state.step + 1}: the minibatch has nothing to learn from (0 tokens in its loss)")
     return acc.gradient_accumulation_steps * acc.num_processes / total
 
+# %% ../nbs/05_loop.ipynb #a3f1c07e
+@contextmanager
+def _fsdp_gathered(model: nn.Module):
+    "Under FSDP2: every unit of `model` all-gathered once and kept whole through the block (its forwards do not reshard), resharded after."
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units: raise ValueError("sampling under FSDP needs FSDP2 (torch's `fully_shard`): set `fsdp_version: 2` in the Accelerate config (configs/fsdp2.yaml)")
+    model._get_fsdp_state()._lazy_init()        # the root is the outermost unit, as when its `forward` runs first
+    kept = [(s, s._auto_reshard_after_forward, [(g, g.post_forward_mesh_info) for g in s._fsdp_param_groups])
+            for s in (m._get_fsdp_state() for m in units)]
+    for m in units: m.unshard()
+    model.set_reshard_after_forward(False)       # `generate` calls the units' forwards at every token: no gather/free each time
+    try: yield
+    finally:
+        for state, auto, groups in kept:
+            state._auto_reshard_after_forward = auto
+            for group, info in groups: group.post_forward_mesh_info = info
+        for m in units: m.reshard()
+
 # %% ../nbs/05_loop.ipynb #9cd56767
 @patch
 @contextmanager
 def gathered_for_generation(self: TrainLoop):
-    "Inside the block every process holds the trained model's full weights: under DeepSpeed ZeRO-3 they are gathered once for all of sampling."
+    "Inside the block every process holds the trained model's full weights: under DeepSpeed ZeRO-3 and FSDP they are gathered once for all of sampling."
+    if self.accelerator.distributed_type == DistributedType.FSDP:
+        with _fsdp_gathered(self.prepared): yield      # else every decoding step would all-gather (and for an `Agent` miss) the root's weights
+        return
     plugin = self.accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
         yield
@@ -407,6 +456,7 @@ def optimizer_step(self: TrainLoop, model: nn.Module, stats: dict | None = None)
     "Clip, step the optimizer and the schedule, zero the gradients; returns the gradient norm before clipping."
     max_norm = self.config.max_grad_norm or math.inf
     grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"): grad_norm = grad_norm.full_tensor()   # FSDP2: the norm is a DTensor over the shards
     if self.accelerator.distributed_type == DistributedType.DEEPSPEED:   # the engine clipped and stepped in `backward`
         self.fire("on_pre_optimizer_step"); self.fire("on_optimizer_step")
         return torch.as_tensor(math.nan if grad_norm is None else grad_norm)
@@ -554,7 +604,7 @@ def save_model(self: TrainLoop,
     full = None
     if self.accelerator.distributed_type == DistributedType.FSDP:   # every process takes part in gathering; the main one writes
         full = self.accelerator.get_state_dict(model)
-        if not isinstance(model, PreTrainedModel):                 # a `RewardModel`: its 🤗 classifier is `.model`
+        if not isinstance(model, PreTrainedModel) and not hasattr(model, "value_head"):   # a `RewardModel` (its 🤗 classifier is `.model`), not an `Agent`
             full = {k.removeprefix("model."): v for k, v in full.items()} if self.accelerator.is_main_process else None
     save_trained(model, self.tokenizer, output_dir or self.config.output_dir, state_dict=full)
 

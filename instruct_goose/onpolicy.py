@@ -18,7 +18,6 @@ from datasets import Dataset
 from fastcore.basics import patch
 from torch import Tensor, nn
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from .agent import Agent, _is_peft, context_length, create_reference_model, disable_dropout, eval_mode, load_tokenizer, response_logits, with_peft
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -507,9 +506,6 @@ def train(
     c = self.args
     self.check_ready()
     self.loop = loop = TrainLoop(c, self.processing_class, self.callbacks)
-    if loop.accelerator.distributed_type == DistributedType.FSDP:
-        raise NotImplementedError("the on-policy trainers call the agent's methods, not its FSDP-wrapped forward, so FSDP would "
-                                  "leave some weights sharded: use DeepSpeed ZeRO-2/3 (configs/) for PPO, RLOO and GRPO; FSDP2 works for SFT, the reward model and DPO")
     procs, rank = loop.accelerator.num_processes, loop.accelerator.process_index
     steps = c.max_steps or c.total_episodes // (c.rollout_size * procs)
     if steps == 0: raise ValueError(f"`total_episodes`={c.total_episodes} is less than one rollout ({c.rollout_size * procs} responses)")

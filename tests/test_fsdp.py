@@ -6,6 +6,7 @@ Accelerate 1.15 selects FSDP only on an accelerator (on the CPU it silently fall
 `ACCELERATE_USE_CPU`, under torchrun) and refuses, in one line, an FSDP launch it cannot honour. (`accelerate launch`
 cannot start this: its FSDP launcher sets `ACCELERATE_USE_CPU=false` whatever the config's `use_cpu` says.)
 """
+import importlib.util
 import json
 import os
 import shutil
@@ -45,6 +46,36 @@ rank = os.environ.get("RANK", "0")
 json.dump(trainer.loop.state.history, open(f"{out}/history{rank}.json", "w"))
 '''
 
+ONPOLICY = '''
+import copy, json, os, sys, torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from instruct_goose import (Agent, GRPOConfig, GRPOTrainer, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
+                            create_reference_model, load_task)
+algo, policy, out, accumulation = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+resume = sys.argv[5] if len(sys.argv) > 5 else None
+tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
+prompts = [{"prompt": p} for p in load_task("prompts")["prompt"][:64]]
+reward = lambda prompts, completions: [len(c) / 10 for c in completions]
+common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, max_steps=4,
+              local_rollout_forward_batch_size=4, num_sample_generations=0, disable_tqdm=True, learning_rate=1e-3,
+              save_steps=2, resume_from_checkpoint=resume)
+if algo.startswith("ppo"):   # the reference (a frozen copy, not prepared) is replicated in every process beside the sharded agent
+    torch.manual_seed(0)     # the fresh value head: the same draw in every process (FSDP2 does not broadcast rank 0's weights)
+    critic = AutoModel.from_pretrained(policy) if algo == "ppo_critic" else None
+    trainer = RLHFTrainer(Agent(copy.deepcopy(model), critic), create_reference_model(model),
+                          RLHFConfig(whiten_rewards=True, ptx_coef=0.5, response_length=6, num_ppo_epochs=2, **common),
+                          processing_class=tokenizer, reward_funcs=reward, train_dataset=prompts, pretrain_dataset=load_task("pretrain"))
+elif algo == "rloo":
+    trainer = RLOOTrainer(copy.deepcopy(model), model, RLOOConfig(num_generations=2, normalize_advantages=True, response_length=6,
+                          num_ppo_epochs=2, **common), processing_class=tokenizer, reward_funcs=reward, train_dataset=prompts)
+else:
+    trainer = GRPOTrainer(model, args=GRPOConfig(num_generations=2, max_completion_length=6, num_iterations=2, beta=0.1,
+                          scale_rewards="batch", loss_type="dapo", logging_steps=1, **common),
+                          processing_class=tokenizer, train_dataset=prompts, reward_funcs=reward)
+trainer.train()
+json.dump(trainer.loop.state.history, open(f"{out}/history{os.environ.get('RANK', '0')}.json", "w"))
+'''
+
 FSDP2_CPU = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
              "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "FSDP_RESHARD_AFTER_FORWARD": "true"}
 
@@ -54,13 +85,17 @@ def setup_dir(policy_dir, tmp_path_factory):
     where = tmp_path_factory.mktemp("setup")
     shutil.copytree(policy_dir, where, dirs_exist_ok=True)
     (where / "train.py").write_text(SCRIPT)
+    (where / "onpolicy.py").write_text(ONPOLICY)
     return where
+
+
+ON_POLICY = ("ppo", "ppo_critic", "rloo", "grpo")
 
 
 def _run(setup_dir, out, algo, processes, accumulation, resume=None, fsdp=False, check=True):
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache",
            **(FSDP2_CPU if fsdp else {})}
-    script = [str(setup_dir / "train.py"), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
+    script = [str(setup_dir / ("onpolicy.py" if algo in ON_POLICY else "train.py")), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
     if processes == 1: command = [sys.executable] + script
     else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
@@ -70,13 +105,18 @@ def _run(setup_dir, out, algo, processes, accumulation, resume=None, fsdp=False,
 
 
 def _saved(out, algo="sft"):
-    "The weights the run saved, read back with plain 🤗 `from_pretrained`."
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    "The weights the run saved, read back with plain 🤗 `from_pretrained` (PPO: and the value head, and the critic with `AutoModel`)."
+    from safetensors.torch import load_file
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
     auto = AutoModelForSequenceClassification if algo == "rm" else AutoModelForCausalLM
-    return auto.from_pretrained(out).state_dict()
+    weights = auto.from_pretrained(out).state_dict()
+    if algo.startswith("ppo"): weights |= {f"value_head.{k}": v for k, v in load_file(out / "value_head.safetensors").items()}
+    if algo == "ppo_critic": weights |= {f"critic.{k}": v for k, v in AutoModel.from_pretrained(out / "value_model").state_dict().items()}
+    return weights
 
 
-COMPARED = ("loss/sft", "loss/reward", "loss", "grad_norm", "lr")
+COMPARED = ("loss/sft", "loss/reward", "loss", "grad_norm", "lr",
+            "objective/scores", "objective/kl", "objective/rlhf_reward", "loss/policy_avg", "policy/approxkl_avg", "reward", "kl", "entropy")
 
 
 def _assert_same(a, b, what, eps=1e-6):
@@ -84,11 +124,13 @@ def _assert_same(a, b, what, eps=1e-6):
     _same_runs(a, b, what, eps, COMPARED)
 
 
-EPS = {"sft": 1e-6, "rm": 1e-6, "dpo": 1e-5}   # DPO: tests/test_dpo.py's DDP standard (its pair log-ratio differences cost a digit)
+# DPO: tests/test_dpo.py's DDP standard (its pair log-ratio differences cost a digit). On-policy: the weights end 1.1e-6
+# apart (PPO, GRPO; metrics 7e-7), a reduce-scatter summing the two halves in another order than one process's accumulation
+EPS = {"sft": 1e-6, "rm": 1e-6, "dpo": 1e-5, "ppo": 1e-5, "ppo_critic": 1e-5, "rloo": 1e-5, "grpo": 1e-5}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["sft", "rm", "dpo"])
+@pytest.mark.parametrize("algo", ["sft", "rm", "dpo", *ON_POLICY])
 def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
     "FSDP2 over 2 processes × 1 micro-batch = 1 unsharded process × 2 micro-batches; the saved model loads with `from_pretrained`."
     one = _run(setup_dir, tmp_path / "one", algo, processes=1, accumulation=2)
@@ -117,3 +159,40 @@ def test_fsdp_launch_it_cannot_honour_is_one_line(env, says):
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: the launch asks for FSDP") and says in last and "ACCELERATE_USE_CPU=true FSDP_VERSION=2" in last, last
+
+
+def test_deepspeed_launch_on_the_cpu_is_one_line():
+    "Accelerate never selects DeepSpeed with `use_cpu` and would train plain DDP; goose stops in one line naming the fix (~9 s)."
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))},
+           "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_USE_CPU": "true"}
+    result = subprocess.run([sys.executable, "-c", "from instruct_goose.loop import fresh_accelerator; fresh_accelerator()"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    if importlib.util.find_spec("deepspeed") is None:      # Accelerate's own one line (the project does not install DeepSpeed)
+        assert last.startswith("ImportError: DeepSpeed is not installed"), last
+    else: assert last.startswith("ValueError: the launch asks for DeepSpeed") and "use_cpu" in last and "fsdp2_cpu.yaml" in last, last
+
+
+@pytest.mark.slow
+def test_accelerate_launch_fsdp2_config_runs_goose_grpo(policy_dir, tmp_path):
+    "`accelerate launch --config_file configs/fsdp2_cpu.yaml -m instruct_goose.cli grpo`: 2 sharded CPU processes, end to end."
+    out = tmp_path / "grpo"
+    (tmp_path / "length_reward.py").write_text("def length(prompts, completions): return [len(c) / 10 for c in completions]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    config = Path(__file__).parents[1] / "configs" / "fsdp2_cpu.yaml"
+    result = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config),
+                             "-m", "instruct_goose.cli", "grpo", "--policy", str(policy_dir), "--reward_funcs", "length_reward:length",
+                             "--output_dir", str(out), "--per_device_train_batch_size", "4", "--num_generations", "2",
+                             "--max_steps", "2", "--max_completion_length", "6", "--num_sample_generations", "0",
+                             "--save_steps", "1", "--logging_steps", "1", "--disable_tqdm"],
+                            capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1",
+                                                                              "HF_DATASETS_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert (out / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()                    # sharded: one shard per rank
+    assert {p.name for p in (out / "checkpoint-2").glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["episode"] for row in rows] == [8, 16]                                   # 2 processes × 4 completions a step
+    trained, start = _saved(out, "grpo"), _saved(policy_dir)
+    assert not torch.equal(trained["transformer.h.0.mlp.c_fc.weight"], start["transformer.h.0.mlp.c_fc.weight"])
