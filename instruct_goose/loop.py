@@ -180,6 +180,14 @@ def _cpu_for_fsdp2_launch():
     env["ACCELERATE_USE_CPU"] = "true"     # the FSDP launcher sets it to false whatever the config's `use_cpu` says
     if PartialState._shared_state and PartialState().distributed_type == DistributedType.NO: PartialState._reset_state()
 
+# %% ../nbs/05_loop.ipynb #9b2e7d41
+def _gloo_for_deepspeed_launch():
+    "A multi-process DeepSpeed launch on a machine without an accelerator: name gloo, else Accelerate counts 1 process while DeepSpeed counts all."
+    env = os.environ
+    if not (env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and env.get("ACCELERATE_USE_CPU", "false").lower() != "true"
+            and int(env.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available()): return None
+    return "gloo"
+
 # %% ../nbs/05_loop.ipynb #5be19c74
 def _check_deepspeed_launch(accelerator: Accelerator):
     "A launch asking for DeepSpeed (`ACCELERATE_USE_DEEPSPEED`) that Accelerate dropped (it never picks DeepSpeed with `use_cpu`) is an error."
@@ -192,6 +200,7 @@ def fresh_accelerator(**kwargs) -> Accelerator:
     "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several); FSDP2 runs on the CPU too."
     AcceleratorState._reset_state(reset_partial_state=False)
     _cpu_for_fsdp2_launch()
+    if (backend := _gloo_for_deepspeed_launch()) and not PartialState._shared_state: PartialState(backend=backend)
     if PartialState._shared_state and PartialState().distributed_type == DistributedType.FSDP:   # set by `_fsdp_on_cpu` for an earlier one
         PartialState().distributed_type = DistributedType.MULTI_CPU                              # Accelerate chooses afresh
     accelerator = Accelerator(**kwargs)

@@ -1,0 +1,44 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 through Accelerate with 2 CPU processes (torchrun; DeepSpeed's CPU accelerator over gloo)
+against 1 plain process with the same global batch and seed: the standard of tests/test_fsdp.py.
+
+DeepSpeed is not a dependency of the project: these tests run where `deepspeed` is importable (here: `pip install
+--target DIR deepspeed==0.19.8` and `PYTHONPATH=DIR`) and are skipped otherwise. Accelerate never selects DeepSpeed
+with `use_cpu`, so the launch leaves `ACCELERATE_USE_CPU` out; DeepSpeed then JIT-compiles its shared-memory all-reduce
+op once (3 to 10 minutes; `TORCH_EXTENSIONS_DIR` says where it is kept; a stale `lock` file there makes it wait forever).
+What ran here and the differences measured are in the scaling chapter, "Sharded engines: what ran here".
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_fsdp import ON_POLICY, _assert_same, _saved, setup_dir   # noqa: F401  (setup_dir: the fixture)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="DeepSpeed is not installed (not a dependency of the project; `pip install deepspeed` to run these)")
+
+
+def _zero(stage):
+    "The environment `accelerate launch` makes of configs/deepspeed_zero{stage}.yaml in float32, less `use_cpu` (it drops DeepSpeed)."
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": str(stage), "ACCELERATE_GRADIENT_CLIPPING": "1.0",
+           "ACCELERATE_MIXED_PRECISION": "no"}
+    if stage == 3: env |= {"ACCELERATE_DEEPSPEED_ZERO3_INIT": "false", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true"}
+    return env
+
+
+def _run(setup_dir, out, algo, processes, accumulation, stage=None, resume=None, check=True):
+    "tests/test_fsdp.py's `_run`: `stage` None is the plain run (`use_cpu`), else DeepSpeed ZeRO-`stage` under torchrun."
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env |= {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache", **(_zero(stage) if stage else {"ACCELERATE_USE_CPU": "true"})}
+    script = [str(setup_dir / ("onpolicy.py" if algo in ON_POLICY else "train.py")), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
+    if processes == 1: command = [sys.executable] + script
+    else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    if not check: return result
+    assert result.returncode == 0, result.stderr[-8000:]
+    return _saved(out, algo), json.loads((out / "history0.json").read_text())
