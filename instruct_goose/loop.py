@@ -468,6 +468,7 @@ def optimizer_step(self: TrainLoop, model: nn.Module, stats: dict | None = None)
     if hasattr(grad_norm, "full_tensor"): grad_norm = grad_norm.full_tensor()   # FSDP2: the norm is a DTensor over the shards
     if self.accelerator.distributed_type == DistributedType.DEEPSPEED:   # the engine clipped and stepped in `backward`
         self.fire("on_pre_optimizer_step"); self.fire("on_optimizer_step")
+        self.scheduler.step()   # ours (a LambdaLR DeepSpeed does not know) is not the engine's to step; its own kinds: a no-op wrapper
         return torch.as_tensor(math.nan if grad_norm is None else grad_norm)
     if not torch.isfinite(grad_norm) and self.accelerator.scaler is None:  # one host sync per step; fp16's scaler skips such steps itself
         self.optimizer.zero_grad(set_to_none=True)
