@@ -10,6 +10,7 @@ What ran here and the differences measured are in the scaling chapter, "Sharded 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_fsdp import ON_POLICY, _assert_same, _saved, setup_dir   # noqa: F401  (setup_dir: the fixture)
+from test_fsdp import ON_POLICY, ONPOLICY, SCRIPT, _assert_same, _saved
+
+# tests/test_fsdp.py's on-policy script; `KEEP_FIRST_PASS=0` turns off the rollout's kept policy pass (see the ZeRO-3 test)
+ONPOLICY_DS = ONPOLICY.replace("trainer.train()", 'trainer.keeps_first_pass = os.environ.get("KEEP_FIRST_PASS", "1") == "1"\ntrainer.train()')
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is not installed (not a dependency of the project; `pip install deepspeed` to run these)")
@@ -31,10 +35,19 @@ def _zero(stage):
     return env
 
 
-def _run(setup_dir, out, algo, processes, accumulation, stage=None, resume=None, check=True):
+@pytest.fixture(scope="module")
+def setup_dir(policy_dir, tmp_path_factory):
+    where = tmp_path_factory.mktemp("setup")
+    shutil.copytree(policy_dir, where, dirs_exist_ok=True)
+    (where / "train.py").write_text(SCRIPT)
+    (where / "onpolicy.py").write_text(ONPOLICY_DS)
+    return where
+
+
+def _run(setup_dir, out, algo, processes, accumulation, stage=None, resume=None, check=True, **env_extra):
     "tests/test_fsdp.py's `_run`: `stage` None is the plain run (`use_cpu`), else DeepSpeed ZeRO-`stage` under torchrun."
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
-    env |= {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache", **(_zero(stage) if stage else {"ACCELERATE_USE_CPU": "true"})}
+    env |= {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache", **(_zero(stage) if stage else {"ACCELERATE_USE_CPU": "true"}), **env_extra}
     script = [str(setup_dir / ("onpolicy.py" if algo in ON_POLICY else "train.py")), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
     if processes == 1: command = [sys.executable] + script
     else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
