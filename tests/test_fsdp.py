@@ -76,7 +76,7 @@ def _saved(out, algo="sft"):
     return auto.from_pretrained(out).state_dict()
 
 
-COMPARED = ("loss/sft", "loss/reward", "loss", "grad_norm", "lr")
+COMPARED = ("loss", "grad_norm", "learning_rate", "epoch")
 
 
 def _assert_same(a, b, what, eps=1e-6):
