@@ -135,8 +135,8 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     max_grad_norm: float = 1.0                    # clip the gradient norm to this (0: no clipping)
     per_device_train_batch_size: int = 8          # examples (prompts for RL) per step and process
     gradient_accumulation_steps: int = 1          # micro-batches whose gradients make one optimizer step
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # autocast precision, through Accelerate (a memory lever)
-    bf16: bool | None = None                      # 🤗/TRL's switch for `mixed_precision="bf16"`; None: on when a bf16-capable GPU is present (TRL 1.16 says True, which fails on a CPU)
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # autocast precision, through Accelerate (a memory lever); None: from `bf16`/`fp16`, else "no"
+    bf16: bool | None = None                      # 🤗/TRL's switch for `mixed_precision="bf16"`; None: on when a bf16-capable GPU is present and neither `mixed_precision` nor `fp16` is given (TRL 1.16 says True, which fails on a CPU)
     fp16: bool = False                            # 🤗/TRL's switch for `mixed_precision="fp16"`
     warmup_ratio: float = 0.0                     # warm-up as a fraction of the optimizer steps (🤗's; `warmup_steps` wins when both are set)
     gradient_checkpointing: bool = False          # recompute activations in the backward pass instead of keeping them (a memory lever)
@@ -171,13 +171,13 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
             check_number(name, getattr(self, name))
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
             check_number(name, getattr(self, name), low=1)
-        if self.mixed_precision not in ("no", "fp16", "bf16"):
+        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ValueError(f"`mixed_precision` must be 'no', 'fp16' or 'bf16', got {self.mixed_precision!r}")
-        if self.bf16 is None: self.bf16 = self.mixed_precision == "no" and not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        if self.bf16 is None: self.bf16 = self.mixed_precision is None and not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         switched = [p for p in ("bf16", "fp16") if getattr(self, p)]
-        if switched and self.mixed_precision not in ("no", *switched) or len(switched) > 1:
+        if switched and self.mixed_precision not in (None, "no", *switched) or len(switched) > 1:
             raise ValueError(f"`mixed_precision`={self.mixed_precision!r} and {', '.join(f'`{p}`=True' for p in switched)} disagree: give one")
-        if switched: self.mixed_precision = switched[0]
+        self.mixed_precision = switched[0] if switched else self.mixed_precision or "no"
         check_number("warmup_ratio", self.warmup_ratio, high=1)
         check_hf_settings(self)
         check_tracker(self.report_to)
