@@ -32,8 +32,9 @@ _LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "ves
 @dataclass
 class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet):
     "GRPO's knobs under TRL's `GRPOConfig` names and defaults (TRL 1.16), each kept equal to its shared on-policy field (`merge_names`)."
-    num_generations: int = 4               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL: 8; 4 suits the tiny models)
-    max_completion_length: int = 32        # tokens sampled per completion (sets `response_length`; TRL: 512)
+    learning_rate: float = 1e-6            # peak learning rate of AdamW (TRL 1.16's default; the tiny models of the tutorials want ~1e-4)
+    num_generations: int = 8               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL 1.16's default)
+    max_completion_length: int = 512       # tokens sampled per completion (sets `response_length`; TRL 1.16's default)
     beta: float = 0.0                      # weight of the k3 KL term in the loss; 0: no reference model is loaded
     epsilon: float = 0.2                   # ε: lower clip range of the ratio (sets `cliprange`)
     epsilon_high: float | None = None      # upper clip range (DAPO's clip-higher); None: `epsilon`. For "cispo" it is the cap ε_max on the ratio itself (ScaleRL recommends 5.0)
@@ -60,7 +61,7 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet):
     entropy_target: float = 0.2            # the mean entropy per token (nats, over the loss's tokens) at or below which the adaptive bonus applies
     use_bias_correction_kl: bool = True    # weight the k3 KL by the importance ratio (DeepSeek-V3.2), TRL 1.16's default: the unbiased reverse-KL gradient
     kl_coef: float = 0.0                   # the shared name of `beta`
-    response_length: int = 32              # the shared name of `max_completion_length`
+    response_length: int = 512             # the shared name of `max_completion_length`
     num_ppo_epochs: int = 1                # the shared name of `num_iterations`
     same_setting: ClassVar[dict[str, str]] = {"max_completion_length": "response_length", "beta": "kl_coef", "epsilon": "cliprange",
                                               "num_iterations": "num_ppo_epochs"}
@@ -297,7 +298,7 @@ def group_stats(
 # %% ../nbs/09b_grpo.ipynb #06ce3611
 class GRPOTrainer(OnPolicyTrainer):
     "GRPO: G completions per prompt, group-relative advantages, PPO's clipped ratio per token (or per sequence), k3 KL in the loss."
-    progress_keys = ("reward", "reward_std", "kl")
+    progress_keys, metric_names = ("reward", "reward_std", "kl"), "trl"   # TRL 1.16's metric names (`trl_metric_names`)
     config_class = GRPOConfig          # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords, `reward_funcs=` by name)
 
     @property

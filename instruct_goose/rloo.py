@@ -94,19 +94,22 @@ def refuse_unsupported(config) -> None:
 @dataclass
 class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options, under TRL's `RLOOConfig` names: current TRL's (≥ 0.22) or, as aliases, TRL ≤ 0.21's (`merge_names`)."
+    learning_rate: float = 1e-6              # peak learning rate of AdamW (TRL 1.16's default)
     num_generations: int = 2                 # k: responses sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL ≤ 0.21: `rloo_k`)
     beta: float = 0.05                       # β: weight of the KL penalty (TRL ≤ 0.21 and PPO: `kl_coef`)
-    max_completion_length: int = 53          # tokens sampled per response (TRL ≤ 0.21 and PPO: `response_length`)
+    max_completion_length: int = 512         # tokens sampled per response (TRL ≤ 0.21 and PPO: `response_length`; TRL 1.16's default)
     epsilon: float = 0.2                     # ε: clip range of the ratio (TRL ≤ 0.21 and PPO: `cliprange`)
     epsilon_high: float | None = None        # upper clip range of the ratio (DAPO's clip-higher); None: `epsilon`
     mask_truncated_completions: bool = False  # responses that never stopped get no loss and no KL (DAPO), as TRL masks them
     rloo_k: int = 2                          # TRL ≤ 0.21's name of `num_generations`
-    num_iterations: int = 4                  # passes over each rollout (TRL ≥ 0.22's name, its default 1; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
+    num_iterations: int = 1                  # passes over each rollout (TRL ≥ 0.22's name and default; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
     normalize_reward: bool = False           # standardise the scores over the rollout (Reinforce++)
     reward_clip_range: float | None = None   # clip the scores to [-c, c] (Reinforce++); None: no clipping
     normalize_advantages: bool = False       # whiten the advantages over the rollout (Reinforce++; TRL ≤ 0.21: `normalize_advantage`)
     normalize_advantage: bool = False        # TRL ≤ 0.21's name of `normalize_advantages`
     token_level_kl: bool = False             # per-token KL penalty, returns-to-go and per-token ratios (Reinforce++)
+    response_length: int = 512               # the shared name of `max_completion_length`
+    num_ppo_epochs: int = 1                  # the shared name of `num_iterations`
     same_setting: ClassVar[dict[str, str]] = {"num_generations": "rloo_k", "beta": "kl_coef", "max_completion_length": "response_length",
                                               "epsilon": "cliprange", "normalize_advantages": "normalize_advantage",
                                               "num_iterations": "num_ppo_epochs"}
@@ -147,6 +150,7 @@ class RLOORollout(RowBatch):
 class RLOOTrainer(OnPolicyTrainer):
     "RLOO: k samples per prompt, leave-one-out baselines, the clipped surrogate on sequence (or token) ratios; no critic."
     config_class = RLOOConfig          # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords); `model` is a causal LM (no value head)
+    metric_names = "both"              # TRL ≤ 0.21's names, which this chapter follows, and TRL 1.16's (`trl_metric_names`)
 
     @property
     def samples_per_prompt(self) -> int: return self.args.num_generations
@@ -179,13 +183,14 @@ class RLOOTrainer(OnPolicyTrainer):
         return {"policy": loss}, stats
 
     def rollout_stats(self, rollout: RLOORollout) -> dict:
-        "The rollout's objective statistics under TRL's RLOO names."
+        "The rollout's objective statistics under TRL's RLOO names, TRL ≤ 0.21's and 1.16's (`trl_metric_names` adds the rest)."
         seq_non_score = rollout.non_score_reward.sum(1)
         return {"objective/kl": rollout.kl.sum(1).mean(),
                 "objective/entropy": masked_sum(-rollout.logprobs, rollout.loss_mask, dim=1).mean(),
                 "objective/non_score_reward": seq_non_score.mean(),
                 "objective/rlhf_reward": rollout.rlhf_reward.mean(),
-                "objective/scores": rollout.scores.mean()}
+                "objective/scores": rollout.scores.mean(),
+                "reward_std": rollout.scores.std(), "kl": masked_mean(rollout.kl, rollout.loss_mask)}   # TRL 1.16's (per-token KL)
 
 # %% ../nbs/09_rloo.ipynb #737cce86
 @patch
