@@ -23,12 +23,13 @@ from .losses import kl_penalty
 from .rloo import GRPONotYet, refuse_unsupported
 from .rollout import RowBatch, Samples, logprobs_in_chunks
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
+from .tools import ToolConfig
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
 _LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")   # TRL 1.16's `loss_type`s
 
 @dataclass
-class GRPOConfig(OnPolicyConfig, GRPONotYet):
+class GRPOConfig(OnPolicyConfig, GRPONotYet, ToolConfig):
     "GRPO's knobs under TRL's `GRPOConfig` names and defaults (TRL 1.16), each kept equal to its shared on-policy field (`merge_names`)."
     num_generations: int = 4               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL: 8; 4 suits the tiny models)
     max_completion_length: int = 32        # tokens sampled per completion (sets `response_length`; TRL: 512)
@@ -312,7 +313,7 @@ class GRPOTrainer(OnPolicyTrainer):
         ref_logprobs = zeros
         if self.ref_model is not None:
             with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
-        loss_mask = x.response_mask.clone()
+        loss_mask = x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask   # tool results are context (`tools`)
         if c.mask_truncated_completions: loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
         per_reward = x.reward_scores.to(x.scores.device) if c.multi_objective_aggregation == "normalize_then_sum" else None   # each reward's scores (`Samples`)
         advantages = self.advantages(x.scores, None if loop is None else loop.accelerator, per_reward)
@@ -338,7 +339,7 @@ class GRPOTrainer(OnPolicyTrainer):
             c.use_bias_correction_kl, c.off_policy_mask_threshold)
         loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length)
         entropy = entropy_from_logits(logits if c.entropy_coef else logits.detach(), c.temperature)
-        stats = {"entropy": masked_mean(entropy.detach(), part.response_mask), **clip_stats(ratio, part.advantages, mask, c)}
+        stats = {"entropy": masked_mean(entropy.detach(), mask), **clip_stats(ratio, part.advantages, mask, c)}
         if kl is not None: stats["kl"] = masked_mean(kl.detach(), mask)
         if not c.entropy_coef: return {"policy": loss}, stats
         stats["entropy_coef"] = torch.tensor(c.entropy_coef)

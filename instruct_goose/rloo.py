@@ -19,6 +19,7 @@ from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, _prompt_columns
+from .tools import ToolConfig
 
 # %% ../nbs/09_rloo.ipynb #f5fc4aff
 _LATER = "not implemented yet; issue 28"
@@ -44,7 +45,6 @@ _TRL_REFUSED: dict[str, str] = {
     **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"), f"{_LATER} (the reference stays the initial policy)"),
     **dict.fromkeys(("top_entropy_quantile", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
                      "entropy_coef_delta", "entropy_target"), _LATER),
-    "max_tool_calling_iterations": f"{_LATER} (no tool calls)",
     **dict.fromkeys(("log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo"), _LOGS),
     **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
                      "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
@@ -109,7 +109,6 @@ class GRPONotYet(TRLNotYet):
     entropy_coef_max: float = 1.0                  # refused (_TRL_REFUSED) unless 1: not implemented yet, issue 28
     entropy_coef_delta: float = 0.005              # refused (_TRL_REFUSED) unless 0.005: not implemented yet, issue 28
     entropy_target: float = 0.2                    # refused (_TRL_REFUSED) unless 0.2: not implemented yet, issue 28
-    max_tool_calling_iterations: int | None = None # refused (_TRL_REFUSED): not implemented yet, issue 28
     vllm_importance_sampling_correction: bool = True  # refused (_TRL_REFUSED) unless True: vLLM does not run here
     vllm_importance_sampling_mode: str = "sequence_mask"  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_clip_max: float | None = 3.0  # refused (_TRL_REFUSED): vLLM does not run here
@@ -126,7 +125,7 @@ def refuse_unsupported(config) -> None:
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
-class RLOOConfig(OnPolicyConfig, TRLNotYet):
+class RLOOConfig(OnPolicyConfig, TRLNotYet, ToolConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options, under TRL's `RLOOConfig` names: current TRL's (≥ 0.22) or, as aliases, TRL ≤ 0.21's (`merge_names`)."
     num_generations: int = 2                 # k: responses sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL ≤ 0.21: `rloo_k`)
     beta: float = 0.05                       # β: weight of the KL penalty (TRL ≤ 0.21 and PPO: `kl_coef`)
@@ -194,7 +193,7 @@ class RLOOTrainer(OnPolicyTrainer):
         kept = self.first_pass(policy, x, loop)
         logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature)
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
-        loss_mask = x.response_mask.clone()
+        loss_mask = x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask   # tool results are context (`tools`)
         if c.mask_truncated_completions: loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
         ref_logprobs = torch.where(loss_mask, ref_logprobs, logprobs)   # off the loss mask π_ref = π_old: a KL of 0 (the score stays)
         scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, x.response_mask,
