@@ -75,10 +75,12 @@ def main(sft_steps: int, grpo_steps: int, seed: int, n_demos: int, quiet: bool =
                                     warmup_steps=10, max_length=160, logging_steps=10**6, disable_tqdm=True, seed=seed),
                      train_dataset=sft_rows, processing_class=tokenizer)
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(): sft_model = sft.train()
-    results = {"sft_seconds": time.perf_counter() - t, "after SFT": accuracy(sft_model, tokenizer, box, held_out, False)}
+    results = {"sft_seconds": time.perf_counter() - t, "after SFT": accuracy(sft_model, tokenizer, box, held_out, False),
+               "after SFT, no tool": accuracy(sft_model, tokenizer, None, held_out, False)}
+    for k in ("sft_seconds", "after SFT", "after SFT, no tool"): print(k, json.dumps(results[k], default=str)[:300], flush=True)
     rows = [{"prompt": [{"role": "user", "content": p}], "answer": a} for p, a in zip(train["prompt"], train["answer"])]
     for label, tools in (("with the tool", [calculator]), ("without it", None)):
-        args = GRPOConfig(output_dir=f"{work}/{label[:4]}", num_generations=8, per_device_train_batch_size=32, max_completion_length=80,
+        args = GRPOConfig(output_dir=f"{work}/{label.replace(' ', '_')}", num_generations=8, per_device_train_batch_size=32, max_completion_length=80,
                           max_prompt_length=64, learning_rate=1e-3, max_steps=grpo_steps, num_sample_generations=0, disable_tqdm=True,
                           seed=seed, max_tool_calling_iterations=1 if tools else None, logging_steps=1)
         trainer = GRPOTrainer(copy.deepcopy(sft_model), reward_funcs=correct, args=args, train_dataset=rows, processing_class=tokenizer, tools=tools)
@@ -86,6 +88,7 @@ def main(sft_steps: int, grpo_steps: int, seed: int, n_demos: int, quiet: bool =
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(): trainer.train()
         results[f"GRPO {label}"] = {**accuracy(trainer.model, tokenizer, box if tools else None, held_out, False),
                                     "seconds": time.perf_counter() - t, "reward": [r["reward"] for r in trainer.loop.state.history]}
+        print(f"GRPO {label}", json.dumps(results[f"GRPO {label}"], default=str)[:600], flush=True)
     return results
 
 
@@ -94,5 +97,4 @@ if __name__ == "__main__":
     p.add_argument("--sft-steps", type=int, default=300); p.add_argument("--grpo-steps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0); p.add_argument("--demos", type=int, default=300)
     a = p.parse_args()
-    r = main(a.sft_steps, a.grpo_steps, a.seed, a.demos)
-    for k, v in r.items(): print(k, json.dumps(v, default=str)[:400])
+    main(a.sft_steps, a.grpo_steps, a.seed, a.demos)

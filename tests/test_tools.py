@@ -173,3 +173,105 @@ def test_trl_tool_calling_example_runs_with_the_import_changed(tok, tmp_path):
     assert (tmp_path / "out" / "model.safetensors").exists()
     script = (ROOT / "examples/trl_style/grpo_tools.py").read_text()
     assert "from instruct_goose import GRPOConfig, GRPOTrainer   # TRL: from trl import GRPOConfig, GRPOTrainer" in script
+
+
+SCRIPT = '''
+import json, os, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from instruct_goose import GRPOConfig, GRPOTrainer
+policy, out, accumulation = sys.argv[1], sys.argv[2], int(sys.argv[3])
+resume = sys.argv[4] if len(sys.argv) > 4 else None
+
+def calc(x: str) -> str:
+    """Evaluate a product.
+
+    Args:
+        x: the product, e.g. 2*3
+    """
+    a, b = x.split("*")
+    return str(int(a) * int(b))
+
+calls = []
+def reward(completions, num_tool_calls, **kwargs):
+    calls.append(sum(num_tool_calls))
+    return [len(c[-1]["content"]) / 10 + n for c, n in zip(completions, num_tool_calls)]
+
+tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
+rows = [{"prompt": [{"role": "user", "content": f"{a}*{b}="}]} for a in range(2, 10) for b in range(2, 6)]
+args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, num_generations=2,
+                  max_completion_length=48, local_rollout_forward_batch_size=4, num_iterations=2, beta=0.05, max_steps=4,
+                  save_steps=int(os.environ.get("SAVE_STEPS", "2")), logging_steps=1, num_sample_generations=0, disable_tqdm=True,
+                  learning_rate=1e-3, max_tool_calling_iterations=1, resume_from_checkpoint=resume)
+trainer = GRPOTrainer(model, args=args, processing_class=tokenizer, reward_funcs=reward, train_dataset=rows, tools=[calc])
+trainer.train()
+rank = os.environ.get("RANK", "0")
+torch.save(trainer.model.state_dict(), f"{out}/weights{rank}.pt")
+json.dump({"history": trainer.loop.state.history, "calls": calls}, open(f"{out}/result{rank}.json", "w"))
+'''
+
+
+@pytest.fixture(scope="module")
+def caller_dir(tmp_path_factory):
+    "A tiny model SFT'd to open every answer with a call of `calc` on its problem, saved with the training script."
+    from instruct_goose import SFTConfig, SFTTrainer
+    where = tmp_path_factory.mktemp("caller")
+    tok = with_tool_template(task_tokenizer())
+    schema = [{"type": "function", "function": {"name": "calc", "parameters": {"properties": {"x": {}}}}}]
+    problems = [f"{a}*{b}=" for a in range(2, 10) for b in range(2, 10)]
+    heads = [tok.apply_chat_template([{"role": "user", "content": p}], tools=schema, tokenize=False, add_generation_prompt=True) for p in problems]
+    rows = [{"prompt": h, "completion": call("calc", x=p.rstrip("="))} for h, p in zip(heads, problems)]
+    model = SFTTrainer(tiny_causal_lm(tok, seed=0), args=SFTConfig(output_dir=str(where / "sft"), learning_rate=3e-3, per_device_train_batch_size=16,
+                       max_steps=80, logging_steps=10**6, disable_tqdm=True), train_dataset=rows, processing_class=tok).train()
+    model.save_pretrained(where / "model"); tok.save_pretrained(where / "model")
+    (where / "train.py").write_text(SCRIPT)
+    return where
+
+
+def _run_tools(caller_dir, out, processes, accumulation, resume=None, save_steps=2, background=False):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "SAVE_STEPS": str(save_steps)}
+    script = [str(caller_dir / "train.py"), str(caller_dir / "model"), str(out), str(accumulation)] + ([resume] if resume else [])
+    command = [sys.executable] + script if processes == 1 else \
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
+    if background: return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return torch.load(out / "weights0.pt"), json.loads((out / "result0.json").read_text())
+
+
+def _same(a, b, what, eps=1e-6):
+    worst = max((a[0][k] - b[0][k]).abs().max().item() for k in a[0])
+    assert worst <= eps, f"{what}: weights differ by {worst}"
+    for row_a, row_b in zip(a[1]["history"], b[1]["history"]):
+        for key in ("reward", "kl", "entropy", "grad_norm", "lr"):
+            if key in row_a: assert abs(row_a[key] - row_b[key]) <= eps * max(1, abs(row_a[key])), (what, key, row_a[key], row_b[key])
+
+
+@pytest.mark.slow
+def test_tools_two_processes_equal_one(caller_dir, tmp_path):
+    "GRPO with tools (the model calls them: counted in every rollout), 1 process × 2 micro-batches against 2 processes × 1."
+    one = _run_tools(caller_dir, tmp_path / "one", 1, 2)
+    two = _run_tools(caller_dir, tmp_path / "two", 2, 1)
+    assert sum(one[1]["calls"]) > 0, "the model never called the tool: the test would prove nothing"
+    assert len(one[1]["history"]) == len(two[1]["history"]) == 4
+    _same(one, two, "1 process vs 2")
+
+
+@pytest.mark.slow
+def test_tools_killed_run_resumes_to_the_same_result(caller_dir, tmp_path):
+    "SIGKILL after the first checkpoint, resume: the weights and the logged metrics equal those of the run never stopped."
+    import signal
+    straight = _run_tools(caller_dir, tmp_path / "straight", 1, 2, save_steps=1)
+    process = _run_tools(caller_dir, tmp_path / "killed", 1, 2, save_steps=1, background=True)
+    deadline = time.time() + 600
+    while not (tmp_path / "killed" / "checkpoint-1").is_dir():
+        assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.02)
+    time.sleep(0.3)
+    if process.poll() is None:
+        process.send_signal(signal.SIGKILL); process.wait()
+    assert not (tmp_path / "killed" / "checkpoint-4").exists(), "killed too late to test a resume"
+    resumed = _run_tools(caller_dir, tmp_path / "killed", 1, 2, resume="latest", save_steps=1)
+    assert sum(straight[1]["calls"]) > 0
+    _same(straight, resumed, "straight vs killed and resumed")
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "eps"} for r in rows]
+    assert strip(straight[1]["history"]) == strip(resumed[1]["history"])
