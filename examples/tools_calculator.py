@@ -52,7 +52,7 @@ def accuracy(model, tokenizer, box: Toolbox | None, data, greedy: bool, seed: in
     torch.manual_seed(seed)
     extra = {"do_sample": False} if greedy else {}
     tools = box.tools if box is not None else [calculator]
-    out = generate_with_tools(model.eval(), tokenizer, ids, mask, tools, 80, tokenizer.eos_token_id, tokenizer.pad_token_id,
+    out = generate_with_tools(model.eval(), tokenizer, ids, mask, tools, 100, tokenizer.eos_token_id, tokenizer.pad_token_id,
                               max_tool_calling_iterations=1 if box is not None else 0, **extra)
     scores = correct(out.conversations, data["answer"])
     return {"accuracy": sum(scores) / len(scores), "calls": out.num_tool_calls.float().mean().item(), "sample": out.conversations[0]}
@@ -80,7 +80,7 @@ def main(sft_steps: int, grpo_steps: int, seed: int, n_demos: int, quiet: bool =
     for k in ("sft_seconds", "after SFT", "after SFT, no tool"): print(k, json.dumps(results[k], default=str)[:300], flush=True)
     rows = [{"prompt": [{"role": "user", "content": p}], "answer": a} for p, a in zip(train["prompt"], train["answer"])]
     for label, tools in (("with the tool", [calculator]), ("without it", None)):
-        args = GRPOConfig(output_dir=f"{work}/{label.replace(' ', '_')}", num_generations=8, per_device_train_batch_size=32, max_completion_length=80,
+        args = GRPOConfig(output_dir=f"{work}/{label.replace(' ', '_')}", num_generations=8, per_device_train_batch_size=32, max_completion_length=100,
                           max_prompt_length=64, learning_rate=1e-3, max_steps=grpo_steps, num_sample_generations=0, disable_tqdm=True,
                           seed=seed, max_tool_calling_iterations=1 if tools else None, logging_steps=1)
         trainer = GRPOTrainer(copy.deepcopy(sft_model), reward_funcs=correct, args=args, train_dataset=rows, processing_class=tokenizer, tools=tools)

@@ -199,7 +199,7 @@ def reward(completions, num_tool_calls, **kwargs):
 tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
 rows = [{"prompt": [{"role": "user", "content": f"{a}*{b}="}]} for a in range(2, 10) for b in range(2, 6)]
 args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, num_generations=2,
-                  max_completion_length=48, local_rollout_forward_batch_size=4, num_iterations=2, beta=0.05, max_steps=4,
+                  max_completion_length=96, local_rollout_forward_batch_size=4, num_iterations=2, beta=0.05, max_steps=4,
                   save_steps=int(os.environ.get("SAVE_STEPS", "2")), logging_steps=1, num_sample_generations=0, disable_tqdm=True,
                   learning_rate=1e-3, max_tool_calling_iterations=1, resume_from_checkpoint=resume)
 trainer = GRPOTrainer(model, args=args, processing_class=tokenizer, reward_funcs=reward, train_dataset=rows, tools=[calc])
