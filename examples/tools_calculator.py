@@ -1,6 +1,6 @@
 """GRPO with and without a calculator tool on two-digit multiplication (the tools tutorial's longer run).
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python examples/tools_calculator.py --sft-steps 300 --grpo-steps 40 --seed 0
+    PYTHONPATH=. OMP_NUM_THREADS=1 python examples/tools_calculator.py --sft-steps 400 --grpo-steps 30 --seed 0
 
 Prints held-out accuracy (greedy and sampled) and tool calls per answer: after SFT on worked calls, after GRPO with the
 tool, after GRPO without it.
@@ -38,9 +38,10 @@ def worked_call(prompt: str, answer: str) -> list[dict]:
 
 
 def make_tokenizer(box: Toolbox, rows) -> "PreTrainedTokenizerFast":
-    "Bytes (digits stay one token each) plus ChatML, tool-call tokens and the tool template."
-    base = train_tokenizer(["0123456789+-*="], vocab_size=259)
-    return with_tool_template(base)
+    "Merges learned from the template's words (every number one digit, so digits stay one token each), ChatML, tool-call tokens, the tool template."
+    text = ('<|im_start|>system\ntools: calculator(expression)<|im_end|>\n<|im_start|>user\n7*7=<|im_end|>\n<|im_start|>assistant\n'
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "7*7"}}</tool_call><|im_end|>\n<|im_start|>tool\n7<|im_end|>\n')
+    return with_tool_template(train_tokenizer([text] * 50 + ["0123456789+-*="], vocab_size=360))
 
 
 @torch.no_grad()
@@ -94,7 +95,7 @@ def main(sft_steps: int, grpo_steps: int, seed: int, n_demos: int, quiet: bool =
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--sft-steps", type=int, default=300); p.add_argument("--grpo-steps", type=int, default=40)
+    p.add_argument("--sft-steps", type=int, default=400); p.add_argument("--grpo-steps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0); p.add_argument("--demos", type=int, default=300)
     a = p.parse_args()
     main(a.sft_steps, a.grpo_steps, a.seed, a.demos)
