@@ -25,12 +25,13 @@ from .rloo import GRPONotYet, refuse_unsupported
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
 from .agent import response_logits
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
+from .tools import ToolConfig
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
 _LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")   # TRL 1.16's `loss_type`s
 
 @dataclass
-class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet):
+class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
     "GRPO's knobs under TRL's `GRPOConfig` names and defaults (TRL 1.16), each kept equal to its shared on-policy field (`merge_names`)."
     learning_rate: float = 1e-6            # peak learning rate of AdamW (TRL 1.16's default; the tiny models of the tutorials want ~1e-4)
     num_generations: int = 8               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL 1.16's default)
@@ -338,7 +339,7 @@ class GRPOTrainer(OnPolicyTrainer):
         ref_logprobs = zeros
         if self.ref_model is not None:
             with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
-        loss_mask = x.response_mask.clone()
+        loss_mask = x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask   # tool results are context (`tools`)
         if c.mask_truncated_completions: loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
         per_reward = x.reward_scores.to(x.scores.device) if c.multi_objective_aggregation == "normalize_then_sum" else None   # each reward's scores (`Samples`)
         advantages = self.advantages(x.scores, None if loop is None else loop.accelerator, per_reward)
@@ -364,7 +365,7 @@ class GRPOTrainer(OnPolicyTrainer):
             c.use_bias_correction_kl, c.off_policy_mask_threshold, part.entropy_mask)
         loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length)
         entropy = entropy_from_logits(logits if c.entropy_bonus else logits.detach(), c.temperature)
-        stats = {"entropy": masked_mean(entropy.detach(), part.response_mask), **clip_stats(ratio, part.advantages, mask, c)}
+        stats = {"entropy": masked_mean(entropy.detach(), mask), **clip_stats(ratio, part.advantages, mask, c)}
         if kl is not None: stats["kl"] = masked_mean(kl.detach(), mask)
         if not c.entropy_bonus: return {"policy": loss}, stats
         stats["entropy_coef"] = part.entropy_coef[0]

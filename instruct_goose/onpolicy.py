@@ -31,6 +31,7 @@ from .loop import Trainer, TrainLoop, TrainingConfig, as_callbacks, batch_indice
 from .levers import fuse_activations
 from .losses import FixedKLController, KLEstimator
 from .rollout import Samples, chunked, micro_batch_index, minibatches, sampling_seed
+from .tools import trainer_tools
 
 # %% ../nbs/08_onpolicy.ipynb #f1de586e
 def merge_names(
@@ -230,6 +231,9 @@ class OnPolicyTrainer(Trainer):
         reward_funcs=None,            # a `RewardModel`, a reward function, a path to a reward model, or a list of them (weighted by `args.reward_weights`)
         peft_config=None,             # a peft config (e.g. `LoraConfig`): train adapters only; the reference is the adapter-off base
         callbacks=None,               # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
+        tools=None,                   # Python functions the model may call while it samples (RLOO, GRPO; see the tools chapter)
+        rollout_func=None,            # TRL's `rollout_func`: refused, see `trainer_tools`
+        environment_factory=None,     # TRL's `environment_factory`: refused, see `trainer_tools`
         **renamed,                    # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
     ):
         a = trl_arguments(type(self), model, ref_model, dict(args=args, processing_class=processing_class, reward_funcs=reward_funcs), renamed)
@@ -238,6 +242,7 @@ class OnPolicyTrainer(Trainer):
         self.train_dataset, self.eval_dataset = (None if d is None else as_dataset(_prompts_from_ids(d, self.processing_class), name, [("prompt",)])
                                                  for d, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
         self.callbacks, self.kl_ctl = as_callbacks(callbacks), FixedKLController(self.args.kl_coef)
+        self.tools = trainer_tools(self.args, tools, rollout_func, environment_factory, eval_dataset)   # a `Toolbox`, or None
         self.model = fuse_activations(self.policy_from(model, peft_config))   # before anything samples or scores with it
         policy = self.model.model if isinstance(self.model, Agent) else self.model
         self.ref_model = frozen_reference(policy, ref_model) if self.needs_reference else None
@@ -444,23 +449,29 @@ def sample_and_score(
     "Render the prompts (`prompt_text`), sample a response each (in chunks), decode, score with the reward and the rows' other columns, subtract `missing_eos_penalty` where no stop came."
     c, tok, columns = self.args, self.processing_class, _prompt_columns(rows)
     prompts = columns.pop("prompt")
-    texts = [prompt_text(tok, p, **(c.chat_template_kwargs or {})) for p in prompts]
+    template = c.chat_template_kwargs or {}
+    texts = [prompt_text(tok, p, **template) if self.tools is None else self.tools.prompt_text(tok, p, **template) for p in prompts]   # with tools: their schemas too
     device = next(model.parameters()).device
     q_ids, q_mask = (t.to(device) for t in encode_prompts(tok, texts, c.max_prompt_length))
     def sample(ids, mask, rows):
         if seed is not None: torch.manual_seed(seed + first_row + int(rows[0]))   # a chunk's samples do not depend on the process
+        if self.tools is not None:
+            return self.tools.generate(model, tok, ids, mask, c.response_length, self.stop_token_id, tok.pad_token_id, c.temperature, **sampling_options(c))
         return generate_responses(model, ids, mask, c.response_length, self.stop_token_id, tok.pad_token_id, c.temperature,
                                   **sampling_options(c))
-    r_ids, r_mask = chunked(sample, q_ids, q_mask, torch.arange(len(prompts)), size=c.local_rollout_forward_batch_size)
+    out = chunked(sample, q_ids, q_mask, torch.arange(len(prompts)), size=c.local_rollout_forward_batch_size)
+    r_ids, r_mask = out[:2]
     completion_ids = [ids[m].tolist() for ids, m in zip(r_ids.cpu(), r_mask.cpu())]   # the tokens, up to and with the stop token
     completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
     with self.on_device(self.reward_model, None if loop is None else loop.device):   # functions may read the tokens too, as TRL passes them
-        each = self.reward_model.each(prompts, completions, **{**columns, "completion_ids": completion_ids})
+        called = {} if self.tools is None else {"num_tool_calls": out.num_tool_calls.tolist()}   # with tools, rewards read the conversations
+        each = self.reward_model.each(prompts, completions if self.tools is None else out.conversations,
+                                      **{**columns, "completion_ids": completion_ids, **called})
     scores = self.reward_model.combine(each).to(device)
     if c.missing_eos_penalty is not None:
         stopped = ((r_ids == self.stop_token_id) & r_mask).any(1)
         scores = scores - c.missing_eos_penalty * (~stopped).float()
-    return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each)
+    return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each, None if self.tools is None else out.tool_mask)
 
 # %% ../nbs/08_onpolicy.ipynb #e8a39f71
 def prompt_budget(

@@ -19,6 +19,7 @@ from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
+from .tools import ToolConfig
 
 # %% ../nbs/09_rloo.ipynb #f5fc4aff
 _LATER = "not implemented yet; issue 28"
@@ -34,7 +35,6 @@ _TRL_REFUSED: dict[str, str] = {
                            "longest prompt and `max_completion_length`; leave it at 'auto' (TRL's: no padding off Neuron)"),
     **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
                     f"{_LATER} (generation is built in)"),
-    "max_tool_calling_iterations": f"{_LATER} (no tool calls)",
     "log_multimodal": "completions here are text only: there is nothing multimodal to log or to leave out; leave it at True",
     "log_completions_hub_repo": "nothing is uploaded to the Hub from here: with `log_completions` the table is in output_dir/completions.jsonl (`goose completions`)",
     **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
@@ -75,7 +75,6 @@ class TRLNotYet:
 class GRPONotYet(TRLNotYet):
     "The further fields of TRL 1.16's `GRPOConfig` that this library does not run yet, at TRL's defaults (see `_TRL_REFUSED`)."
     cast_lm_head_to_fp32: bool = False             # refused (_TRL_REFUSED): not implemented yet, issue 28
-    max_tool_calling_iterations: int | None = None # refused (_TRL_REFUSED): not implemented yet, issue 28
     vllm_importance_sampling_correction: bool = True  # refused (_TRL_REFUSED) unless True: vLLM does not run here
     vllm_importance_sampling_mode: str = "sequence_mask"  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_clip_max: float | None = 3.0  # refused (_TRL_REFUSED): vLLM does not run here
@@ -92,7 +91,7 @@ def refuse_unsupported(config) -> None:
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
-class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet):
+class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options, under TRL's `RLOOConfig` names: current TRL's (≥ 0.22) or, as aliases, TRL ≤ 0.21's (`merge_names`)."
     learning_rate: float = 1e-6              # peak learning rate of AdamW (TRL 1.16's default)
     num_generations: int = 2                 # k: responses sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL ≤ 0.21: `rloo_k`)
@@ -165,7 +164,7 @@ class RLOOTrainer(OnPolicyTrainer):
         kept = self.first_pass(policy, x, loop)
         logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature)
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
-        loss_mask = x.response_mask.clone()
+        loss_mask = x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask   # tool results are context (`tools`)
         if c.mask_truncated_completions: loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
         ref_logprobs = torch.where(loss_mask, ref_logprobs, logprobs)   # off the loss mask π_ref = π_old: a KL of 0 (the score stays)
         scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, x.response_mask,
