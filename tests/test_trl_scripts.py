@@ -118,3 +118,26 @@ def test_sft_lora(tiny, tmp_path):
                      "--max_steps", 4, "--use_peft")
     assert [r["step"] for r in logged(out) if "loss" in r][-1] == 4
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def _paper_run(tiny, tmp_path, *only):
+    out = run_script("paper_configs.py", tmp_path / "papers", "--model_name_or_path", tiny / "model",
+                     "--dataset", tiny / "arithmetic", "--max_steps", 2, *(["--only", *only] if only else []))
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_paper_config_lite_ppo(tiny, tmp_path):
+    "TRL's Lite PPO recipe (top_p, top_k, temperature, steps_per_generation, batch-scaled rewards) with completion logging."
+    summary = _paper_run(tiny, tmp_path, "lite_ppo")
+    assert summary["lite_ppo"]["steps"] == [1, 2]
+    # TRL's generation_batch_size = per_device_train_batch_size 8 x steps_per_generation 4 = 32 completions; a step here is one generation
+    assert summary["lite_ppo"]["completions_logged"] == 2 * 32
+
+
+@pytest.mark.slow
+def test_paper_configs_all(tiny, tmp_path):
+    "Every GRPO/RLOO recipe of TRL's paper index runs with its documented options (sizes shrunk) and logs its completions."
+    summary = _paper_run(tiny, tmp_path)
+    assert set(summary) == {"deepseek_r1", "gspo", "dapo", "entropy_80_20", "dr_grpo", "lite_ppo", "scalerl", "sapo",
+                            "deepseek_v32", "rloo"}
+    assert all(s["steps"] == [1, 2] and s["completions_logged"] > 0 for s in summary.values())
