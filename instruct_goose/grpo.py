@@ -18,12 +18,12 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from jaxtyping import Bool, Float
 
-from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, typecheck
+from .core import check_number, masked_mean, masked_sum, typecheck
 from .loop import TrainLoop
 from .losses import AdaptiveEntropyController, kl_penalty
 from .rloo import GRPONotYet, refuse_unsupported
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
-from .agent import response_logits
+from .agent import response_logprobs
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
 from .tools import ToolConfig
 
@@ -351,12 +351,11 @@ class GRPOTrainer(OnPolicyTrainer):
         policy: nn.Module,       # the causal LM being trained
         part: GRPORollout,       # a micro-batch of the rollout
         draw: int,               # the global micro-batch index (unused: GRPO has no pretraining term)
-        kept: Tensor | None = None,  # the micro-batch's `policy_pass`, already made (`first_pass`)
+        kept: tuple | None = None,   # the micro-batch's `policy_pass`, (log π, entropy), already made (`first_pass`)
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "The `loss_type`'s surrogate + β·KL of one micro-batch, averaged as `loss_type` says, with TRL's GRPO statistics."
         c, mask = self.args, part.loss_mask
-        logits = self.policy_pass(policy, part) if kept is None else kept
-        logprobs = logprobs_from_logits(logits, part.response_ids, c.temperature)
+        logprobs, entropy = self.policy_pass(policy, part) if kept is None else kept   # the entropy with gradients only with `entropy_bonus`
         old = logprobs.detach() if self.reuses_current_logprobs else part.logprobs
         ref = part.ref_logprobs if self.ref_model is not None else None
         token_loss, ratio, kl = grpo_token_loss(
@@ -364,7 +363,6 @@ class GRPOTrainer(OnPolicyTrainer):
             (c.sapo_temperature_pos, c.sapo_temperature_neg), (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg),
             c.use_bias_correction_kl, c.off_policy_mask_threshold, part.entropy_mask)
         loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length)
-        entropy = entropy_from_logits(logits if c.entropy_bonus else logits.detach(), c.temperature)
         stats = {"entropy": masked_mean(entropy.detach(), mask), **clip_stats(ratio, part.advantages, mask, c)}
         if kl is not None: stats["kl"] = masked_mean(kl.detach(), mask)
         if not c.entropy_bonus: return {"policy": loss}, stats
@@ -421,15 +419,11 @@ def old_pass(
     c = self.args
     needs_entropy = c.top_entropy_quantile < 1 or c.use_adaptive_entropy
     kept = None if self.reuses_current_logprobs else self.first_pass(policy, x, loop)
-    if kept is not None:
-        logits = kept.detach()
-        return kept, logprobs_from_logits(logits, x.response_ids, c.temperature), entropy_from_logits(logits, c.temperature) if needs_entropy else None
+    if kept is not None: return kept, kept[0].detach(), kept[1].detach() if needs_entropy else None
     zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
     inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask)
     if not needs_entropy: return None, zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs, c.temperature, c.local_rollout_forward_batch_size), None
-    def both(q, m, r, rm):
-        logits = response_logits(policy, q, m, r, rm)[0]
-        return logprobs_from_logits(logits, r, c.temperature), entropy_from_logits(logits, c.temperature)
+    both = lambda q, m, r, rm: response_logprobs(policy, q, m, r, rm, c.temperature, "no_grad")[:2]
     logprobs, entropy = chunked(both, *inputs, size=c.local_rollout_forward_batch_size)
     return None, zeros if self.reuses_current_logprobs else logprobs, entropy
 

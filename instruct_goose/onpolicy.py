@@ -19,14 +19,14 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from accelerate import Accelerator
 
-from .agent import Agent, _is_peft, context_length, create_reference_model, disable_dropout, eval_mode, load_tokenizer, response_logits, with_peft
+from .agent import Agent, _is_peft, context_length, create_reference_model, disable_dropout, eval_mode, load_tokenizer, response_logprobs, with_peft
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from accelerate.utils import gather_object
 from .completions import append_completions, completion_rows, completions_table, completions_to_trackers, drop_completions_after, first_per_prompt
 from .generation import check_generation_kwargs, check_sampling, generate_responses
 from .data import as_dataset, encode_prompts, prompt_text, warn_cut_prompts
 from .reward import RewardModel, WeightedReward, reward_from
-from .core import check_number, logprobs_from_logits, masked_sum, masked_whiten
+from .core import check_number, masked_sum, masked_whiten
 from .loop import Trainer, TrainLoop, TrainingConfig, as_callbacks, batch_indices, trainer_arguments
 from .levers import fuse_activations
 from .losses import FixedKLController, KLEstimator
@@ -264,8 +264,9 @@ class OnPolicyTrainer(Trainer):
         raise NotImplementedError
 
     def policy_pass(self, model: nn.Module, part):
-        "The forward pass of the policy that the loss of micro-batch `part` needs, with gradients: its logits at the response positions (PPO: the agent's `ResponseStats`)."
-        return response_logits(model, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)[0]
+        "The forward pass of the policy that the loss of micro-batch `part` needs, with gradients: (log π, entropy) at the response positions from the last hidden state in chunks (`response_logprobs`, never the logits), the entropy with gradients where a loss term takes it (`entropy_bonus`) (PPO: the agent's `ResponseStats`)."
+        entropy = "grad" if getattr(self.args, "entropy_bonus", False) else "no_grad"
+        return response_logprobs(model, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask, self.args.temperature, entropy)[:2]
 
     def micro_batch_loss(self, model: nn.Module, part, draw: int, kept=None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "(each loss term as a mean over its units, the statistics to log) for one micro-batch of a rollout; `kept`: its `policy_pass`, already made (`first_pass`)."
@@ -736,8 +737,7 @@ def _sample_each(
 def _response_kl(model, ref_model, query_ids, query_attention_mask, response_ids, response_mask, temperature: float) -> Tensor:
     "Σ over each response's tokens of log π − log π_ref, on the policy's samples, log-probabilities at `temperature`: (batch,)."
     with eval_mode(model, ref_model):
-        logp, ref_logp = (logprobs_from_logits(response_logits(m, query_ids, query_attention_mask, response_ids, response_mask)[0],
-                                               response_ids, temperature) for m in (model, ref_model))
+        logp, ref_logp = (response_logprobs(m, query_ids, query_attention_mask, response_ids, response_mask, temperature)[0] for m in (model, ref_model))
     return masked_sum(logp - ref_logp, response_mask, dim=1)
 
 # %% ../nbs/08_onpolicy.ipynb #c647237f

@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from fastcore.basics import patch
 from torch import Tensor, nn
 
-from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var
+from .core import check_number, masked_mean, masked_sum, masked_var
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
@@ -162,7 +162,7 @@ class RLOOTrainer(OnPolicyTrainer):
         x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
         inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
         kept = self.first_pass(policy, x, loop)
-        logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature)
+        logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else kept[0].detach()
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
         loss_mask = x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask   # tool results are context (`tools`)
         if c.mask_truncated_completions: loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
@@ -176,9 +176,9 @@ class RLOOTrainer(OnPolicyTrainer):
         "The surrogate is a mean over sequences (over tokens with `token_level_kl`)."
         return {"policy": part.loss_mask.sum() if self.args.token_level_kl else torch.tensor(len(part))}
 
-    def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int, kept: Tensor | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy (`kept`: that pass, already made)."
-        loss, stats = self.loss(part, self.policy_pass(policy, part) if kept is None else kept)
+    def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int, kept: tuple | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy (`kept`: that pass, (log π, entropy), already made)."
+        loss, stats = self.loss(part, *(self.policy_pass(policy, part) if kept is None else kept))
         return {"policy": loss}, stats
 
     def rollout_stats(self, rollout: RLOORollout) -> dict:
@@ -224,11 +224,11 @@ def advantages(
 def loss(
     self: RLOOTrainer,
     part: RLOORollout,       # a micro-batch of the rollout
-    logits: Tensor,          # (batch, resp, vocab) the policy's logits at the response positions, with gradients
+    logprobs: Tensor,        # (batch, resp) the policy's log π(y_t) at temperature T, with gradients (`policy_pass`)
+    entropy: Tensor,         # (batch, resp) its entropy per token, for the statistics
 ) -> tuple[Tensor, dict[str, Tensor]]:  # (the loss, its statistics under TRL's names)
     "The clipped surrogate, ratios clipped to [1 − ε, 1 + ε_high], on sequence-level ratios (per-token with `token_level_kl`)."
     c, mask = self.args, part.loss_mask
-    logprobs = logprobs_from_logits(logits, part.response_ids, c.temperature)
     if c.token_level_kl: old, new, advantages, ratio_mask = part.logprobs, logprobs, part.advantages, mask
     else:
         old, new = masked_sum(part.logprobs, mask, dim=1)[:, None], masked_sum(logprobs, mask, dim=1)[:, None]
@@ -241,7 +241,7 @@ def loss(
         "policy/clipfrac_avg": clipfrac.detach(),
         "loss/policy_avg": loss.detach(),
         "val/clipfrac_avg": torch.zeros_like(clipfrac),   # TRL logs it for RLOO too; there is no value function
-        "policy/entropy_avg": masked_mean(entropy_from_logits(logits.detach(), c.temperature), mask),
+        "policy/entropy_avg": masked_mean(entropy.detach(), mask),
         "val/ratio": masked_mean(ratios.detach(), ratio_mask),
         "val/ratio_var": masked_var(ratios.detach(), ratio_mask),
     }

@@ -130,7 +130,7 @@ def _trainer(kind, tok, tmp_path):
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_tool_tokens_change_neither_loss_nor_gradient(kind, tok, tmp_path):
-    "A rollout with a tool turn: perturbing the policy's logits, π_old and π_ref on the tool tokens leaves the loss and the gradient as they were."
+    "A rollout with a tool turn: perturbing the policy's log-probabilities and entropy, π_old and π_ref on the tool tokens leaves the loss and the gradient as they were."
     trainer = _trainer(kind, tok, tmp_path)
     out, q_ids, q_mask = scripted(tok, {"12*34=": [call("calculator", expression="12*34"), "408"]}, [calculator], budget=96)
     from instruct_goose.rollout import Samples
@@ -142,24 +142,25 @@ def test_tool_tokens_change_neither_loss_nor_gradient(kind, tok, tmp_path):
     tool = samples.response_mask & ~samples.tool_mask
     assert tool.sum() > 10 and torch.equal(rollout.loss_mask, samples.response_mask & samples.tool_mask)
     policy = trainer.model.train()
-    base_logits = trainer.policy_pass(policy, rollout).detach()
+    base = [x.detach() for x in trainer.policy_pass(policy, rollout)]                # (log π, entropy) of the sampled tokens
 
-    def loss_and_grad(logits, part):
-        logits = logits.clone().requires_grad_(True)
-        losses, _ = trainer.micro_batch_loss(policy, part, 0, kept=logits)
+    def loss_and_grad(kept, part):
+        kept = [x.clone().requires_grad_(True) for x in kept]
+        losses, _ = trainer.micro_batch_loss(policy, part, 0, kept=tuple(kept))
         total = sum(losses.values())
         total.backward()
-        return total.detach(), logits.grad
+        return total.detach(), torch.stack([torch.zeros_like(x) if x.grad is None else x.grad for x in kept])   # RLOO: no entropy term
 
-    loss, grad = loss_and_grad(base_logits, rollout)
-    noise = torch.randn_like(base_logits) * 5 * tool[..., None]
+    loss, grad = loss_and_grad(base, rollout)
+    noisy = [x + torch.randn_like(x) * 5 * tool for x in base]
     perturbed = rollout[torch.arange(len(rollout))]
     for name in ("logprobs", "ref_logprobs"):
         if hasattr(perturbed, name): setattr(perturbed, name, getattr(perturbed, name) + 3.0 * tool)
-    loss2, grad2 = loss_and_grad(base_logits + noise, perturbed)
+    loss2, grad2 = loss_and_grad(noisy, perturbed)
     assert torch.allclose(loss, loss2, atol=1e-6), (loss, loss2)
     assert torch.allclose(grad, grad2, atol=1e-7)
-    assert grad[tool].abs().max() == 0 and grad[~tool & samples.response_mask].abs().max() > 0
+    assert grad[:, tool].abs().max() == 0 and grad[0][~tool & samples.response_mask].abs().max() > 0
+    if kind == "grpo": assert grad[1][~tool & samples.response_mask].abs().max() > 0   # the entropy bonus reaches the entropy
 
 
 def test_trl_tool_calling_example_runs_with_the_import_changed(tok, tmp_path):
