@@ -197,6 +197,8 @@ class RLOOCommand(OnPolicyCommand, RLOOConfig):
     num_generations: int = 4                 # responses sampled per prompt (≥ 2)
     rloo_k: int = 4                          # TRL ≤ 0.21's name of --num_generations
     max_completion_length: int = 16          # tokens sampled per response
+    num_iterations: int = 4                  # passes over each rollout
+    num_ppo_epochs: int = 4                  # the shared name of --num_iterations
 
 # %% ../nbs/10_cli.ipynb #fbf8e272
 @dataclass
@@ -392,7 +394,7 @@ def run_rm(args: RMCommand):
     console = Console()
     _start(args, console)
     data = load_data(args.dataset, "preferences", columns=args.columns)
-    eval_source = _auto(args.eval_dataset, args.dataset, "task", "held-out pairs for eval/accuracy", console)
+    eval_source = _auto(args.eval_dataset, args.dataset, "task", "held-out pairs for eval_accuracy", console)
     eval_data = load_data(eval_source, "preferences", "eval", args.columns, "--eval_dataset")
     tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
     set_threads(model)
@@ -459,7 +461,7 @@ def run_dpo(args: DPOCommand):
     "goose dpo"
     _start(args)
     data = load_data(args.dataset, "preferences", columns=args.columns)
-    eval_source = _auto(args.eval_dataset, args.dataset, "task", "held-out pairs for eval/rewards/accuracies", Console())
+    eval_source = _auto(args.eval_dataset, args.dataset, "task", "held-out pairs for eval_rewards/accuracies", Console())
     eval_data = load_data(eval_source, "preferences", "eval", args.columns, "--eval_dataset")
     tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
     set_threads(model)
@@ -535,7 +537,7 @@ def _curve_keys(rows: list[dict]) -> list[str]:
     "The standard curves a history holds; for a supervised run, its losses and evaluations."
     present = {k for row in rows for k, v in row.items() if isinstance(v, (int, float))}
     keys = [k for k in _STANDARD_CURVES if k in present]
-    return keys or sorted(k for k in present if k.startswith(("loss/", "eval/", "reward/")))
+    return keys or sorted(k for k in present if k in ("loss", "accuracy") or k.startswith(("loss/", "eval_", "eval/", "reward/")))
 
 # %% ../nbs/10_cli.ipynb #26df27ba
 def plot_metrics(

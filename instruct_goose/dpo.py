@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from .agent import (_final_hidden, _output_layer, disable_dropout, eval_mode, load_tokenizer, position_ids_from_mask,
                                   positions_for, with_peft)
 from .core import _LOGITS_PER_CHUNK, check_number, logprobs_from_hidden, logprobs_from_logits, typecheck
-from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset
+from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
 from .sft import StageConfig, drop_long_prompts, fit_to_context
@@ -122,7 +122,7 @@ def dpo_loss(
 # %% ../nbs/09c_dpo.ipynb #0624f53a
 @dataclass
 class DPOConfig(StageConfig):
-    "DPO and TRL 1.16's 14 other preference losses, alone or mixed; field names, meanings and defaults of TRL 1.16's `DPOConfig` (except `max_prompt_length`, TRL 0.19's)."
+    "DPO and TRL 1.16's 14 other preference losses, alone or mixed; field names, meanings and defaults of TRL 1.16's `DPOConfig` (except `max_prompt_length`, TRL 0.19's, None by default); `bf16` follows the device (see `TrainingConfig`)."
     learning_rate: float = 1e-6                   # peak learning rate of AdamW (TRL's default)
     beta: float = 0.1                             # β: the KL weight of the objective DPO solves; the implicit reward is β·log π/π_ref
     loss_type: str | list[str] = "sigmoid"        # one of TRL 1.16's 15 loss types, or several (a list, or "a,b") summed with `loss_weights`
@@ -133,7 +133,7 @@ class DPOConfig(StageConfig):
     discopop_tau: float = 0.05                    # DiscoPOP's temperature τ (loss_type='discopop')
     use_weighting: bool = False                   # WPO: weight each pair by both completions' length-normalised probability (no gradient)
     ld_alpha: float | None = None                 # LD-DPO's α in [0, 1]: tokens past the shorter completion's length count α times (None: off)
-    max_prompt_length: int | None = 128           # prompts are cut to their last this many tokens (None: never cut; TRL 0.19's field)
+    max_prompt_length: int | None = None          # cut prompts to their last this many tokens, with a warning (None: never cut; TRL 0.19's field, gone in 1.16)
     truncation_mode: str = "keep_start"           # past `max_length`: keep_start cuts the end, keep_end the start (TRL 1.16: deprecated)
     padding_free: bool = False                    # one row per micro-batch, sequences end to end, no pad token in the forward (same losses)
     pad_to_multiple_of: int | str | None = None   # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
@@ -310,7 +310,7 @@ class DPOTrainer(Trainer):
         args: DPOConfig | None = None,               # hyper-parameters; None: the defaults
         processing_class=None,                       # the tokenizer (None: loaded from `model`'s path)
         train_dataset=None,                          # pairs: prompt, chosen, rejected (or chosen, rejected: implicit prompt)
-        eval_dataset=None,                           # the same columns, for `eval/loss` and `eval/rewards/*`
+        eval_dataset=None,                           # the same columns, for `eval_loss` and `eval_rewards/*`
         peft_config=None,                            # a peft config (e.g. `LoraConfig`): train adapters only (TRL's `peft_config`)
         callbacks: list | None = None,               # 🤗 `TrainerCallback`s, called by the loop as 🤗's `Trainer` calls them
         **renamed,                                   # the old names `config` and `tokenizer` (see `trainer_arguments`)
@@ -334,6 +334,7 @@ def pairs(self: DPOTrainer, data, name: str) -> Dataset:
     "`data` as prompt/chosen/rejected text and token ids (`tokenize_pairs`, once), without the rows whose prompt alone (after `max_prompt_length`) fills `max_length`."
     tokenizer, limit = self.processing_class, self.args.max_prompt_length
     rows = preference_dataset(data, name, tokenizer)
+    if limit is not None: warn_cut_prompts([len(ids) for ids in tokenizer(list(rows["prompt"]), add_special_tokens=False).input_ids], limit)
     if limit is None or limit >= self.max_length: rows = drop_long_prompts(rows, tokenizer, self.max_length, name)
     add_eos = not is_conversational(data[0]["chosen"])   # a conversation ends the way its chat template ends the turn
     return rows.map(lambda batch: tokenize_pairs(tokenizer, batch, limit, add_eos), batched=True, keep_in_memory=True,
@@ -453,17 +454,17 @@ def precompute_ref_logps(self: DPOTrainer, dataset: Dataset, device: torch.devic
 # %% ../nbs/09c_dpo.ipynb #b16af1ba
 @patch
 @torch.no_grad()
-def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, batch_size: int = 32) -> dict:
-    "`eval/loss`, `eval/rewards/accuracies` and `eval/rewards/margins` over all of `dataset` (pairs in any accepted format; default: the eval set), as floats."
+def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, batch_size: int | None = None) -> dict:
+    "`eval_loss`, `eval_rewards/accuracies` and `eval_rewards/margins` over all of `dataset` (pairs in any accepted format; default: the eval set), as floats."
     cache = self.eval_ref_logps if dataset is None else None
     model, dataset = model or self.model, self.eval_dataset if dataset is None else self.pairs(dataset, "dataset")
-    totals, n = {}, len(dataset)
+    totals, n, batch_size = {}, len(dataset), batch_size or self.args.per_device_eval_batch_size
     with eval_mode(model):
         for i in range(0, n, batch_size):
             batch, pairs = self.encode(dataset[i:i + batch_size], None if cache is None else cache[i:i + batch_size])
             loss_sum, stats = self.pair_loss_sum(model, batch)
             for k, v in {"loss": loss_sum / pairs, **stats}.items(): totals[k] = totals.get(k, 0.0) + v * pairs / n
-    return {f"eval/{k}": totals[k].item() for k in ("loss", "rewards/accuracies", "rewards/margins")}   # the host waits once per metric, not per batch
+    return {f"eval_{k}": totals[k].item() for k in ("loss", "rewards/accuracies", "rewards/margins")}   # the host waits once per metric, not per batch
 
 # %% ../nbs/09c_dpo.ipynb #d0005dac
 @patch

@@ -18,22 +18,24 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from jaxtyping import Bool, Float
 
-from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, typecheck
+from .core import check_number, masked_mean, masked_sum, typecheck
 from .loop import TrainLoop
 from .losses import AdaptiveEntropyController, kl_penalty
 from .rloo import GRPONotYet, refuse_unsupported
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
-from .agent import response_logits
+from .agent import response_logprobs
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
+from .tools import ToolConfig
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
 _LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")   # TRL 1.16's `loss_type`s
 
 @dataclass
-class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet):
+class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
     "GRPO's knobs under TRL's `GRPOConfig` names and defaults (TRL 1.16), each kept equal to its shared on-policy field (`merge_names`)."
-    num_generations: int = 4               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL: 8; 4 suits the tiny models)
-    max_completion_length: int = 32        # tokens sampled per completion (sets `response_length`; TRL: 512)
+    learning_rate: float = 1e-6            # peak learning rate of AdamW (TRL 1.16's default; the tiny models of the tutorials want ~1e-4)
+    num_generations: int = 8               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL 1.16's default)
+    max_completion_length: int = 512       # tokens sampled per completion (sets `response_length`; TRL 1.16's default)
     beta: float = 0.0                      # weight of the k3 KL term in the loss; 0: no reference model is loaded
     epsilon: float = 0.2                   # ε: lower clip range of the ratio (sets `cliprange`)
     epsilon_high: float | None = None      # upper clip range (DAPO's clip-higher); None: `epsilon`. For "cispo" it is the cap ε_max on the ratio itself (ScaleRL recommends 5.0)
@@ -60,7 +62,7 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet):
     entropy_target: float = 0.2            # the mean entropy per token (nats, over the loss's tokens) at or below which the adaptive bonus applies
     use_bias_correction_kl: bool = True    # weight the k3 KL by the importance ratio (DeepSeek-V3.2), TRL 1.16's default: the unbiased reverse-KL gradient
     kl_coef: float = 0.0                   # the shared name of `beta`
-    response_length: int = 32              # the shared name of `max_completion_length`
+    response_length: int = 512             # the shared name of `max_completion_length`
     num_ppo_epochs: int = 1                # the shared name of `num_iterations`
     same_setting: ClassVar[dict[str, str]] = {"max_completion_length": "response_length", "beta": "kl_coef", "epsilon": "cliprange",
                                               "num_iterations": "num_ppo_epochs"}
@@ -297,7 +299,7 @@ def group_stats(
 # %% ../nbs/09b_grpo.ipynb #06ce3611
 class GRPOTrainer(OnPolicyTrainer):
     "GRPO: G completions per prompt, group-relative advantages, PPO's clipped ratio per token (or per sequence), k3 KL in the loss."
-    progress_keys = ("reward", "reward_std", "kl")
+    progress_keys, metric_names = ("reward", "reward_std", "kl"), "trl"   # TRL 1.16's metric names (`trl_metric_names`)
     config_class = GRPOConfig          # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords, `reward_funcs=` by name)
 
     @property
@@ -337,7 +339,7 @@ class GRPOTrainer(OnPolicyTrainer):
         ref_logprobs = zeros
         if self.ref_model is not None:
             with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
-        loss_mask = x.response_mask.clone()
+        loss_mask = x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask   # tool results are context (`tools`)
         if c.mask_truncated_completions: loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
         per_reward = x.reward_scores.to(x.scores.device) if c.multi_objective_aggregation == "normalize_then_sum" else None   # each reward's scores (`Samples`)
         advantages = self.advantages(x.scores, None if loop is None else loop.accelerator, per_reward)
@@ -349,12 +351,11 @@ class GRPOTrainer(OnPolicyTrainer):
         policy: nn.Module,       # the causal LM being trained
         part: GRPORollout,       # a micro-batch of the rollout
         draw: int,               # the global micro-batch index (unused: GRPO has no pretraining term)
-        kept: Tensor | None = None,  # the micro-batch's `policy_pass`, already made (`first_pass`)
+        kept: tuple | None = None,   # the micro-batch's `policy_pass`, (log π, entropy), already made (`first_pass`)
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "The `loss_type`'s surrogate + β·KL of one micro-batch, averaged as `loss_type` says, with TRL's GRPO statistics."
         c, mask = self.args, part.loss_mask
-        logits = self.policy_pass(policy, part) if kept is None else kept
-        logprobs = logprobs_from_logits(logits, part.response_ids, c.temperature)
+        logprobs, entropy = self.policy_pass(policy, part) if kept is None else kept   # the entropy with gradients only with `entropy_bonus`
         old = logprobs.detach() if self.reuses_current_logprobs else part.logprobs
         ref = part.ref_logprobs if self.ref_model is not None else None
         token_loss, ratio, kl = grpo_token_loss(
@@ -362,8 +363,7 @@ class GRPOTrainer(OnPolicyTrainer):
             (c.sapo_temperature_pos, c.sapo_temperature_neg), (c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg),
             c.use_bias_correction_kl, c.off_policy_mask_threshold, part.entropy_mask)
         loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length)
-        entropy = entropy_from_logits(logits if c.entropy_bonus else logits.detach(), c.temperature)
-        stats = {"entropy": masked_mean(entropy.detach(), part.response_mask), **clip_stats(ratio, part.advantages, mask, c)}
+        stats = {"entropy": masked_mean(entropy.detach(), mask), **clip_stats(ratio, part.advantages, mask, c)}
         if kl is not None: stats["kl"] = masked_mean(kl.detach(), mask)
         if not c.entropy_bonus: return {"policy": loss}, stats
         stats["entropy_coef"] = part.entropy_coef[0]
@@ -419,15 +419,11 @@ def old_pass(
     c = self.args
     needs_entropy = c.top_entropy_quantile < 1 or c.use_adaptive_entropy
     kept = None if self.reuses_current_logprobs else self.first_pass(policy, x, loop)
-    if kept is not None:
-        logits = kept.detach()
-        return kept, logprobs_from_logits(logits, x.response_ids, c.temperature), entropy_from_logits(logits, c.temperature) if needs_entropy else None
+    if kept is not None: return kept, kept[0].detach(), kept[1].detach() if needs_entropy else None
     zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
     inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask)
     if not needs_entropy: return None, zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs, c.temperature, c.local_rollout_forward_batch_size), None
-    def both(q, m, r, rm):
-        logits = response_logits(policy, q, m, r, rm)[0]
-        return logprobs_from_logits(logits, r, c.temperature), entropy_from_logits(logits, c.temperature)
+    both = lambda q, m, r, rm: response_logprobs(policy, q, m, r, rm, c.temperature, "no_grad")[:2]
     logprobs, entropy = chunked(both, *inputs, size=c.local_rollout_forward_batch_size)
     return None, zeros if self.reuses_current_logprobs else logprobs, entropy
 

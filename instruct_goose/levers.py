@@ -15,15 +15,17 @@ from transformers import PreTrainedModel, activations
 # %% ../nbs/05b_levers.ipynb #fe101938
 def enable_gradient_checkpointing(
     model: nn.Module,        # a 🤗 model, or a module holding some (an `Agent`, a `RewardModel`, a peft model)
+    kwargs: dict | None = None,  # 🤗's `gradient_checkpointing_kwargs` (None: {"use_reentrant": False})
 ) -> nn.Module:              # `model`
     "Turn on 🤗 gradient checkpointing (non-reentrant) in every 🤗 model inside `model` that supports it; it acts in train mode."
     found = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing]
     if not found:
         raise ValueError(f"`gradient_checkpointing`: {type(model).__name__} holds no 🤗 model that supports gradient checkpointing")
     for m in found:
+        kwargs = {"use_reentrant": False} if kwargs is None else kwargs
         if hasattr(m, "activation_checkpointing_enable"):       # its name from transformers 5 on
-            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
 
 # %% ../nbs/05b_levers.ipynb #a3cfb1c5

@@ -237,7 +237,7 @@ def ptx_batch(
     draw: int,               # which pretraining batch: the global micro-batch counter, so resumes and any process count draw the same ones
     device: torch.device,    # where the tensors go
 ) -> tuple[Tensor, Tensor, Tensor]:  # (ids, mask, loss_mask) of `per_device_train_batch_size` pretraining texts
-    "The `draw`-th pretraining micro-batch for InstructGPT's γ term, encoded as plain text (every predicted token counts)."
+    "The `draw`-th pretraining micro-batch for InstructGPT's γ term, encoded as plain text (every predicted token counts), cut to `max_prompt_length` (64 when None) + `response_length` tokens."
     c, data = self.args, self.pretrain_dataset
     rows = batch_indices(len(data), min(c.per_device_train_batch_size, len(data)), draw, c.seed + 1)
-    return tuple(t.to(device) for t in encode_sft(self.processing_class, None, data[rows]["text"], c.max_prompt_length + c.response_length))
+    return tuple(t.to(device) for t in encode_sft(self.processing_class, None, data[rows]["text"], (c.max_prompt_length or 64) + c.response_length))

@@ -233,7 +233,7 @@ def _chat_completions(
 ) -> list:                  # the completions as reward functions receive them
     "Completions as TRL hands them to reward functions: text after text prompts, `[{'role': 'assistant', 'content': text}]` after conversations."
     if not prompts or not is_conversational(prompts[0]): return completions
-    return [[{"role": "assistant", "content": c}] for c in completions]
+    return [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]   # already messages (tool calls): as they are
 
 # %% ../nbs/04_reward.ipynb #8bbc07a7
 def _model_texts(
@@ -246,7 +246,7 @@ def _model_texts(
     if not getattr(model.tokenizer, "chat_template", None):
         raise ValueError(f"{_reward_label(model)} cannot score conversations: its tokenizer has no chat template (set `tokenizer.chat_template`)")
     heads = [prompt_text(model.tokenizer, p) for p in prompts]
-    wholes = [apply_chat(model.tokenizer, p + [{"role": "assistant", "content": c}]) for p, c in zip(prompts, completions)]
+    wholes = [apply_chat(model.tokenizer, p + (c if isinstance(c, list) else [{"role": "assistant", "content": c}])) for p, c in zip(prompts, completions)]
     if any(not w.startswith(h) for h, w in zip(heads, wholes)):
         raise ValueError(f"the chat template of {_reward_label(model)} renders the prompt differently once a reply follows")
     return heads, [w[len(h):] for h, w in zip(heads, wholes)]

@@ -14,11 +14,12 @@ from accelerate import Accelerator
 from fastcore.basics import patch
 from torch import Tensor, nn
 
-from .core import check_number, entropy_from_logits, logprobs_from_logits, masked_mean, masked_sum, masked_var
+from .core import check_number, masked_mean, masked_sum, masked_var
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
+from .tools import ToolConfig
 
 # %% ../nbs/09_rloo.ipynb #f5fc4aff
 _LATER = "not implemented yet; issue 28"
@@ -34,7 +35,6 @@ _TRL_REFUSED: dict[str, str] = {
                            "longest prompt and `max_completion_length`; leave it at 'auto' (TRL's: no padding off Neuron)"),
     **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
                     f"{_LATER} (generation is built in)"),
-    "max_tool_calling_iterations": f"{_LATER} (no tool calls)",
     "log_multimodal": "completions here are text only: there is nothing multimodal to log or to leave out; leave it at True",
     "log_completions_hub_repo": "nothing is uploaded to the Hub from here: with `log_completions` the table is in output_dir/completions.jsonl (`goose completions`)",
     **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
@@ -75,7 +75,6 @@ class TRLNotYet:
 class GRPONotYet(TRLNotYet):
     "The further fields of TRL 1.16's `GRPOConfig` that this library does not run yet, at TRL's defaults (see `_TRL_REFUSED`)."
     cast_lm_head_to_fp32: bool = False             # refused (_TRL_REFUSED): not implemented yet, issue 28
-    max_tool_calling_iterations: int | None = None # refused (_TRL_REFUSED): not implemented yet, issue 28
     vllm_importance_sampling_correction: bool = True  # refused (_TRL_REFUSED) unless True: vLLM does not run here
     vllm_importance_sampling_mode: str = "sequence_mask"  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_clip_max: float | None = 3.0  # refused (_TRL_REFUSED): vLLM does not run here
@@ -92,21 +91,24 @@ def refuse_unsupported(config) -> None:
 
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
-class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet):
+class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options, under TRL's `RLOOConfig` names: current TRL's (≥ 0.22) or, as aliases, TRL ≤ 0.21's (`merge_names`)."
+    learning_rate: float = 1e-6              # peak learning rate of AdamW (TRL 1.16's default)
     num_generations: int = 2                 # k: responses sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL ≤ 0.21: `rloo_k`)
     beta: float = 0.05                       # β: weight of the KL penalty (TRL ≤ 0.21 and PPO: `kl_coef`)
-    max_completion_length: int = 53          # tokens sampled per response (TRL ≤ 0.21 and PPO: `response_length`)
+    max_completion_length: int = 512         # tokens sampled per response (TRL ≤ 0.21 and PPO: `response_length`; TRL 1.16's default)
     epsilon: float = 0.2                     # ε: clip range of the ratio (TRL ≤ 0.21 and PPO: `cliprange`)
     epsilon_high: float | None = None        # upper clip range of the ratio (DAPO's clip-higher); None: `epsilon`
     mask_truncated_completions: bool = False  # responses that never stopped get no loss and no KL (DAPO), as TRL masks them
     rloo_k: int = 2                          # TRL ≤ 0.21's name of `num_generations`
-    num_iterations: int = 4                  # passes over each rollout (TRL ≥ 0.22's name, its default 1; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
+    num_iterations: int = 1                  # passes over each rollout (TRL ≥ 0.22's name and default; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
     normalize_reward: bool = False           # standardise the scores over the rollout (Reinforce++)
     reward_clip_range: float | None = None   # clip the scores to [-c, c] (Reinforce++); None: no clipping
     normalize_advantages: bool = False       # whiten the advantages over the rollout (Reinforce++; TRL ≤ 0.21: `normalize_advantage`)
     normalize_advantage: bool = False        # TRL ≤ 0.21's name of `normalize_advantages`
     token_level_kl: bool = False             # per-token KL penalty, returns-to-go and per-token ratios (Reinforce++)
+    response_length: int = 512               # the shared name of `max_completion_length`
+    num_ppo_epochs: int = 1                  # the shared name of `num_iterations`
     same_setting: ClassVar[dict[str, str]] = {"num_generations": "rloo_k", "beta": "kl_coef", "max_completion_length": "response_length",
                                               "epsilon": "cliprange", "normalize_advantages": "normalize_advantage",
                                               "num_iterations": "num_ppo_epochs"}
@@ -147,6 +149,7 @@ class RLOORollout(RowBatch):
 class RLOOTrainer(OnPolicyTrainer):
     "RLOO: k samples per prompt, leave-one-out baselines, the clipped surrogate on sequence (or token) ratios; no critic."
     config_class = RLOOConfig          # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords); `model` is a causal LM (no value head)
+    metric_names = "both"              # TRL ≤ 0.21's names, which this chapter follows, and TRL 1.16's (`trl_metric_names`)
 
     @property
     def samples_per_prompt(self) -> int: return self.args.num_generations
@@ -159,9 +162,9 @@ class RLOOTrainer(OnPolicyTrainer):
         x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
         inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size)
         kept = self.first_pass(policy, x, loop)
-        logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else logprobs_from_logits(kept.detach(), x.response_ids, c.temperature)
+        logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else kept[0].detach()
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)
-        loss_mask = x.response_mask.clone()
+        loss_mask = x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask   # tool results are context (`tools`)
         if c.mask_truncated_completions: loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
         ref_logprobs = torch.where(loss_mask, ref_logprobs, logprobs)   # off the loss mask π_ref = π_old: a KL of 0 (the score stays)
         scores, kl, non_score, rlhf_reward, advantages = self.advantages(x.scores, logprobs, ref_logprobs, x.response_mask,
@@ -173,19 +176,20 @@ class RLOOTrainer(OnPolicyTrainer):
         "The surrogate is a mean over sequences (over tokens with `token_level_kl`)."
         return {"policy": part.loss_mask.sum() if self.args.token_level_kl else torch.tensor(len(part))}
 
-    def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int, kept: Tensor | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy (`kept`: that pass, already made)."
-        loss, stats = self.loss(part, self.policy_pass(policy, part) if kept is None else kept)
+    def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int, kept: tuple | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy (`kept`: that pass, (log π, entropy), already made)."
+        loss, stats = self.loss(part, *(self.policy_pass(policy, part) if kept is None else kept))
         return {"policy": loss}, stats
 
     def rollout_stats(self, rollout: RLOORollout) -> dict:
-        "The rollout's objective statistics under TRL's RLOO names."
+        "The rollout's objective statistics under TRL's RLOO names, TRL ≤ 0.21's and 1.16's (`trl_metric_names` adds the rest)."
         seq_non_score = rollout.non_score_reward.sum(1)
         return {"objective/kl": rollout.kl.sum(1).mean(),
                 "objective/entropy": masked_sum(-rollout.logprobs, rollout.loss_mask, dim=1).mean(),
                 "objective/non_score_reward": seq_non_score.mean(),
                 "objective/rlhf_reward": rollout.rlhf_reward.mean(),
-                "objective/scores": rollout.scores.mean()}
+                "objective/scores": rollout.scores.mean(),
+                "reward_std": rollout.scores.std(), "kl": masked_mean(rollout.kl, rollout.loss_mask)}   # TRL 1.16's (per-token KL)
 
 # %% ../nbs/09_rloo.ipynb #737cce86
 @patch
@@ -220,11 +224,11 @@ def advantages(
 def loss(
     self: RLOOTrainer,
     part: RLOORollout,       # a micro-batch of the rollout
-    logits: Tensor,          # (batch, resp, vocab) the policy's logits at the response positions, with gradients
+    logprobs: Tensor,        # (batch, resp) the policy's log π(y_t) at temperature T, with gradients (`policy_pass`)
+    entropy: Tensor,         # (batch, resp) its entropy per token, for the statistics
 ) -> tuple[Tensor, dict[str, Tensor]]:  # (the loss, its statistics under TRL's names)
     "The clipped surrogate, ratios clipped to [1 − ε, 1 + ε_high], on sequence-level ratios (per-token with `token_level_kl`)."
     c, mask = self.args, part.loss_mask
-    logprobs = logprobs_from_logits(logits, part.response_ids, c.temperature)
     if c.token_level_kl: old, new, advantages, ratio_mask = part.logprobs, logprobs, part.advantages, mask
     else:
         old, new = masked_sum(part.logprobs, mask, dim=1)[:, None], masked_sum(logprobs, mask, dim=1)[:, None]
@@ -237,7 +241,7 @@ def loss(
         "policy/clipfrac_avg": clipfrac.detach(),
         "loss/policy_avg": loss.detach(),
         "val/clipfrac_avg": torch.zeros_like(clipfrac),   # TRL logs it for RLOO too; there is no value function
-        "policy/entropy_avg": masked_mean(entropy_from_logits(logits.detach(), c.temperature), mask),
+        "policy/entropy_avg": masked_mean(entropy.detach(), mask),
         "val/ratio": masked_mean(ratios.detach(), ratio_mask),
         "val/ratio_var": masked_var(ratios.detach(), ratio_mask),
     }

@@ -27,6 +27,7 @@ class Samples(NamedTuple):
     prompts: list                 # the prompt texts
     completions: list             # the decoded responses
     reward_scores: Tensor | None = None  # (rewards, batch) each reward's scores (`WeightedReward.each`), NaN where it returned None
+    tool_mask: Tensor | None = None      # (batch, resp) False on tool results' tokens (context, not actions); None: no tools
 
 # %% ../nbs/07_rollout.ipynb #de8d00d4
 class RowBatch:
@@ -61,10 +62,11 @@ def trim_left_padding(
 
 # %% ../nbs/07_rollout.ipynb #547825d1
 def _concat(parts: list):
-    "Concatenate per-chunk results: tensors along rows, tuples element by element (None stays None)."
+    "Concatenate per-chunk results: tensors along rows, tuples element by element (None stays None, lists are joined)."
     first = parts[0]
     if isinstance(first, Tensor): return torch.cat(parts)
-    joined = [None if column[0] is None else torch.cat(column) for column in zip(*parts)]
+    joined = [None if column[0] is None else torch.cat(column) if isinstance(column[0], Tensor) else sum(column, [])   # lists (conversations): joined
+              for column in zip(*parts)]
     return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
 
 # %% ../nbs/07_rollout.ipynb #6f85cbf9

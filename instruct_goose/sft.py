@@ -30,7 +30,7 @@ class StageConfig(TrainingConfig):
     "A supervised stage: how long to train, how long a sequence may be, when to evaluate."
     num_train_epochs: float = 1.0   # passes over the training set (ignored when `max_steps` > 0)
     max_steps: int = 0              # optimizer steps in all; 0: from `num_train_epochs`
-    max_length: int = 256           # longest tokenized sequence; longer ones are cut
+    max_length: int = 1024          # longest tokenized sequence; longer ones are cut (TRL 1.16's default)
     eval_steps: int = 0             # evaluate every this many steps (0: at the end only)
     may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {"eval_steps", "num_train_epochs", "max_steps"}  # a resumed run may be extended
 
@@ -56,7 +56,7 @@ class SFTConfig(StageConfig):
 @dataclass
 class RewardConfig(StageConfig):
     "Reward-model training on preference pairs."
-    learning_rate: float = 1e-5     # peak learning rate of AdamW
+    learning_rate: float = 1e-4     # peak learning rate of AdamW (TRL 1.16's default)
     normalize: bool = True          # afterwards, scale the head so the training pairs score std 1 (and mean 0, if the head has a bias)
 
 # %% ../nbs/06_sft.ipynb #1d135c0d
@@ -126,7 +126,7 @@ class SFTTrainer(Trainer):
         model: PreTrainedModel | str,    # a 🤗 causal LM, or its name/path
         args: SFTConfig | None = None,   # hyper-parameters; None: the defaults
         train_dataset=None,              # columns prompt + completion (text or messages), messages, or text (a Dataset or list of dicts)
-        eval_dataset=None,               # the same columns, for `eval/loss`
+        eval_dataset=None,               # the same columns, for `eval_loss`
         processing_class=None,           # the tokenizer (with a pad token); None: loaded from `model` when that is a name/path
         peft_config=None,                # a peft config (e.g. `LoraConfig`): train adapters only, merged into the model at the end
         callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
@@ -175,15 +175,15 @@ def batch_loss(self: SFTTrainer, model: nn.Module, rows: dict) -> Tensor:
 # %% ../nbs/06_sft.ipynb #3e620b5f
 @patch
 @torch.no_grad()
-def evaluate(self: SFTTrainer, model: nn.Module | None = None, dataset=None, batch_size: int = 32) -> dict:
-    "`eval/loss`: the completion NLL per token over all of `dataset` (default: the eval set), as a float."
-    model, dataset = model or self.model, dataset or self.eval_dataset
+def evaluate(self: SFTTrainer, model: nn.Module | None = None, dataset=None, batch_size: int | None = None) -> dict:
+    "`eval_loss`: the completion NLL per token over all of `dataset` (default: the eval set), as a float; `batch_size` None: `per_device_eval_batch_size`."
+    model, dataset, batch_size = model or self.model, dataset or self.eval_dataset, batch_size or self.args.per_device_eval_batch_size
     total, n_tokens = 0.0, 0
     with eval_mode(model):
         for i in range(0, len(dataset), batch_size):
             batch, n = self.encode(dataset[i:i + batch_size])
             total, n_tokens = total + self.nll_sum(model, batch).item(), n_tokens + n
-    return {"eval/loss": total / n_tokens}
+    return {"eval_loss": total / n_tokens}
 
 # %% ../nbs/06_sft.ipynb #9d93dcd1
 @patch
@@ -191,17 +191,17 @@ def train(
     self: SFTTrainer,
     resume_from_checkpoint: bool | str | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
 ) -> PreTrainedModel:
-    "Fine-tune, log `loss/sft` (and `eval/loss`), checkpoint, and save the model (LoRA adapters merged in) and tokenizer to `output_dir`."
+    "Fine-tune, log 🤗's `loss` (and `eval_loss`), checkpoint, and save the model (LoRA adapters merged in) and tokenizer to `output_dir`."
     self.resume_setting(resume_from_checkpoint)
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
     self.loop = loop = TrainLoop(self.args, self.processing_class, callbacks=self.callbacks)
-    loop.progress_keys = ("loss/sft", "eval/loss")
+    loop.progress_keys = ("loss", "eval_loss")
     steps = self.args.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
     encode = lambda indices: self.encode(self.train_dataset[indices])
     loss_fn = lambda model, batch: (self.nll_sum(model, batch), {})
     evaluate = self.evaluate if self.eval_dataset is not None else None
     self.model = _merged(loop.fit(self.model, len(self.train_dataset), steps, encode, loss_fn, evaluate, self.args.eval_steps,
-                                  "sft", loss_name="loss/sft"))
+                                  "sft", loss_name="loss"))
     loop.save_model(self.model)
     loop.end()
     return self.model
@@ -238,7 +238,7 @@ class RewardTrainer(Trainer):
         model: RewardModel | PreTrainedModel | str,  # a `RewardModel`, a 🤗 sequence classifier or causal LM (its trunk), or a name/path
         args: RewardConfig | None = None,  # hyper-parameters; None: the defaults
         train_dataset=None,              # pairs: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or conversations
-        eval_dataset=None,               # the same columns, for `eval/loss` and `eval/accuracy`
+        eval_dataset=None,               # the same columns, for `eval_loss` and `eval_accuracy`
         processing_class=None,           # the tokenizer that reads the pairs; None: the `RewardModel`'s own, or loaded from a name/path
         peft_config=None,                # a peft config (e.g. `LoraConfig`): adapters on the trunk and the whole score head trained, merged in at the end
         callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
@@ -274,8 +274,8 @@ def pair_loss_sum(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Te
     "(Σ of the pairs' Bradley–Terry losses, {accuracy, margin}) for a batch of rows: the loss before the minibatch mean."
     chosen, rejected = self.pair_scores(model, rows)
     loss = self.loss_fn(chosen, rejected)
-    return loss * len(chosen), {"reward/accuracy": pairwise_accuracy(chosen, rejected).detach(),
-                                "reward/margin": (chosen - rejected).mean().detach()}
+    return loss * len(chosen), {"accuracy": pairwise_accuracy(chosen, rejected).detach(),
+                                "margin": (chosen - rejected).mean().detach()}
 
 # %% ../nbs/06_sft.ipynb #6e1ea6d7
 import json
@@ -291,23 +291,23 @@ def evaluate(
     self: RewardTrainer,
     model: nn.Module | None = None,      # the reward model (None: the trainer's)
     dataset=None,                        # pairs as the trainer holds them (None: the eval set)
-    batch_size: int = 64,                # pairs per forward pass
+    batch_size: int | None = None,       # pairs per forward pass (None: `per_device_eval_batch_size`)
     report: bool = False,                # also the whole `reward_report`: printed as a rich table and appended to `output_dir/metrics.jsonl`
     gold=None,                           # with `report`: a gold judge f(prompts, completions) -> scores (e.g. `gold_score`)
     category_column: str = "category",   # with `report`: accuracy per group of this column, when the pairs have it
 ) -> dict:
-    "`eval/loss` and `eval/accuracy` on `dataset` (default: the eval set), as floats; with `report`, every `eval/` quantity of `reward_report`."
+    "`eval_loss` and `eval_accuracy` on `dataset` (default: the eval set), as floats; with `report`, every quantity of `reward_report`, prefixed `eval_`."
     if gold is not None and not report: raise ValueError("`gold` is read only by the report: pass report=True with it")
-    model, dataset = model or self.reward_model, dataset or self.eval_dataset
+    model, dataset, batch_size = model or self.reward_model, dataset or self.eval_dataset, batch_size or self.args.per_device_eval_batch_size
     with eval_mode(model):
         pairs = [self.pair_scores(model, dataset[i:i + batch_size]) for i in range(0, len(dataset), batch_size)]
     chosen, rejected = torch.cat([c for c, _ in pairs]).float().cpu(), torch.cat([r for _, r in pairs]).float().cpu()
-    out = {"eval/loss": self.loss_fn(chosen, rejected).item(), "eval/accuracy": pairwise_accuracy(chosen, rejected).item()}
+    out = {"eval_loss": self.loss_fn(chosen, rejected).item(), "eval_accuracy": pairwise_accuracy(chosen, rejected).item()}
     if not report: return out
     length = lambda column: completion_lengths(dataset[column], self.processing_class)
     groups = list(dataset[category_column]) if category_column in dataset.column_names else None
     golds = [score_completions(gold, dataset["prompt"], dataset[c]).float().cpu() for c in ("chosen", "rejected")] if gold is not None else (None, None)
-    out |= reward_report(PairScores(chosen, rejected, length("chosen"), length("rejected"), groups, *golds))
+    out |= reward_report(PairScores(chosen, rejected, length("chosen"), length("rejected"), groups, *golds), prefix="eval_")
     step = self.loop.state.step if hasattr(self, "loop") else 0
     if PartialState().is_main_process:
         Console().print(report_table(out))
@@ -326,12 +326,12 @@ def train(
     self.resume_setting(resume_from_checkpoint)
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
     self.loop = loop = TrainLoop(self.args, callbacks=self.callbacks)
-    loop.progress_keys = ("loss/reward", "reward/accuracy", "eval/accuracy")
+    loop.progress_keys = ("loss", "accuracy", "eval_accuracy")
     steps = self.args.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
     encode = lambda indices: (self.train_dataset[indices], len(indices))
     evaluate = self.evaluate if self.eval_dataset is not None else None
     self.reward_model = loop.fit(self.reward_model, len(self.train_dataset), steps, encode, self.pair_loss_sum, evaluate,
-                                 self.args.eval_steps, "reward", loss_name="loss/reward")
+                                 self.args.eval_steps, "reward", loss_name="loss")
     _trunk_adapters(self.reward_model, None, merge=True)
     if self.args.normalize:
         with torch.no_grad(), eval_mode(self.reward_model):

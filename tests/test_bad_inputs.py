@@ -280,7 +280,7 @@ def test_reward_training_max_length_beyond_the_context_is_cut(model, tokenizer, 
 def test_evaluate_returns_numbers(model, tokenizer, tmp_path):
     rows = [{"prompt": "the goose", "completion": " says honk"}] * 2
     trainer = SFTTrainer(copy.deepcopy(model), args=SFTConfig(output_dir=str(tmp_path), max_length=32), train_dataset=rows, eval_dataset=rows, processing_class=tokenizer)
-    assert type(trainer.evaluate()["eval/loss"]) is float
+    assert type(trainer.evaluate()["eval_loss"]) is float
 
 
 def test_unwritable_output_dir_fails_before_training(model, tokenizer, tmp_path):

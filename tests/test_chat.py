@@ -50,9 +50,9 @@ def test_chat_sft_lowers_the_held_out_loss(tmp_path):
     counter = type("Counter", (), {"on_step_end": lambda self, args, state, control, **kw: steps.append(state.global_step)})()
     trainer = SFTTrainer(tiny_causal_lm(tok, seed=0), args=config, train_dataset=demos, eval_dataset=held_out, processing_class=tok,
                          callbacks=[counter])
-    before = trainer.evaluate()["eval/loss"]
+    before = trainer.evaluate()["eval_loss"]
     trainer.train()
-    after = trainer.evaluate()["eval/loss"]
+    after = trainer.evaluate()["eval_loss"]
     assert 5.5 < before < 7.0 and after < 0.65 * before, (before, after)   # from about ln 514 = 6.24 (uniform guessing)
     assert steps == list(range(1, 41))   # the callbacks reach the loop
 
@@ -67,9 +67,9 @@ def test_chat_reward_model_beats_chance(tmp_path):
                           disable_tqdm=True)
     trainer = RewardTrainer(sft, args=config, train_dataset=load_task("preferences", chat=True),
                             eval_dataset=load_task("preferences", "eval", chat=True), processing_class=tok)
-    start = trainer.evaluate()["eval/accuracy"]
+    start = trainer.evaluate()["eval_accuracy"]
     trainer.train()
-    end = trainer.evaluate()["eval/accuracy"]
+    end = trainer.evaluate()["eval_accuracy"]
     assert end > 0.75 and end > start, (start, end)
     reloaded = RewardModel.from_pretrained(tmp_path / "rm")   # a plain 🤗 sequence classifier and the chat tokenizer
     assert reloaded.tokenizer.chat_template == tok.chat_template

@@ -104,7 +104,7 @@ def test_chat_ppo_with_a_trl_style_reward_function_raises_the_score(chat_sft, tm
 
 def test_chat_rloo_with_a_chat_reward_model_raises_the_score(chat_sft, chat_rm, tmp_path):
     tok, sft = chat_sft
-    args = RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, num_generations=4, max_completion_length=12, beta=0.02,
+    args = RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, num_generations=4, max_completion_length=12, beta=0.02, num_iterations=4,
                       max_steps=16, learning_rate=1e-3, num_sample_generations=0, disable_tqdm=True, seed=SEED)
     trainer = RLOOTrainer(model=copy.deepcopy(sft), args=args, processing_class=tok, train_dataset=load_task("prompts", chat=True),
                           reward_funcs=chat_rm)

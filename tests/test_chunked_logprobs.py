@@ -3,8 +3,8 @@
 - The same numbers and gradients as the logits path, on GPT-2 and Qwen2, at a temperature, through `Agent.response_stats`
   (shared and separate critic), `logprobs_in_chunks`, `token_logprobs` and a LoRA policy with its adapter-off reference.
 - Models whose logits are more than the output layer's (soft-capping) are scored from their logits.
-- At Qwen2.5's vocabulary (151,936) and 512 response tokens, autograd keeps no tensor of batch × resp × vocab elements,
-  and the peak of torch's CPU allocations in a scoring or training pass falls (`python tests/test_chunked_logprobs.py` prints them).
+- At Qwen2.5's vocabulary (151,936) and 512 response tokens, autograd keeps no tensor of batch × resp × vocab elements
+  (in the loss's pass, and in a GRPO and an RLOO training step, whose gradients equal the logits path's), and the peak of torch's CPU allocations in a scoring or training pass falls (`python tests/test_chunked_logprobs.py` prints them).
 """
 import copy
 import json
@@ -14,9 +14,12 @@ import pytest
 import torch
 import transformers as T
 
+import instruct_goose.agent as agent_module
 import instruct_goose.core as core
-from instruct_goose import Agent, create_reference_model, entropy_from_logits, logprobs_from_logits, task_tokenizer
+from instruct_goose import Agent, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, create_reference_model, entropy_from_logits, logprobs_from_logits, task_tokenizer
 from instruct_goose.agent import _output_layer, response_logits, response_logprobs, token_logprobs
+from instruct_goose.grpo import GRPORollout, high_entropy_mask
+from instruct_goose.rloo import RLOORollout
 from instruct_goose.rollout import logprobs_in_chunks
 
 QWEN_VOCAB = 151_936
@@ -187,6 +190,53 @@ def test_the_count_sees_the_logits():
     assert theirs[0] >= 2 * 512 * QWEN_VOCAB, theirs[:3]
 
 
+def trainer_step(algo: str, tmp_path, tokenizer, hidden: int = 16):
+    "A GRPO (entropy bonus on the top half of tokens by entropy, μ = 2) or RLOO trainer on a 2-layer Qwen2 at V = 151,936, and a rollout of 2 × 512 response tokens made by hand (π_old: the policy's own log-probabilities, a little shifted)."
+    model = tiny("qwen2", QWEN_VOCAB, hidden=hidden).train()
+    q, qm, r, rm = x = batch(QWEN_VOCAB, n_resp=512)
+    with torch.no_grad(): lp, H, _ = response_logprobs(model, *x, entropy="no_grad")
+    old = lp + 0.01 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
+    advantages = torch.tensor([1.0, -0.5])
+    if algo == "grpo":
+        trainer = GRPOTrainer(model, processing_class=tokenizer, reward_funcs=lambda p, c: [0.0] * len(c), args=GRPOConfig(
+            num_generations=2, per_device_train_batch_size=2, max_completion_length=512, num_iterations=2, entropy_coef=0.1,
+            top_entropy_quantile=0.5, output_dir=str(tmp_path)))
+        part = GRPORollout(q, qm, r, rm, rm.clone(), torch.zeros(2), advantages, old, torch.zeros_like(old),
+                           high_entropy_mask(H, rm, 0.5), torch.full((2,), 0.1))
+    else:
+        trainer = RLOOTrainer(model, copy.deepcopy(model), processing_class=tokenizer, reward_funcs=lambda p, c: [0.0] * len(c),
+                              args=RLOOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=512,
+                                              output_dir=str(tmp_path)))
+        zeros = torch.zeros_like(old)
+        part = RLOORollout(q, qm, r, rm, torch.zeros(2), old, zeros, zeros, torch.zeros(2), advantages, rm.clone())
+    return trainer, part
+
+
+def step_gradients(trainer, part):
+    "The micro-batch's losses (summed) backward: (the sizes autograd kept, the losses, the statistics, every gradient)."
+    trainer.model.zero_grad()
+    sizes, (losses, stats) = saved_tensor_sizes(lambda: trainer.micro_batch_loss(trainer.model, part, 0))
+    sum(losses.values()).backward()
+    return sizes, losses, stats, grads(trainer.model)
+
+
+@pytest.mark.slow                                              # the logits path at this size: GBs and ~50 s on 2 busy cores
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_trainer_step_keeps_no_logits(algo, tmp_path, tokenizer, monkeypatch):
+    "A GRPO or RLOO training step (`micro_batch_loss` through `policy_pass`) at V = 151,936 and 2 × 512 tokens keeps nothing near batch × resp × vocab; the logits path (the output layer hidden from `response_logprobs`) keeps the logits and gives the same losses, statistics and gradients."
+    trainer, part = trainer_step(algo, tmp_path, tokenizer)
+    ours, losses, stats, ours_grads = step_gradients(trainer, part)
+    assert ours[0] <= QWEN_VOCAB * 16, ours[:3]                  # the largest: an output-layer-sized weight (V × 16)
+    if algo == "grpo": assert set(losses) == {"policy", "entropy"} and losses["entropy"].requires_grad
+    monkeypatch.setattr(agent_module, "_output_layer", lambda model: None)
+    theirs, ref_losses, ref_stats, ref_grads = step_gradients(trainer, part)
+    assert theirs[0] >= 2 * 512 * QWEN_VOCAB, theirs[:3]
+    for k in losses: torch.testing.assert_close(losses[k], ref_losses[k], rtol=1e-5, atol=1e-6)
+    for k in stats: torch.testing.assert_close(stats[k], ref_stats[k], rtol=1e-5, atol=1e-6)
+    assert max(g.abs().max() for g in ref_grads if g is not None) > 1e-4
+    for a, b in zip(ours_grads, ref_grads): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def peak_allocated(fn) -> int:
     "The most bytes torch's CPU allocator held at once while `fn` ran, above what it held before (the profiler's memory events)."
     from torch.profiler import ProfilerActivity, profile
@@ -220,7 +270,20 @@ def test_peak_memory_falls():
     assert logits["peak_mib"] > 2 * 512 * QWEN_VOCAB * 4 / 2 ** 20     # above one float32 logits tensor (594 MiB)
 
 
+def measure_step(algo: str) -> dict:
+    "Peak bytes of one GRPO or RLOO training step (`micro_batch_loss` and its backward; hidden 64, V = 151,936, 2 × 512 tokens) with the library on the path."
+    import tempfile
+    trainer, part = trainer_step(algo, tempfile.mkdtemp(), task_tokenizer(), hidden=64)
+    def step():
+        trainer.model.zero_grad()
+        sum(trainer.micro_batch_loss(trainer.model, part, 0)[0].values()).backward()
+    return {"algo": algo, "step_peak_mib": round(peak_allocated(step) / 2 ** 20)}
+
+
 if __name__ == "__main__":                                     # the numbers quoted in the levers chapter
+    if sys.argv[1:] == ["steps"]:                              # a GRPO and an RLOO training step (run it on the commit before, too)
+        for algo in ("grpo", "rloo"): print(json.dumps(measure_step(algo)))
+        sys.exit()
     for arch in ("gpt2", "qwen2"):
         for grad in (False, True):
             for chunked in (False, True): print(json.dumps(measure(arch, chunked, grad)))

@@ -85,7 +85,7 @@ def test_own_data_never_mixes_in_the_task(policy_dir, tmp_path):
     rm = goose("rm", "--model", str(policy_dir), "--dataset", pairs, "--columns", "q:prompt", "--output_dir", str(tmp_path / "rm"),
                "--per_device_train_batch_size", "4", "--max_steps", "2", "--disable_tqdm")
     assert rm.returncode == 0, rm.stderr[-3000:]
-    assert "held-out pairs for eval/accuracy: none (your own --dataset" in rm.stdout
+    assert "held-out pairs for eval_accuracy: none (your own --dataset" in rm.stdout
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "The film"}] * 16)
     (tmp_path / "my_rewards.py").write_text("def length(prompts, completions): return [len(c) / 10 for c in completions]\n"
                                             "def one(prompts, completions): return [1.0] * len(completions)\n")

@@ -32,7 +32,7 @@ json.dump(trainer.loop.state.history, open(f"{out}/history{rank}.json", "w"))
 '''
 
 COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-            "logps/rejected", "logits/chosen", "logits/rejected", "grad_norm", "lr")
+            "logps/rejected", "logits/chosen", "logits/rejected", "grad_norm", "learning_rate", "epoch")
 
 
 def _env(out):
@@ -109,7 +109,7 @@ def test_goose_dpo_on_own_pairs_with_implicit_prompts(policy_dir, tmp_path):
     history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in history] == [1, 2, 3] and set(COMPARED) <= set(history[0])
     assert history[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)     # step 1: policy = reference, log 2
-    assert "eval/loss" not in history[-1]                               # own data: the task's pairs are never mixed in
+    assert "eval_loss" not in history[-1]                               # own data: the task's pairs are never mixed in
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(policy_dir).config.vocab_size
 
@@ -133,10 +133,10 @@ def test_lora_dpo_from_peft_config_trains_adapters_only_against_the_adapter_off_
                          train_dataset=pairs, peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     assert isinstance(trainer.model, peft.PeftModel) and isinstance(trainer.ref_model, AdapterOffReference)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    assert trainer.evaluate(dataset=pairs)["eval/loss"] == pytest.approx(0.6931472, abs=1e-6)  # zero-initialised adapters: policy = reference
+    assert trainer.evaluate(dataset=pairs)["eval_loss"] == pytest.approx(0.6931472, abs=1e-6)  # zero-initialised adapters: policy = reference
     trainer.train()
     after = trainer.evaluate(dataset=pairs)
-    assert after["eval/loss"] < 0.65 and after["eval/rewards/accuracies"] > 0.75, after       # the loss falls (0.57 and 0.94 when written)
+    assert after["eval_loss"] < 0.65 and after["eval_rewards/accuracies"] > 0.75, after       # the loss falls (0.57 and 0.94 when written)
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed and all("lora_" in n for n in changed), sorted(changed)[:5]
     base = AutoModelForCausalLM.from_pretrained(policy_dir).state_dict()

@@ -115,8 +115,8 @@ def _saved(out, algo="sft"):
     return weights
 
 
-COMPARED = ("loss/sft", "loss/reward", "loss", "grad_norm", "lr",
-            "objective/scores", "objective/kl", "objective/rlhf_reward", "loss/policy_avg", "policy/approxkl_avg", "reward", "kl", "entropy")
+COMPARED = ("loss", "grad_norm", "learning_rate", "epoch", "objective/scores", "objective/kl", "objective/rlhf_reward",
+            "loss/policy_avg", "policy/approxkl_avg", "reward", "kl", "entropy")
 
 
 def _assert_same(a, b, what, eps=1e-6):

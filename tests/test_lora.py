@@ -72,7 +72,7 @@ def test_lora_rloo_trains_adapters_only(base_dir, tmp_path):
     tokenizer = task_tokenizer()
     policy = lora(base_dir)
     adapters, base = split(list(policy.named_parameters()))
-    trainer = RLOOTrainer(policy, create_reference_model(policy), RLOOConfig(num_generations=2, **settings(tmp_path)),
+    trainer = RLOOTrainer(policy, create_reference_model(policy), RLOOConfig(num_generations=2, num_iterations=4, **settings(tmp_path)),
                           processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
     trainer.train()
     adapters_after, base_after = split(list(trainer.model.named_parameters()))

@@ -184,10 +184,11 @@ def test_eval_metrics_at_the_right_steps(algo, tmp_path):
     t = trainer(algo, tmp_path, length, eval_dataset=ARITHMETIC.select(range(5)), max_steps=3, eval_steps=2)
     t.train()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in rows if "eval/score" in r] == [2, 3]
-    with_ref = {"eval/score_ref", "eval/win_rate", "eval/kl"}
+    e = "eval_" if algo == "grpo" else "eval/"                                          # GRPO: TRL 1.16's names (RLOO logs both)
+    assert [r["step"] for r in rows if f"{e}score" in r] == [2, 3]
+    with_ref = {f"{e}score_ref", f"{e}win_rate", f"{e}kl"}
     assert with_ref <= set(rows[1]) if algo != "grpo" else not with_ref & set(rows[1])  # GRPO, beta 0: no reference
-    assert all(math.isfinite(r["eval/score"]) for r in rows if "eval/score" in r)
+    assert all(math.isfinite(r[f"{e}score"]) for r in rows if f"{e}score" in r)
 
 
 def test_eval_win_rate_by_hand(tmp_path):

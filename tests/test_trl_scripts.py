@@ -48,8 +48,8 @@ def test_sft(tiny, tmp_path):
     out = run_script("sft.py", tmp_path / "sft", "--model_name_or_path", tiny / "model", "--dataset", tiny / "sft",
                      "--max_steps", 8)
     rows = logged(out)
-    assert [r["step"] for r in rows if "loss/sft" in r][-1] == 8
-    assert "eval/loss" in rows[-1]
+    assert [r["step"] for r in rows if "loss" in r][-1] == 8
+    assert "eval_loss" in rows[-1]
     AutoModelForCausalLM.from_pretrained(out)
 
 
@@ -59,7 +59,7 @@ def test_reward(tiny, tmp_path):
     out = run_script("reward.py", tmp_path / "rm", "--model_name_or_path", tiny / "model", "--dataset", tiny / "preferences",
                      "--max_steps", 8)
     rows = logged(out)
-    assert {"loss/reward", "reward/accuracy"} <= set(rows[0]) and "eval/accuracy" in rows[-1]
+    assert {"loss", "accuracy", "learning_rate", "epoch"} <= set(rows[0]) and "eval_accuracy" in rows[-1]
     assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 1
 
 
@@ -72,7 +72,8 @@ def test_rloo(tiny, tmp_path):
     assert len([r for r in rows if "objective/scores" in r]) == 2
     assert {"rewards/brevity/mean", "rewards/brevity/std"} <= set(rows[0])
     assert {"rewards/reward_model/mean", "rewards/reward_model/std"} <= set(rows[0])   # a model is named by its folder, as in TRL
-    assert "eval/score" in rows[-1]
+    assert {"lr", "learning_rate", "reward", "reward_std", "kl", "entropy", "loss", "epoch"} <= set(rows[0])   # TRL ≤ 0.21's names and 1.16's
+    assert {"eval/score", "eval_score"} <= set(rows[-1])
     AutoModelForCausalLM.from_pretrained(out)
 
 
@@ -83,8 +84,8 @@ def test_grpo(tiny, tmp_path):
                      "--max_steps", 2)
     rows = logged(out)
     assert [r["step"] for r in rows] == [1, 2]
-    assert {"reward", "reward_std", "rewards/accuracy/mean", "rewards/accuracy/std"} <= set(rows[0])
-    assert "eval/score" in rows[-1]
+    assert {"reward", "reward_std", "rewards/accuracy/mean", "rewards/accuracy/std", "loss", "learning_rate", "epoch"} <= set(rows[0])
+    assert "eval_score" in rows[-1] and "lr" not in rows[0]                          # TRL 1.16's names
     AutoModelForCausalLM.from_pretrained(out)
 
 
@@ -95,7 +96,7 @@ def test_dpo(tiny, tmp_path):
                      "--max_steps", 4)
     rows = logged(out)
     assert {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"} <= set(rows[0])
-    assert "eval/loss" in rows[-1]
+    assert "eval_loss" in rows[-1]
     AutoModelForCausalLM.from_pretrained(out)
 
 
@@ -115,5 +116,28 @@ def test_sft_lora(tiny, tmp_path):
     "The SFT script with TRL's `peft_config` (a LoraConfig): trains, logs, and leaves a model 🤗 reads."
     out = run_script("sft.py", tmp_path / "sft-lora", "--model_name_or_path", tiny / "model", "--dataset", tiny / "sft",
                      "--max_steps", 4, "--use_peft")
-    assert [r["step"] for r in logged(out) if "loss/sft" in r][-1] == 4
+    assert [r["step"] for r in logged(out) if "loss" in r][-1] == 4
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def _paper_run(tiny, tmp_path, *only):
+    out = run_script("paper_configs.py", tmp_path / "papers", "--model_name_or_path", tiny / "model",
+                     "--dataset", tiny / "arithmetic", "--max_steps", 2, *(["--only", *only] if only else []))
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_paper_config_lite_ppo(tiny, tmp_path):
+    "TRL's Lite PPO recipe (top_p, top_k, temperature, steps_per_generation, batch-scaled rewards) with completion logging."
+    summary = _paper_run(tiny, tmp_path, "lite_ppo")
+    assert summary["lite_ppo"]["steps"] == [1, 2]
+    # TRL's generation_batch_size = per_device_train_batch_size 8 x steps_per_generation 4 = 32 completions; a step here is one generation
+    assert summary["lite_ppo"]["completions_logged"] == 2 * 32
+
+
+@pytest.mark.slow
+def test_paper_configs_all(tiny, tmp_path):
+    "Every GRPO/RLOO recipe of TRL's paper index runs with its documented options (sizes shrunk) and logs its completions."
+    summary = _paper_run(tiny, tmp_path)
+    assert set(summary) == {"deepseek_r1", "gspo", "dapo", "entropy_80_20", "dr_grpo", "lite_ppo", "scalerl", "sapo",
+                            "deepseek_v32", "rloo"}
+    assert all(s["steps"] == [1, 2] and s["completions_logged"] > 0 for s in summary.values())

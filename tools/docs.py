@@ -51,7 +51,7 @@ NB_TIMEOUT = 900                    # seconds one notebook may take before the b
 CHAPTERS = [
     ("index", "Overview"), ("00_core", "Core"), ("01_losses", "Losses"), ("02_data", "Data"), ("02b_toy", "Toy models and tasks"),
     ("03_agent", "Agent"), ("03b_generation", "Generation"), ("04_reward", "Reward"), ("04b_rewards", "Reward helpers (TRL's)"), ("04c_reward_eval", "Reward models you can trust"), ("05_loop", "Loop"), ("05b_levers", "Memory levers"), ("06_sft", "SFT and reward modelling"),
-    ("07_rollout", "Rollout"), ("07b_completions", "Completions you can read"), ("08_onpolicy", "On-policy engine"), ("08b_ppo", "PPO"), ("09_rloo", "RLOO"), ("09b_grpo", "GRPO"), ("09c_dpo", "DPO"), ("10_cli", "CLI"),
+    ("07_rollout", "Rollout"), ("07b_completions", "Completions you can read"), ("08_onpolicy", "On-policy engine"), ("08b_ppo", "PPO"), ("09_rloo", "RLOO"), ("09b_grpo", "GRPO"), ("09c_dpo", "DPO"), ("09d_tools", "Tools"), ("10_cli", "CLI"),
     ("14_scaling", "Scaling up"),
 ]
 TUTORIALS = [
@@ -59,6 +59,7 @@ TUTORIALS = [
     ("13_tutorial_your_own", "Your own model, data and reward"), ("15_tutorial_rloo", "RLOO: no critic"),
     ("16_tutorial_grpo", "GRPO: a checkable reward"), ("17_tutorial_dpo", "DPO: preferences without RL"),
     ("18_tutorial_from_trl", "From a TRL script"), ("19_tutorial_overoptimisation", "Over-optimisation, shown"),
+    ("20_tutorial_tools", "Tools: a calculator"),
 ]
 LAST = [("99_package", "The package")]
 

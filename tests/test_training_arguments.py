@@ -1,0 +1,90 @@
+"""Every field of 🤗 `transformers.TrainingArguments` (which TRL's configs inherit) on every config: set to a value other
+than 🤗's default, it is honoured (the config holds it, and the run follows it) or refused by name. Never accepted and
+ignored. The counts per config are printed (`pytest -s`)."""
+import dataclasses
+import math
+
+import pytest
+from transformers import TrainingArguments
+
+from instruct_goose import DPOConfig, GRPOConfig, RewardConfig, RLHFConfig, RLOOConfig, SFTConfig
+from instruct_goose.loop import _HF_NOT_RUN as HF_NOT_RUN
+
+CONFIGS = {SFTConfig: {}, RewardConfig: {}, RLHFConfig: {}, RLOOConfig: {}, GRPOConfig: {"num_generations": 2}, DPOConfig: {}}
+CHOICES = {"lr_scheduler_type": "cosine", "optim": "adamw_torch", "eval_strategy": "epoch", "save_strategy": "epoch",
+           "logging_strategy": "epoch", "hub_strategy": "end", "include_num_input_tokens_seen": "all", "log_level": "info",
+           "log_level_replica": "info", "train_sampling_strategy": "sequential", "debug": "underflow_overflow",
+           "report_to": ["none"], "gradient_checkpointing_kwargs": {"use_reentrant": True}, "lr_scheduler_kwargs": {},
+           "deepspeed": {"zero_optimization": {"stage": 2}}, "fsdp": "full_shard", "include_for_metrics": ["inputs"],
+           "label_names": ["labels"], "output_dir": "elsewhere", "resume_from_checkpoint": "latest", "run_name": "my-run"}
+SAME_AS = {"report_to": "none"}     # what the config holds for a value given in 🤗's other form
+
+
+def hf_fields() -> dict:
+    "🤗's TrainingArguments fields and their defaults."
+    out = {}
+    for f in dataclasses.fields(TrainingArguments):
+        if not f.init: continue
+        out[f.name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return out
+
+
+def other_value(name, default):
+    "A value of the field's kind that is not 🤗's default."
+    if name in CHOICES: return CHOICES[name]
+    if isinstance(default, bool): return not default
+    if isinstance(default, int): return 2 if default != 2 else 3
+    if isinstance(default, float): return 0.5 if default in (0.0, 0.5) else default / 2
+    if isinstance(default, str): return default + "-other"
+    return {"greater_is_better": True, "tf32": True, "gradient_checkpointing": True, "disable_tqdm": True,
+            "activation_checkpointing": True}.get(name, 2 if name.endswith(("_steps", "_limit", "_factor", "seed")) else "other")
+
+
+def classify(config_class, name, value):
+    "'honoured' (the config holds the value), 'ours' (the value is how this library runs), 'refused' (ValueError naming it), else what went wrong."
+    try: config = config_class(**CONFIGS[config_class], **{name: value})
+    except ValueError as e:
+        return "refused" if f"`{name}`" in str(e) else f"refused without naming it: {e}"
+    if name in HF_NOT_RUN and HF_NOT_RUN[name][0] == value: return "ours"
+    held = getattr(config, name, "<missing>")
+    return "honoured" if held == SAME_AS.get(name, value) else f"accepted and ignored (holds {held!r})"
+
+
+@pytest.mark.parametrize("config_class", list(CONFIGS), ids=lambda c: c.__name__)
+def test_every_training_argument_is_honoured_or_refused(config_class):
+    verdicts = {name: classify(config_class, name, other_value(name, default)) for name, default in hf_fields().items()}
+    wrong = {n: v for n, v in verdicts.items() if v not in ("honoured", "ours", "refused")}
+    assert not wrong, wrong
+    counts = {k: sum(v == k for v in verdicts.values()) for k in ("honoured", "ours", "refused")}
+    print(f"{config_class.__name__}: {len(verdicts)} fields: {counts}")
+    assert counts["honoured"] >= 30
+
+
+def test_defaults_of_hf_fields_are_accepted():
+    "A TRL script passing 🤗's defaults (push_to_hub=False, dataloader_num_workers=0, …) runs: those are how this library runs."
+    quiet = {n: v for n, (v, _) in HF_NOT_RUN.items()}
+    GRPOConfig(num_generations=2, **quiet)
+    SFTConfig(**quiet)
+
+
+def test_honoured_fields_change_the_run(tmp_path):
+    "optim, the Adam settings, the schedule's kwargs, save_strategy and eval_strategy 'no', data_seed: each seen in the run."
+    from instruct_goose import SFTTrainer, load_task, task_tokenizer, tiny_causal_lm
+    tok = task_tokenizer()
+    def run(out, **kw):
+        args = SFTConfig(output_dir=str(tmp_path / out), max_steps=2, per_device_train_batch_size=4, max_length=64,
+                         disable_tqdm=True, learning_rate=1e-3, **kw)
+        trainer = SFTTrainer(tiny_causal_lm(tok, seed=0), args=args, train_dataset=load_task("sft").select(range(16)),
+                             eval_dataset=load_task("sft").select(range(4)), processing_class=tok)
+        trainer.train()
+        return trainer
+    a = run("a", optim="adamw_torch", adam_beta1=0.5, adam_epsilon=1e-6, save_strategy="no", eval_strategy="no",
+            lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-4})
+    group = a.loop.optimizer.optimizer.param_groups[0]
+    assert (group["betas"][0], group["eps"], bool(group.get("fused"))) == (0.5, 1e-6, False)
+    assert math.isclose(a.loop.state.history[-1]["learning_rate"], 1e-4)           # the cosine ends at min_lr
+    assert not list((tmp_path / "a").glob("checkpoint-*"))                           # save_strategy="no": no checkpoint
+    assert not any("eval_loss" in row for row in a.loop.state.history)               # eval_strategy="no": no evaluation
+    b, c = run("b", data_seed=1), run("c", data_seed=2)
+    assert b.loop.state.history[0]["loss"] != c.loop.state.history[0]["loss"]        # another data order, same weights
+    assert "eval_loss" in b.loop.state.history[-1] and list((tmp_path / "b").glob("checkpoint-*"))
