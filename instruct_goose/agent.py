@@ -90,6 +90,7 @@ def _output_layer(model: nn.Module) -> nn.Linear | None:
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if type(head) is not nn.Linear or not _accepts(model, "logits_to_keep"): return None
     if any(getattr(base.config.get_text_config(), name, None) is not None for name in _LOGIT_TRANSFORMS): return None
+    if hasattr(head.weight, "ds_id"): return None      # DeepSpeed ZeRO-3 partitions it: only the module's own forward gathers it
     whole = type(head.weight.data) is Tensor and head.weight.shape == (head.out_features, head.in_features)
     return head if whole else None
 

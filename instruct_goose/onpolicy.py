@@ -673,6 +673,8 @@ def first_pass(
     c = self.args
     if not (self.keeps_first_pass and loop is not None and c.num_mini_batches == 1 and c.gradient_accumulation_steps == 1):
         return None
+    if getattr(loop.accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:   # made inside the gathering, its saved weights
+        return None                                                               # would be partitioned again before its backward
     model.train()                                   # as in `update`: gradient checkpointing works in train mode
     with torch.enable_grad(), loop.accelerator.autocast(): return self.policy_pass(model, samples)
 
@@ -702,7 +704,7 @@ def update(
                 with acc.autocast(): losses, stats = self.micro_batch_loss(model, part, draw, **reuse)
                 total = sum(loss * weights[name][i] for name, loss in losses.items())   # this micro-batch's share of the minibatch's loss
                 loop.backward(total)
-                sums["loss"] = sums.get("loss", 0) + total.detach() * len(micro_batches)   # / count: the mean over optimizer steps
+                sums["loss"] = sums.get("loss", 0) + total.detach() * len(micro_batches) / acc.gradient_accumulation_steps   # / count: the minibatch's mean loss (`loss_scale` put G in)
                 primary = weights[next(iter(weights))][i]      # statistics weighted like the first loss term
                 for k, v in stats.items(): sums[k] = sums.get(k, 0) + v * primary
                 count += 1

@@ -20,9 +20,6 @@ import torch
 
 from test_fsdp import ON_POLICY, ONPOLICY, SCRIPT, _assert_same, _saved
 
-# tests/test_fsdp.py's on-policy script; `KEEP_FIRST_PASS=0` turns off the rollout's kept policy pass (see the ZeRO-3 test)
-ONPOLICY_DS = ONPOLICY.replace("trainer.train()", 'trainer.keeps_first_pass = os.environ.get("KEEP_FIRST_PASS", "1") == "1"\ntrainer.train()')
-
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is not installed (not a dependency of the project; `pip install deepspeed` to run these)")
 
@@ -40,7 +37,7 @@ def setup_dir(policy_dir, tmp_path_factory):
     where = tmp_path_factory.mktemp("setup")
     shutil.copytree(policy_dir, where, dirs_exist_ok=True)
     (where / "train.py").write_text(SCRIPT)
-    (where / "onpolicy.py").write_text(ONPOLICY_DS)
+    (where / "onpolicy.py").write_text(ONPOLICY)
     return where
 
 
@@ -59,7 +56,7 @@ def _run(setup_dir, out, algo, processes, accumulation, stage=None, resume=None,
 
 # Measured here (deepspeed 0.19.8, CPU accelerator, gloo): the weights of 2 ZeRO processes end within these of 1 plain process
 # (SFT 8.8e-7, GRPO 2.0e-6; the scaling chapter has the table); tests/test_fsdp.py's tolerances
-EPS = {"sft": 1e-6, "dpo": 1e-5, "ppo": 1e-5, "grpo": 1e-5}
+EPS = {"sft": 1e-6, "rm": 1e-5, "dpo": 1e-5, "ppo": 1e-5, "ppo_critic": 1e-5, "rloo": 1e-5, "grpo": 1e-5}
 _ONE = {}
 
 
@@ -71,25 +68,21 @@ def _one(setup_dir, tmp_path_factory, algo):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("algo", ["sft", "dpo", "ppo", "grpo"])
+@pytest.mark.parametrize("algo", ["sft", "rm", "dpo", "ppo", "ppo_critic", "rloo", "grpo"])
 def test_zero_two_processes_equal_one(algo, stage, setup_dir, tmp_path, tmp_path_factory):
     "ZeRO over 2 CPU processes × 1 micro-batch = 1 plain process × 2 micro-batches; a ZeRO checkpoint (one optimizer shard a rank)."
-    # ZeRO-3 on-policy: without the kept pass (see test_zero3_kept_first_pass_is_a_known_defect); sampling runs under the gathering
-    two = _run(setup_dir, tmp_path / "two", algo, processes=2, accumulation=1, stage=stage,
-               **({"KEEP_FIRST_PASS": "0"} if stage == 3 and algo in ON_POLICY else {}))
+    # ZeRO-3 on-policy: sampling runs under the gathering, and the rollout's policy pass is not kept for the update (`first_pass`)
+    two = _run(setup_dir, tmp_path / "two", algo, processes=2, accumulation=1, stage=stage)
     shards = {p.name for p in (tmp_path / "two" / "checkpoint-2" / "pytorch_model").iterdir()}
     assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= shards, shards
     assert [row["episode"] for row in two[1]][:2] == [8, 16]                              # 2 processes × 4 rows a step: both counted
-    _assert_same(_one(setup_dir, tmp_path_factory, algo), two, f"{algo}: 1 process x 2 micro-batches vs ZeRO-{stage} over 2 processes", EPS[algo])
+    one = _one(setup_dir, tmp_path_factory, algo)
+    if algo == "rm":   # the pairwise loss is blind to ln_f's bias (it shifts both scores by w·b) and to the keys' biases (softmax
+        # is blind to a shift): their gradients are float noise (~1e-9), which Adam scales up to steps ~lr·noise/(noise+ε); ln_f.bias
+        # ended 2.1e-5 (ZeRO-2) apart while every logged loss, margin and gradient norm agreed to 1e-7 relative
+        one, two = [({k: v for k, v in w.items() if k != "transformer.ln_f.bias"}, h) for w, h in (one, two)]
+    _assert_same(one, two, f"{algo}: 1 process x 2 micro-batches vs ZeRO-{stage} over 2 processes", EPS[algo])
+    print(f"{algo} ZeRO-{stage}: weights within {max((one[0][k] - two[0][k]).abs().max().item() for k in one[0]):.1e}")   # the chapter's table (-s)
     start = _saved(setup_dir)
     moved = "lm_head.weight" if algo == "sft" else "transformer.h.0.mlp.c_fc.weight"
     assert not torch.equal(two[0][moved], start[moved])                                  # training moved the weights
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known defect, not fixed here: under ZeRO-3 the rollout's policy pass kept with gradients "
-                   "(`first_pass`) is made inside the gathering for generation; after it the parameters are partitioned again and "
-                   "its backward finds a LayerNorm weight of shape [0]. Fix: `first_pass` returns None under ZeRO-3 (nbs/08_onpolicy.ipynb)")
-def test_zero3_kept_first_pass_is_a_known_defect(setup_dir, tmp_path):
-    result = _run(setup_dir, tmp_path / "two", "grpo", processes=2, accumulation=1, stage=3, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]

@@ -183,3 +183,22 @@ def test_all_truncated_minibatch_does_not_stop_training(policy_dir, tmp_path):
     rows = trainer.loop.state.history
     assert len(rows) == 2 and rows[0]["completions/clipped_ratio"] == 1     # every completion truncated: nothing to learn
     assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in rows)
+
+
+@pytest.mark.parametrize("cut", [dict(per_device_train_batch_size=8, gradient_accumulation_steps=1),
+                                 dict(per_device_train_batch_size=4, gradient_accumulation_steps=2),
+                                 dict(per_device_train_batch_size=2, gradient_accumulation_steps=4)])
+def test_logged_loss_is_the_minibatch_mean_whatever_the_cut(cut, policy_dir, tmp_path):
+    "TRL's `loss`: the token mean of each minibatch's loss (dapo), averaged over the passes, by hand from each micro-batch's mean and tokens (it was G× too big at G micro-batches)."
+    trainer = _tiny_trainer(policy_dir, tmp_path, length, loss_type="dapo", num_generations=2, beta=0.1, num_iterations=2, **cut)
+    seen, loss_of = [], trainer.micro_batch_loss
+    def recording_loss(policy, part, draw, **kept):
+        losses, stats = loss_of(policy, part, draw, **kept)
+        seen.append((losses["policy"].item(), part.loss_mask.sum().item()))
+        return losses, stats
+    trainer.micro_batch_loss = recording_loss
+    trainer.train()
+    assert len(seen) == 2 * cut["gradient_accumulation_steps"]       # 2 passes; the second's ratios and KL make the loss non-zero
+    assert abs(seen[-1][0]) > 1e-5
+    by_hand = sum(mean * tokens for mean, tokens in seen) / sum(tokens for _, tokens in seen)
+    assert trainer.loop.state.history[0]["loss"] == pytest.approx(by_hand, rel=1e-5, abs=1e-7)

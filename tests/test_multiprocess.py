@@ -54,7 +54,7 @@ torch.save(trainer.model.state_dict(), f"{out}/weights{rank}.pt")
 json.dump(trainer.loop.state.history, open(f"{out}/history{rank}.json", "w"))
 '''
 
-COMPARED = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss/policy_avg", "policy/approxkl_avg",
+COMPARED = ("objective/scores", "objective/kl", "objective/rlhf_reward", "loss/policy_avg", "policy/approxkl_avg", "loss",
             "grad_norm", "lr")
 
 
