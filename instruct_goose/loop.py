@@ -228,7 +228,9 @@ def batch_indices(
 ) -> list[int]:             # indices of this process's share of step `step`'s batch
     "Indices of the examples of step `step`: the epoch's seeded permutation, cut into batches (the last partial one dropped)."
     steps_per_epoch = n_examples // batch_size
-    if steps_per_epoch == 0: raise ValueError(f"the dataset has {n_examples} examples, fewer than one batch of {batch_size}")
+    if steps_per_epoch == 0:
+        across = f" ({batch_size // num_processes} a process × {num_processes} processes: launch fewer processes or lower the batch)" if num_processes > 1 else ""
+        raise ValueError(f"the dataset has {n_examples} examples, fewer than one batch of {batch_size}{across}")
     epoch, k = divmod(step, steps_per_epoch)
     order = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
     if batch_size % num_processes:
