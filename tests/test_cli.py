@@ -124,7 +124,7 @@ def test_mistakes_end_in_one_line(policy_dir, tmp_path):
     (tmp_path / "lr.yaml").write_text("learning_rate: 1e-3\nmax_steps: 1\n")
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "checkpoint-5").mkdir()
-    sft = ["sft", "--model", str(policy_dir), "--disable_tqdm"]
+    sft = ["sft", "--model", str(policy_dir), "--disable_tqdm", "--max_length", "64"]   # within the tiny model's context: no warning before the error
     one_line_error(goose("trian"), "unknown command 'trian'")
     one_line_error(goose("sft", "--dataset", str(tmp_path / "missing.jsonl")), "--dataset", "missing.jsonl' does not exist")
     one_line_error(goose("ppo", "--policy", str(tmp_path / "nothing"), "--reward_model", "gold"), "--policy", "nothing")
