@@ -53,7 +53,8 @@ def make_trl(model_dir, out_dir, steps, lr, seed):
                       beta=0.0, num_iterations=1, epsilon=0.2, scale_rewards="group", learning_rate=lr, seed=seed,
                       max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
                       temperature=1.0, top_p=1.0, top_k=0, disable_dropout=True, max_grad_norm=1.0,
-                      lr_scheduler_type="linear", disable_tqdm=True, dataloader_num_workers=0)
+                      lr_scheduler_type="linear", disable_tqdm=True, dataloader_num_workers=0,
+                      **({} if os.environ.get("TRL_DEFAULTS") else dict(bf16=False, gradient_checkpointing=False)))   # TRL 1.x: both on by default, even on the CPU; ours: float32, no checkpointing
     return GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=length_reward, args=args,
                        train_dataset=load_task("prompts"), processing_class=AutoTokenizer.from_pretrained(model_dir))
 

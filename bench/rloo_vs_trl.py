@@ -64,7 +64,8 @@ def make_trl(model_dir, out_dir, steps, lr, seed):
                      learning_rate=lr, beta=KL_COEF, seed=seed, max_steps=steps, logging_steps=1, report_to="none",
                      save_strategy="no", use_cpu=True, temperature=1.0, top_p=1.0, top_k=0, disable_dropout=True,
                      normalize_advantages=False, epsilon=0.2, max_grad_norm=1.0, lr_scheduler_type="linear",
-                     disable_tqdm=True, dataloader_num_workers=0)
+                     disable_tqdm=True, dataloader_num_workers=0,
+                     **({} if os.environ.get("TRL_DEFAULTS") else dict(bf16=False, gradient_checkpointing=False)))   # TRL 1.x: both on by default, even on the CPU; ours: float32, no checkpointing
     return RLOOTrainer(model=model, reward_funcs=length_reward, args=cfg, train_dataset=load_task("prompts"),
                        processing_class=tok)
 
