@@ -256,7 +256,8 @@ def run_trl(algo, a, tok, out, clock):
                       learning_rate=LR, beta=KL_COEF, seed=0, max_steps=steps, logging_steps=1, report_to="none",
                       save_strategy="no", use_cpu=not cuda, bf16=a.dtype == "bf16", temperature=1.0, top_p=1.0,
                       top_k=0, disable_dropout=True, epsilon=0.2, max_grad_norm=1.0,
-                      lr_scheduler_type="linear", disable_tqdm=True, dataloader_num_workers=0)
+                      lr_scheduler_type="linear", disable_tqdm=True, dataloader_num_workers=0,
+                      gradient_checkpointing=False)   # TRL 1.x's default is True; ours recomputes nothing (added 2026-11-24)
         if algo == "rloo": cfg, Trainer = RLOOConfig(**shared, normalize_advantages=False), RLOOTrainer
         else: cfg, Trainer = GRPOConfig(**shared, loss_type="dapo", scale_rewards="group"), GRPOTrainer
         policy.save_pretrained(f"{out}/policy")   # with beta > 0 TRL loads its reference from the policy's path
