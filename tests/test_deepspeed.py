@@ -8,17 +8,12 @@ op once (3 to 10 minutes; `TORCH_EXTENSIONS_DIR` says where it is kept; a stale 
 What ran here and the differences measured are in the scaling chapter, "Sharded engines: what ran here".
 """
 import importlib.util
-import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from test_fsdp import ON_POLICY, ONPOLICY, SCRIPT, _assert_same, _saved
+from test_fsdp import _assert_same, _saved, setup_dir  # noqa: F401 (setup_dir: the fixture)
+from test_fsdp import _run as _launch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is not installed (not a dependency of the project; `pip install deepspeed` to run these)")
@@ -32,26 +27,9 @@ def _zero(stage):
     return env
 
 
-@pytest.fixture(scope="module")
-def setup_dir(policy_dir, tmp_path_factory):
-    where = tmp_path_factory.mktemp("setup")
-    shutil.copytree(policy_dir, where, dirs_exist_ok=True)
-    (where / "train.py").write_text(SCRIPT)
-    (where / "onpolicy.py").write_text(ONPOLICY)
-    return where
-
-
-def _run(setup_dir, out, algo, processes, accumulation, stage=None, resume=None, check=True, **env_extra):
+def _run(setup_dir, out, algo, processes, accumulation, stage=None):
     "tests/test_fsdp.py's `_run`: `stage` None is the plain run (`use_cpu`), else DeepSpeed ZeRO-`stage` under torchrun."
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
-    env |= {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache", **(_zero(stage) if stage else {"ACCELERATE_USE_CPU": "true"}), **env_extra}
-    script = [str(setup_dir / ("onpolicy.py" if algo in ON_POLICY else "train.py")), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
-    if processes == 1: command = [sys.executable] + script
-    else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    if not check: return result
-    assert result.returncode == 0, result.stderr[-8000:]
-    return _saved(out, algo), json.loads((out / "history0.json").read_text())
+    return _launch(setup_dir, out, algo, processes, accumulation, engine=_zero(stage) if stage else None)
 
 
 # Measured here (deepspeed 0.19.8, CPU accelerator, gloo): the weights of 2 ZeRO processes end within these of 1 plain process

@@ -92,13 +92,15 @@ def setup_dir(policy_dir, tmp_path_factory):
 ON_POLICY = ("ppo", "ppo_critic", "rloo", "grpo")
 
 
-def _run(setup_dir, out, algo, processes, accumulation, resume=None, fsdp=False, check=True):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache",
-           **(FSDP2_CPU if fsdp else {})}
+def _run(setup_dir, out, algo, processes, accumulation, resume=None, fsdp=False, check=True, engine=None):
+    "Train `algo` in 1 process or under torchrun; `engine`: the launch's environment in place of `use_cpu` (DeepSpeed's, tests/test_deepspeed.py)."
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env |= {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache",
+            **(engine if engine is not None else {"ACCELERATE_USE_CPU": "true", **(FSDP2_CPU if fsdp else {})})}
     script = [str(setup_dir / ("onpolicy.py" if algo in ON_POLICY else "train.py")), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
     if processes == 1: command = [sys.executable] + script
     else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     if not check: return result
     assert result.returncode == 0, result.stderr[-8000:]
     return _saved(out, algo), json.loads((out / "history0.json").read_text())
