@@ -8,7 +8,7 @@ __all__ = ['f_divergence_scores', 'dpo_loss', 'DPOConfig', 'tokenize_pairs', 'co
            'mixed_dpo_loss']
 
 # %% ../nbs/09c_dpo.ipynb #eab44d0e
-import contextlib, math, os
+import contextlib, itertools, math, os
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
@@ -263,11 +263,12 @@ def pack_layout(
     keep = attention_mask.cpu().bool()
     lengths = keep.sum(1)
     capacity = int(lengths.max()) if capacity is None else capacity
-    bins = pack_bins(lengths.tolist(), capacity)
-    bin_of, start = torch.empty_like(lengths), torch.empty_like(lengths)
-    for b, rows in enumerate(bins): bin_of[rows], start[rows] = b, lengths[rows].cumsum(0) - lengths[rows]
+    sizes, first = lengths.tolist(), [0] * len(lengths)                # first: the slot of each row's first token
+    bins = pack_bins(sizes, capacity)
+    for b, rows in enumerate(bins):
+        for r, end in zip(rows, itertools.accumulate(sizes[r] for r in rows)): first[r] = b * capacity + end - sizes[r]
     row, position = torch.repeat_interleave(torch.arange(len(lengths)), lengths), position_ids_from_mask(keep)[keep]
-    slot = bin_of[row] * capacity + start[row] + position
+    slot = torch.tensor(first)[row] + position
     positions = torch.zeros(len(bins) * capacity, dtype=torch.long).index_put_((slot,), position)
     segments = torch.full((len(bins) * capacity,), -1).index_put_((slot,), row)
     return slot, positions.view(len(bins), capacity), segments.view(len(bins), capacity)
