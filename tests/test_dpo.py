@@ -186,3 +186,51 @@ def test_model_init_kwargs_and_dataset_num_proc_are_honoured(policy_dir, tmp_pat
     plain = DPOTrainer(str(policy_dir), args=DPOConfig(output_dir=str(tmp_path)), train_dataset=pairs)
     assert plain.model.dtype == torch.float32
     assert plain.train_dataset["chosen_ids"] == trainer.train_dataset["chosen_ids"]
+
+
+RAGGED = [{"prompt": "Review: a", "chosen": " mess.", "rejected": " lovely."},
+          {"prompt": "Review: it", "chosen": " was dull.", "rejected": " was fine."},
+          {"prompt": "Review: the plot", "chosen": " drags on and on, and the cast looks bored all the way to the end.",
+           "rejected": " is fine."}]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_padding_free_bins_give_the_padded_loss_and_gradient(family, tmp_path):
+    "padding_free packs whole sequences into bins (every real token once, none split across bins, short ones sharing a bin) and gives the padded batch's DPO loss and gradient."
+    import copy
+    from datasets import Dataset
+    from _families import BY_NAME, build_causal
+    from instruct_goose.toy import task_tokenizer
+    from instruct_goose.dpo import DPOConfig, DPOTrainer, pack_bins, pack_layout
+    tok = task_tokenizer()
+    policy, ref = build_causal(BY_NAME[family], tok, seed=0), build_causal(BY_NAME[family], tok, seed=1)
+    trainer = DPOTrainer(policy, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path), max_length=256), processing_class=tok,
+                         train_dataset=Dataset.from_list(RAGGED))
+    batch, n_pairs = trainer.encode(trainer.train_dataset[:])
+    ids, mask = batch[0], batch[1]
+    lengths = mask.sum(1)
+    bins = pack_bins(lengths.tolist(), int(lengths.max()))
+    assert sorted(i for b in bins for i in b) == list(range(len(ids))) and len(bins) < len(ids)   # short sequences share bins
+    slot, position, segment = pack_layout(mask)
+    real = mask.bool()
+    assert len(slot.unique()) == int(real.sum())                                     # every real token in exactly one slot
+    row = torch.repeat_interleave(torch.arange(len(ids)), lengths)
+    assert torch.equal(segment.flatten()[slot], row)                                 # in its own sequence's segment
+    for r in range(len(ids)):                                                        # a sequence is contiguous in one bin
+        where = slot[row == r]
+        assert len(set((where // segment.shape[1]).tolist())) == 1 and torch.equal(where.diff(), torch.ones(len(where) - 1, dtype=where.dtype))
+    assert (segment == -1).sum() == segment.numel() - real.sum()                     # the rest are pads
+    assert ((segment >= 0).int().diff(dim=1) <= 0).all()                           # real tokens first in each bin
+    results = []
+    for padding_free in (False, True):
+        trainer.args = DPOConfig(output_dir=str(tmp_path), max_length=256, padding_free=padding_free, loss_type=["sigmoid", "sft"], use_weighting=True)
+        model = trainer.model
+        model.zero_grad()
+        loss_sum, stats = trainer.pair_loss_sum(model, batch)
+        (loss_sum / n_pairs).backward()
+        results.append((loss_sum.item(), stats, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (padded, padded_stats, padded_grad), (packed, packed_stats, packed_grad) = results
+    assert packed == pytest.approx(padded, rel=1e-6, abs=1e-6)
+    for key, value in padded_stats.items(): assert float(packed_stats[key].detach()) == pytest.approx(float(value.detach()), rel=1e-5, abs=1e-6), key
+    scale = max(g.abs().max().item() for g in padded_grad.values())
+    assert scale > 0 and max((packed_grad[n] - g).abs().max().item() for n, g in padded_grad.items()) <= 1e-5 * max(scale, 1.0)
