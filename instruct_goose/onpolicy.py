@@ -436,6 +436,16 @@ def _prompt_columns(
     if "prompt" not in columns: raise ValueError(f"`rows` needs a 'prompt' column; it has {sorted(columns)}")
     return {name: [v for v in values for _ in range(repeat)] for name, values in columns.items()}
 
+# %% ../nbs/08_onpolicy.ipynb #5e0b7c1a
+@patch
+def prompt_texts(
+    self: OnPolicyTrainer,
+    prompts: list,           # texts or conversations
+) -> list[str]:              # what the policy reads
+    "The prompts rendered as sampling reads them (`prompt_text`): with the config's `chat_template_kwargs` and, with `tools`, their schemas."
+    render = prompt_text if self.tools is None else self.tools.prompt_text
+    return [render(self.processing_class, p, **(self.args.chat_template_kwargs or {})) for p in prompts]
+
 # %% ../nbs/08_onpolicy.ipynb #2d1c8a1c
 @patch
 @torch.no_grad()
@@ -450,8 +460,7 @@ def sample_and_score(
     "Render the prompts (`prompt_text`), sample a response each (in chunks), decode, score with the reward and the rows' other columns, subtract `missing_eos_penalty` where no stop came."
     c, tok, columns = self.args, self.processing_class, _prompt_columns(rows)
     prompts = columns.pop("prompt")
-    template = c.chat_template_kwargs or {}
-    texts = [prompt_text(tok, p, **template) if self.tools is None else self.tools.prompt_text(tok, p, **template) for p in prompts]   # with tools: their schemas too
+    texts = self.prompt_texts(prompts)
     device = next(model.parameters()).device
     q_ids, q_mask = (t.to(device) for t in encode_prompts(tok, texts, c.max_prompt_length))
     def sample(ids, mask, rows):
@@ -502,7 +511,7 @@ def check_prompt_lengths(self: OnPolicyTrainer):
     for data in (self.train_dataset, self.eval_dataset):
         if data is None: continue
         prompts = data["prompt"] if isinstance(data, Dataset) else [row["prompt"] for row in data]
-        lengths = [len(ids) for ids in tok([prompt_text(tok, p) for p in prompts], add_special_tokens=False).input_ids]
+        lengths = [len(ids) for ids in tok(self.prompt_texts(prompts), add_special_tokens=False).input_ids]   # as sampling renders them
         if c.max_prompt_length is not None: warn_cut_prompts(lengths, c.max_prompt_length)
         elif budget is not None and max(lengths) > budget:
             raise ValueError(f"the longest prompt has {max(lengths)} tokens: with `{length}`={c.response_length} it does not fit the model's "
@@ -514,10 +523,7 @@ def check_ready(self: OnPolicyTrainer):
     "Refuse to start training without what it needs, naming what is missing."
     for name, argument in (("tokenizer", "processing_class"), ("reward_model", "reward_funcs"), ("train_dataset", "train_dataset")):
         if getattr(self, name) is None: raise ValueError(f"`{argument}` is needed to train: pass it to {type(self).__name__}(...)")
-    for data in (self.train_dataset, self.eval_dataset):
-        if data is not None: prompt_text(self.processing_class, data[0]["prompt"], **(self.args.chat_template_kwargs or {}))   # conversations need a chat template: fail before any work
-    c = self.args
-    self.check_prompt_lengths()                                          # prompt + response must fit the context; cuts are announced
+    self.check_prompt_lengths()   # renders every prompt (conversations need a chat template: fail before any work); prompt + response must fit the context
     if self.args.rollout_size % self.samples_per_prompt:
         raise ValueError(f"a rollout of {self.args.rollout_size} responses (per_device_train_batch_size × "
                          f"gradient_accumulation_steps × num_mini_batches) is not a multiple of {self.samples_per_prompt} per prompt")

@@ -163,6 +163,17 @@ def test_tool_tokens_change_neither_loss_nor_gradient(kind, tok, tmp_path):
     if kind == "grpo": assert grad[1][~tool & samples.response_mask].abs().max() > 0   # the entropy bonus reaches the entropy
 
 
+def test_prompt_length_check_counts_the_tool_schemas(tok, tmp_path):
+    "The context check renders prompts as sampling does, the tools' schemas included: a prompt that fits only without them is refused."
+    from instruct_goose.data import prompt_text
+    trainer = _trainer("grpo", tok, tmp_path)
+    prompt = [{"role": "user", "content": "12*34="}]
+    with_schemas, plain = (len(tok(text, add_special_tokens=False).input_ids) for text in (trainer.prompt_texts([prompt])[0], prompt_text(tok, prompt)))
+    assert with_schemas > plain + 10 and "calculator" in trainer.prompt_texts([prompt])[0]
+    trainer.args.response_length = 320 - (with_schemas + plain) // 2      # room for the plain prompt, not for the one sampling reads
+    with pytest.raises(ValueError, match=f"the longest prompt has {with_schemas} tokens"): trainer.check_prompt_lengths()
+
+
 def test_trl_tool_calling_example_runs_with_the_import_changed(tok, tmp_path):
     "examples/trl_style/grpo_tools.py: TRL's agent-training example (tools=[multiply]) on a tiny model whose chat template renders tools."
     tok.save_pretrained(tmp_path / "model")
