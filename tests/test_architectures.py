@@ -7,7 +7,8 @@ no-repeat n-grams). The expected numbers need no reference implementation:
 
 - a PPO/RLOO step's first epoch scores the rollout with the very policy that sampled it: ratio 1, variance 0, approx-KL 0
   (with the rollout's pass made apart, `keeps_first_pass=False`: a kept pass would make the ratio 1 by construction);
-- log π_old, as the library computes it, is the log-probability `generate` actually sampled from (its processed scores);
+- log π_old, as the library computes it, is the log-probability `generate` actually sampled from (its processed scores),
+  and `decode`, our own sampling loop, samples what `generate` samples wherever it takes the model;
 - left padding and batching change nothing but float error;
 - a reward model scores like the 🤗 classifier it was built from, and what it saves loads back to the same scores,
   with `RewardModel.from_pretrained` and with plain `AutoModelForSequenceClassification`.
@@ -15,6 +16,7 @@ no-repeat n-grams). The expected numbers need no reference implementation:
 The whole SFT → RM → PPO → RLOO pipeline runs by default for two families (Llama: rotary/GQA, the shape of most
 current checkpoints; OPT: dropout held in float attributes); the others are marked `slow` (run them with `-m ""`).
 """
+import contextlib
 import copy
 import functools
 import math
@@ -27,6 +29,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from instruct_goose import (Agent, RewardConfig, RewardModel, RewardTrainer, RLHFConfig, RLHFTrainer, RLOOConfig,
                             RLOOTrainer, SFTConfig, SFTTrainer, create_reference_model, encode_prompts, eval_mode, generate_responses, load_task,
                             logprobs_from_logits, packed_linears, response_logits, task_tokenizer)
+from instruct_goose import decoding
+from instruct_goose.decoding import decode, decoding_refusal
 
 from _families import BY_NAME, CAUSAL, ENCODERS, build_causal, build_classifier
 
@@ -126,7 +130,7 @@ def test_sampled_distribution_is_the_scored_one(family, causal, tokenizer):
     captured = capture_generate_scores(agent.model)
     q, m = encode_prompts(tokenizer, PROMPTS)
     torch.manual_seed(0)
-    r, rm = agent.generate(q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, temperature=1.0)
+    r, rm = agent.generate(q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, temperature=1.0, own_decoder=False)
     scores = captured[0].float()
     steps = scores.shape[1]
     sampled = F.log_softmax(scores, -1).gather(-1, r[:, :steps, None]).squeeze(-1)
@@ -146,7 +150,8 @@ def test_static_cache_samples_the_same_tokens(family, causal, tokenizer):
     samples = []
     for static in (False, True):
         torch.manual_seed(0)
-        samples.append(generate_responses(model, q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, static_cache=static))
+        samples.append(generate_responses(model, q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, static_cache=static,
+                                          own_decoder=False))
     assert torch.equal(samples[0][0], samples[1][0]) and torch.equal(samples[0][1], samples[1][1]), family
 
 
@@ -157,14 +162,65 @@ def test_packed_linears_sample_the_same_tokens(family, causal, tokenizer):
     q, m = encode_prompts(tokenizer, PROMPTS)
     with torch.no_grad():
         plain = model(input_ids=q, attention_mask=m).logits
-        with packed_linears(model, len(q)): packed = model(input_ids=q, attention_mask=m).logits
+        with packed_linears(model, len(q), min_features=1): packed = model(input_ids=q, attention_mask=m).logits   # the tiny layers too
     torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-5)
     assert not any("forward" in vars(layer) for layer in model.modules())           # every layer's own forward is back
     samples = []
     for pack in (False, True):
         torch.manual_seed(0)
-        samples.append(generate_responses(model, q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, packed=pack))
+        with torch.no_grad(), packed_linears(model, len(q), min_features=1) if pack else contextlib.nullcontext():
+            samples.append(generate_responses(model, q, m, 12, tokenizer.eos_token_id, tokenizer.pad_token_id, packed=False))
     assert torch.equal(samples[0][0], samples[1][0]) and torch.equal(samples[0][1], samples[1][1]), family
+
+
+# ------------------------------------------------------- 2b. our own decoding loop samples what `generate` samples
+
+OWN_DECODING = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"]
+
+
+def test_decode_takes_the_families_it_has_a_step_for(causal):
+    for family in CAUSAL_NAMES:
+        refusal = decoding_refusal(causal(family), 64)
+        assert (refusal is None) == (family in OWN_DECODING), (family, refusal)
+
+
+@contextlib.contextmanager
+def drawing_with(draw):
+    "Inside the block `decode` draws its tokens with `draw(p)` (probabilities, one row per live response)."
+    saved, decoding._draw = decoding._draw, draw
+    try: yield
+    finally: decoding._draw = saved
+
+
+@pytest.mark.parametrize("options", [{}, dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.1)],
+                         ids=["defaults", "chat-options"])
+@pytest.mark.parametrize("family", OWN_DECODING)
+def test_decode_samples_the_tokens_generate_samples(family, options, causal, tokenizer):
+    "With 🤗's draw (`torch.multinomial`) and the same seed, `decode` gives `generate`'s very tokens (no stop: the stop id is never drawn)."
+    model = causal(family)
+    q, m = encode_prompts(tokenizer, PROMPTS)
+    never = model.config.vocab_size
+    samples = []
+    for own in (False, True):
+        torch.manual_seed(0)
+        with drawing_with(lambda p: torch.multinomial(p, 1).squeeze(1)):
+            samples.append(generate_responses(model, q, m, 12, never, tokenizer.pad_token_id, own_decoder=own, **options)[0])
+    assert torch.equal(samples[0], samples[1]), family
+
+
+@pytest.mark.parametrize("family", OWN_DECODING)
+def test_decode_draws_from_the_scored_distribution(family, causal, tokenizer):
+    "Each token's probability as `decode` drew it = exp log π_old as `Agent.response_stats` scores it (T = 0.7)."
+    agent = Agent(causal(family))
+    q, m = encode_prompts(tokenizer, PROMPTS)
+    drawn, inverse_cdf = [], decoding._draw
+    torch.manual_seed(0)
+    with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)):
+        r, rm = generate_responses(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, temperature=0.7)
+    assert rm.all() and len(drawn) == 10
+    sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
+    scored = agent.response_stats(q, m, r, rm, temperature=0.7, entropy="skip").logprobs
+    assert (sampled - scored).abs().max().item() <= 1e-5, family
 
 
 # ------------------------------------------------------------------------ 3. left padding and batching change nothing
