@@ -142,7 +142,7 @@ def patch_optimizer(clock):
 # ---------------------------------------------------------------- our side
 def run_ours(algo, a, tok, out, clock):
     import torch
-    import instruct_goose.trainer as tm
+    import instruct_goose.onpolicy as tm
     from instruct_goose import (Agent, GRPOConfig, GRPOTrainer, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
                                 RewardModel, create_reference_model)
     from instruct_goose.loop import TrainLoop
@@ -290,8 +290,10 @@ def apply_levers(levers):
     import torch
     import instruct_goose.agent as am
     import instruct_goose.core as cm
+    import instruct_goose.generation as gm
+    import instruct_goose.ppo as pm
     import instruct_goose.rloo as rm
-    import instruct_goose.trainer as tm
+    import instruct_goose.onpolicy as tm
     for lever in levers or []:
         if lever == "logprobs_fused":
             # one log_softmax over the whole (batch, resp, vocab) block instead of a Python loop over rows
@@ -315,19 +317,24 @@ def apply_levers(levers):
                 for name in dir(m):
                     f = getattr(m, name)
                     if callable(f) and not isinstance(f, type): setattr(m, name, unchecked(f))
-            for cls in (am.Agent, tm.RLHFTrainer):
+            for cls in (am.Agent, tm.OnPolicyTrainer, pm.RLHFTrainer):
                 for name, f in list(vars(cls).items()):
                     if callable(f): setattr(cls, name, unchecked(f))
         elif lever == "static_cache":
             # sampling with a static KV cache (transformers compiles the decoding step on CUDA)
-            gen = am.generate_responses
-            def generate_static(*x, **k): return gen(*x, cache_implementation="static", **k)
-            am.generate_responses = tm.generate_responses = generate_static
+            gen = gm.generate_responses
+            def generate_static(*x, **k): return gen(*x, **{**k, "static_cache": True, "own_decoder": False})
+            tm.generate_responses = generate_static
         elif lever == "unpacked":
             # the 🤗 default linear layers while sampling on the CPU (the library packs them for oneDNN: `packed_linears`)
-            gen = am.generate_responses
+            gen = gm.generate_responses
             def generate_unpacked(*x, **k): return gen(*x, packed=False, **k)
-            am.generate_responses = tm.generate_responses = generate_unpacked
+            tm.generate_responses = generate_unpacked
+        elif lever == "hf_generate":
+            # 🤗 `generate` samples, as before `decode` (the library's own decoding loop, on by default on the CPU)
+            gen = gm.generate_responses
+            def generate_hf(*x, **k): return gen(*x, **{**k, "own_decoder": False})
+            tm.generate_responses = generate_hf
         elif lever == "unfused":
             # GPT-2's GELU as 🤗 writes it, seven tensor operations (the library runs PyTorch's fused kernel: `fuse_activations`)
             import instruct_goose.loop as lm
@@ -508,7 +515,7 @@ def main():
     p.add_argument("--trl_ppo_path", default=os.environ.get("TRL_PPO_PATH", "/tmp/trl112"),
                    help="a --target install of trl==1.12.0 (for PPO; RLOO uses the installed TRL)")
     p.add_argument("--tok_dir", help="a tokenizer saved by an earlier run (else one is trained)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache; or take one back: unpacked, no_kept_pass, unfused")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache; or take one back: unpacked, no_kept_pass, unfused, hf_generate")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--json", help="write the results here")
