@@ -53,10 +53,14 @@ def setup(work: str):
     return tokenizer, sft, [proxy(seed) for seed in (0, 1, 2)], labels
 
 
-def measure(policy, sft, tokenizer, prompts: list, proxy) -> dict:
+# `sampler`: "decode", the library's own sampling loop (the default on the CPU), or "generate", 🤗 `generate` with its
+# dynamic cache (TRL's `cache_implementation="dynamic"`), which the saved sweep (nbs/overoptimisation_ppo.json) used:
+# the same distribution, other random numbers.
+def measure(policy, sft, tokenizer, prompts: list, proxy, sampler: str = "decode") -> dict:
     "KL to the SFT model, proxy and gold score, completion length (tokens) of the policy on held-out prompts; the random state is left as it was."
     with torch.random.fork_rng():
-        metrics, records = evaluate_policy(policy, sft, tokenizer, prompts, proxy, gold=gold_score, response_length=16, seed=0)
+        metrics, records = evaluate_policy(policy, sft, tokenizer, prompts, proxy, gold=gold_score, response_length=16, seed=0,
+                                           sampling={"static_cache": False} if sampler == "generate" else None)
     lengths = [len(tokenizer(r["policy"], add_special_tokens=False)["input_ids"]) for r in records]
     return {"kl": metrics["eval/kl"], "sqrt_kl": math.sqrt(max(metrics["eval/kl"], 0.0)), "proxy": metrics["eval/reward"],
             "gold": metrics["eval/gold"], "length": sum(lengths) / len(lengths)}
@@ -75,10 +79,11 @@ class Curve:
 
 
 def ppo_curve(reward, sft, tokenizer, proxy, eval_prompts: list, kl_coef: float, steps: int, every: int, work: str,
-              seed: int = 0, batch_size: int = 16, learning_rate: float = 1e-3) -> list[dict]:
+              seed: int = 0, batch_size: int = 16, learning_rate: float = 1e-3, sampler: str = "decode") -> list[dict]:
     "Train PPO against `reward` for `steps` steps from the SFT model; the policy measured every `every` steps (`measure`)."
-    curve = Curve(every, lambda policy: measure(policy, sft, tokenizer, eval_prompts, proxy))
+    curve = Curve(every, lambda policy: measure(policy, sft, tokenizer, eval_prompts, proxy, sampler))
     args = RLHFConfig(output_dir=work, kl_coef=kl_coef, learning_rate=learning_rate, lr_scheduler_type="constant",
+                      cache_implementation="dynamic" if sampler == "generate" else None,
                       per_device_train_batch_size=batch_size, total_episodes=steps * batch_size, response_length=16,
                       num_sample_generations=0, disable_tqdm=True, seed=seed, logging_steps=every)
     trainer = RLHFTrainer(Agent(copy.deepcopy(sft)), args=args, processing_class=tokenizer, reward_funcs=reward,
@@ -94,6 +99,8 @@ def main():
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--kl_coefs", default="0.1,0.3", help="the KL coefficients β > 0 of the proxy's extra runs")
     parser.add_argument("--learning_rate", type=float, default=1e-4)
+    parser.add_argument("--sampler", choices=["decode", "generate"], default="decode",
+                        help="the library's own sampling loop, or 🤗 generate (what nbs/overoptimisation_ppo.json was made with)")
     a = parser.parse_args()
     torch.set_num_threads(1)
     start, work = time.perf_counter(), tempfile.mkdtemp()
@@ -105,10 +112,11 @@ def main():
     curves = {}
     for i, (name, (reward, kl_coef)) in enumerate(runs.items()):
         curves[name] = ppo_curve(reward, sft, tokenizer, proxies[0], eval_prompts, kl_coef, a.steps, a.every, f"{work}/ppo{i}",
-                                 learning_rate=a.learning_rate)
+                                 learning_rate=a.learning_rate, sampler=a.sampler)
         print(f"{name}: {time.perf_counter() - start:.0f} s", {k: round(v, 3) for k, v in curves[name][-1].items()}, flush=True)
     settings = {"command": f"python examples/overoptimisation_sweep.py --out {a.out} --steps {a.steps} --every {a.every} "
-                           f"--kl_coefs {a.kl_coefs} --learning_rate {a.learning_rate:g}",
+                           f"--kl_coefs {a.kl_coefs} --learning_rate {a.learning_rate:g} --sampler {a.sampler}",
+                "sampler": a.sampler,
                 "seeds": {"sft": 0, "proxies": [0, 1, 2], "labeller_coin": 0, "ppo": 0, "eval_sampling": 0},
                 "ppo": {"learning_rate": a.learning_rate, "lr_scheduler_type": "constant", "per_device_train_batch_size": 16, "response_length": 16,
                         "steps": a.steps, "kl_coef": {name: kl for name, (_, kl) in runs.items()}},
