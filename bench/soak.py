@@ -15,7 +15,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from instruct_goose import Agent, RLHFConfig, RLHFTrainer, create_reference_model, gold_score, load_task, task_tokenizer, tiny_causal_lm
-from instruct_goose.cli import plot_curves
+from instruct_goose.cli import plot_metrics
 
 
 def main():
@@ -58,7 +58,7 @@ def main():
               f"{row['loss/ptx_avg']:>7.3f} {rss[row['step']] / 2**20:>8.1f}")
     out = Path(args.output_dir)
     (out / "soak.json").write_text(json.dumps({"rss": rss, "history": history, "seconds": seconds}, indent=0))
-    plot_curves(history, out / "soak_curves.png", ("objective/scores", "objective/kl", "objective/kl_coef", "loss/ptx_avg"))
+    plot_metrics(history, out / "soak_curves.png", ["objective/scores", "objective/kl", "objective/kl_coef", "loss/ptx_avg"])
 
 
 if __name__ == "__main__":
