@@ -82,6 +82,11 @@ def _base_lm(model: nn.Module) -> nn.Module:
     "The 🤗 causal LM inside a peft model (the model itself otherwise)."
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
+def _step_for(lm: nn.Module):
+    "The decoding step of `lm`'s family, looked up along its class's bases (FSDP2 makes a model an instance of a subclass of its own class); None if there is none, or if a subclass has its own `forward`."
+    family = next((cls for cls in type(lm).__mro__ if cls.__name__ in _STEPS), None)
+    return None if family is None or type(lm).forward is not family.forward else _STEPS[family.__name__]
+
 # %% ../nbs/03a_decoding.ipynb #d3c0a017
 def decoding_refusal(
     model: nn.Module,  # a 🤗 causal LM, or a peft model around one
@@ -90,7 +95,7 @@ def decoding_refusal(
     "Why `decode` cannot sample from `model` at this length, in a few words (None when it can)."
     lm = _base_lm(model)
     c, name = lm.config, type(lm).__name__
-    if name not in _STEPS: return f"{name} has no decoding step here (GPT-2 and the Llama family do)"
+    if _step_for(lm) is None: return f"{name} has no decoding step here (GPT-2 and the Llama family do)"
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False): return "prompt-learning adapters add virtual tokens"
     if any(t != "full_attention" for t in getattr(c, "layer_types", None) or ()): return "sliding-window attention layers"
     if getattr(c, "sliding_window", None) and length > c.sliding_window: return f"{length} positions exceed the sliding window ({c.sliding_window})"
@@ -153,7 +158,7 @@ def decode(
     (B, P), dev = query_ids.shape, query_ids.device
     valid = torch.cat([query_attention_mask.bool(), torch.ones(B, max_new_tokens, dtype=torch.bool, device=dev)], 1)  # keys a position may read
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-    cache, step = KVCache(lm.config.num_hidden_layers, P + max_new_tokens), _STEPS[type(lm).__name__]
+    cache, step = KVCache(lm.config.num_hidden_layers, P + max_new_tokens), _step_for(lm)
     causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
     reads = causal & valid[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)        # the real tokens at or before; a pad reads itself
     logits = step(lm, query_ids, pos[:, :P], cache, 0, reads[:, None])
