@@ -92,3 +92,23 @@ def test_goose_rloo_with_lora(base_dir, tmp_path):
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["c_attn", "c_fc"]
     assert AutoModelForCausalLM.from_pretrained(out) is not None               # 🤗 loads base + adapter on its own
+
+
+def test_decode_samples_through_the_adapters(base_dir):
+    "`decode` calls the adapted layers: each token is drawn with the LoRA policy's probability (as `Agent.response_stats` scores it), not the base's."
+    from instruct_goose import decoding, encode_prompts, generate_responses
+    tok = task_tokenizer()
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                                         init_lora_weights=False))   # adapters that change the output
+    assert decoding.decoding_refusal(model, 64) is None
+    q, m = encode_prompts(tok, ["Review: The editing in this western", "Review: a"])
+    drawn, inverse_cdf = [], decoding._draw
+    decoding._draw = lambda p: drawn.append(p) or inverse_cdf(p)
+    try: r, rm = generate_responses(model, q, m, 8, len(tok) + 1, tok.pad_token_id)   # a stop id never drawn: 8 steps each
+    finally: decoding._draw = inverse_cdf
+    sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
+    scored = Agent(model).response_stats(q, m, r, rm, entropy="skip").logprobs
+    assert (sampled - scored).abs().max().item() <= 1e-5
+    with model.disable_adapter(): base = Agent(model).response_stats(q, m, r, rm, entropy="skip").logprobs
+    assert (sampled - base).abs().max().item() > 1e-2                   # the adapters do change the distribution
