@@ -93,6 +93,17 @@ def check_generation_kwargs(
     return kwargs
 
 
+# %% ../nbs/03b_generation.ipynb #aca1722b
+def _hf_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, static_cache, sampling, generate_kwargs):
+    "🤗 `generate` with our sampling options only (the model's `generation_config` set aside), the response padded to `max_new_tokens`."
+    config = GenerationConfig(do_sample=True, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id, eos_token_id=stop_token_ids, **sampling)
+    if query_ids.is_cuda if static_cache is None else static_cache:   # sized up to a multiple of 64: the next chunk reuses it
+        config.cache_implementation, config.max_cache_len = "static", -(-(query_ids.shape[1] + max_new_tokens) // 64) * 64
+    with own_generation_config(model):
+        out = model.generate(input_ids=query_ids, attention_mask=query_attention_mask.long(), generation_config=config,
+                             **config.update(**generate_kwargs))   # GenerationConfig options go into the config, the rest to `generate`
+    return F.pad(out[:, query_ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - query_ids.shape[1])), value=pad_token_id)  # all rows stopped early
+
 # %% ../nbs/03b_generation.ipynb #aca1722a
 @torch.no_grad()
 @typecheck
@@ -116,25 +127,19 @@ def generate_responses(
     "Sample one response per prompt from softmax(z / T), narrowed by top-k/top-p/min-p and a repetition penalty when asked (the model's own `generation_config` ignored), cut after its first stop token, pad to `max_new_tokens`."
     _check_left_padded(query_attention_mask)
     check_number("max_new_tokens", max_new_tokens, low=1)
+    check_number("temperature", temperature, low_open=True)
     check_sampling(top_p, top_k, min_p, repetition_penalty)
-    config = GenerationConfig(do_sample=True, temperature=check_number("temperature", temperature, low_open=True),
-                              top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
-                              eos_token_id=stop_token_ids)
     refusal = (decoding_refusal(model, query_ids.shape[1] + max_new_tokens) or (generate_kwargs and "`generate_kwargs` are 🤗 generate's")
                or (static_cache is False and "🤗's dynamic cache was asked for (static_cache=False)"))
     if own_decoder and refusal: raise ValueError(f"`own_decoder=True`, but `decode` cannot sample from this model: {refusal}")
     if own_decoder is None: own_decoder = not refusal and query_ids.device.type == "cpu"
-    if query_ids.is_cuda if static_cache is None else static_cache:   # sized up to a multiple of 64: the next chunk reuses it
-        config.cache_implementation, config.max_cache_len = "static", -(-(query_ids.shape[1] + max_new_tokens) // 64) * 64
     if packed is None: packed = query_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-    with eval_mode(model), own_generation_config(model), packed_linears(model, len(query_ids)) if packed else nullcontext():
-        if own_decoder: return truncate_after_stop(decode(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id,
-                                                          temperature, top_k, top_p, min_p, repetition_penalty), stop_token_ids, pad_token_id)
-        out = model.generate(input_ids=query_ids, attention_mask=query_attention_mask.long(), generation_config=config,
-                             **config.update(**generate_kwargs))   # GenerationConfig options go into the config, the rest to `generate`
-    response = out[:, query_ids.shape[1]:]
-    response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_token_id)  # all rows stopped early
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
+    with eval_mode(model), packed_linears(model, len(query_ids)) if packed else nullcontext():
+        response = (decode(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, **sampling) if own_decoder else
+                    _hf_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, static_cache, sampling, generate_kwargs))
     return truncate_after_stop(response, stop_token_ids, pad_token_id)
+
 
 # %% ../nbs/03b_generation.ipynb #587fffec
 @patch

@@ -30,7 +30,7 @@ from instruct_goose import (Agent, RewardConfig, RewardModel, RewardTrainer, RLH
                             RLOOTrainer, SFTConfig, SFTTrainer, create_reference_model, encode_prompts, eval_mode, generate_responses, load_task,
                             logprobs_from_logits, packed_linears, response_logits, task_tokenizer)
 from instruct_goose import decoding
-from instruct_goose.decoding import decode, decoding_refusal
+from instruct_goose.decoding import decoding_refusal, drawing_with
 
 from _families import BY_NAME, CAUSAL, ENCODERS, build_causal, build_classifier
 
@@ -182,14 +182,6 @@ def test_decode_takes_the_families_it_has_a_step_for(causal):
     for family in CAUSAL_NAMES:
         refusal = decoding_refusal(causal(family), 64)
         assert (refusal is None) == (family in OWN_DECODING), (family, refusal)
-
-
-@contextlib.contextmanager
-def drawing_with(draw):
-    "Inside the block `decode` draws its tokens with `draw(p)` (probabilities, one row per live response)."
-    saved, decoding._draw = decoding._draw, draw
-    try: yield
-    finally: decoding._draw = saved
 
 
 @pytest.mark.parametrize("options", [{}, dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.1)],

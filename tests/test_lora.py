@@ -96,7 +96,7 @@ def test_goose_rloo_with_lora(base_dir, tmp_path):
 
 def test_decode_samples_through_the_adapters(base_dir):
     "`decode` calls the adapted layers: each token is drawn with the LoRA policy's probability (as `Agent.response_stats` scores it), not the base's."
-    from instruct_goose import decoding, encode_prompts, generate_responses
+    from instruct_goose import decoding, drawing_with, encode_prompts, generate_responses
     tok = task_tokenizer()
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
@@ -104,9 +104,8 @@ def test_decode_samples_through_the_adapters(base_dir):
     assert decoding.decoding_refusal(model, 64) is None
     q, m = encode_prompts(tok, ["Review: The editing in this western", "Review: a"])
     drawn, inverse_cdf = [], decoding._draw
-    decoding._draw = lambda p: drawn.append(p) or inverse_cdf(p)
-    try: r, rm = generate_responses(model, q, m, 8, len(tok) + 1, tok.pad_token_id)   # a stop id never drawn: 8 steps each
-    finally: decoding._draw = inverse_cdf
+    with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)):
+        r, rm = generate_responses(model, q, m, 8, len(tok) + 1, tok.pad_token_id)   # a stop id never drawn: 8 steps each
     sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
     scored = Agent(model).response_stats(q, m, r, rm, entropy="skip").logprobs
     assert (sampled - scored).abs().max().item() <= 1e-5
