@@ -4,14 +4,21 @@ bandwidth of a large copy measured here), which a decoding step cannot beat when
 
 Shapes (random weights from a config, seed 0): `tiny` = the benches' 2-layer, 64-wide GPT-2 (vocabulary 512), `llama`
 = a 2-layer, 64-wide Llama with grouped-query attention (4 query heads, 2 key heads), `gpt2-small` = GPT-2 with 12 layers,
-768 wide, a 32,000-token vocabulary. Prompts: `--batch` rows of random ids, 40 wide, the first half of the rows
+768 wide, a 32,000-token vocabulary, `0.5b` = Qwen2-0.5B's shape (24 layers, 896 wide, 14 heads / 2 KV heads, MLP 4864,
+151,936 tokens; for a GPU). Prompts: `--batch` rows of random ids, 40 wide, the first half of the rows
 left-padded by 8. No row stops (the stop id is never drawn), so both sides run `--tokens` steps. Runs alternate our loop
 and 🤗's, `--reps` times each, in one process; each prints milliseconds per new token (the prefill included, divided
 by the number of new tokens). Both sides sample with the library's defaults otherwise: fused GELU, packed linear layers
 where the layers are wide enough (`packed_linears`).
 
+On a GPU (`--device cuda`, weights in `--dtype`, bf16 by default there) a third side runs: `decode` with each step
+replayed from a CUDA graph (`graphs=True`, its default there), beside the plain loop (`graphs=False`) and 🤗
+`generate` with a static cache (which 🤗 compiles, CUDA graphs included); the floor's bandwidth is a large
+device-to-device copy's, counting bytes read and written.
+
     OMP_NUM_THREADS=1 .venv/bin/python bench/decode_speed.py --shapes tiny llama --batch 16 --tokens 32 --reps 5
     OMP_NUM_THREADS=2 .venv/bin/python bench/decode_speed.py --shapes gpt2-small --batch 8 --tokens 64 --reps 3
+    python3 bench/decode_speed.py --device cuda --shapes gpt2-small 0.5b --batch 8 --tokens 256 --reps 3
 """
 import argparse, statistics, time, warnings
 
@@ -25,51 +32,62 @@ def build(shape):
     if shape == "llama":
         return T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                                 intermediate_size=128, vocab_size=512))
+    if shape == "0.5b":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(num_hidden_layers=24, hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True))
     return T.GPT2LMHeadModel(T.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=32000))
 
 
-def bandwidth(mb=512, reps=5):
+def bandwidth(device="cpu", mb=512, reps=5):
     "Bytes per second of a large tensor copy (it reads and writes each byte once), the best of `reps`."
-    x = torch.empty(mb * 2**20 // 4); y = torch.empty_like(x)
+    x = torch.empty(mb * 2**20 // 4, device=device); y = torch.empty_like(x)
     best = min(_time(lambda: y.copy_(x)) for _ in range(reps))
     return 2 * x.numel() * 4 / best
 
 
 def _time(fn):
-    t = time.perf_counter(); fn(); return time.perf_counter() - t
+    if torch.cuda.is_available(): torch.cuda.synchronize()
+    t = time.perf_counter(); fn()
+    if torch.cuda.is_available(): torch.cuda.synchronize()
+    return time.perf_counter() - t
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", nargs="+", default=["tiny", "llama"], choices=["tiny", "llama", "gpt2-small"])
+    p.add_argument("--shapes", nargs="+", default=["tiny", "llama"], choices=["tiny", "llama", "gpt2-small", "0.5b"])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="the weights' dtype (default: fp32 on the CPU, bf16 on a GPU)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
     a = p.parse_args()
     warnings.filterwarnings("ignore"); T.utils.logging.set_verbosity_error()
-    from instruct_goose import generate_responses
+    from instruct_goose import decode, generate_responses
     from instruct_goose.levers import fuse_activations
-    bw = bandwidth()
-    print(f"torch {torch.__version__}, transformers {T.__version__}, {torch.get_num_threads()} threads; copy bandwidth {bw / 1e9:.1f} GB/s")
-    print(f"{'shape':<11} {'ours ms/token':>14} {'🤗 ms/token':>12} {'🤗/ours':>8} {'floor ms':>9} {'ours/floor':>10}")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype or ("bf16" if a.device == "cuda" else "fp32")]
+    bw = bandwidth(a.device)
+    print(f"torch {torch.__version__}, transformers {T.__version__}, {a.device} {torch.cuda.get_device_name() if a.device == 'cuda' else ''}"
+          f"{torch.get_num_threads()} threads, {dtype}; copy bandwidth {bw / 1e9:.1f} GB/s")
+    sides = {"ours": lambda *args: generate_responses(*args, own_decoder=True), "🤗": lambda *args: generate_responses(*args, own_decoder=False)}
+    if a.device == "cuda": sides["ours, no graphs"] = lambda *args: decode(*args, graphs=False)
+    print(f"{'shape':<11}" + "".join(f"{s + ' ms/token':>22}" for s in sides) + f" {'🤗/ours':>8} {'floor ms':>9} {'ours/floor':>10}")
     for shape in a.shapes:
-        model = fuse_activations(build(shape).eval())
+        model = fuse_activations(build(shape).eval()).to(a.device, dtype)
         vocab = model.config.vocab_size
-        q = torch.randint(3, vocab, (a.batch, 40))
+        q = torch.randint(3, vocab, (a.batch, 40), device=a.device)
         m = torch.ones_like(q); m[: a.batch // 2, :8] = 0
         never = vocab                                           # a stop id never drawn: every row runs --tokens steps
-        times = {True: [], False: []}
-        for own in (True, False):                               # warm-up
-            generate_responses(model, q, m, 4, never, 0, own_decoder=own)
+        times = {s: [] for s in sides}
+        for run in sides.values(): run(model, q, m, 4, never, 0)   # warm-up (🤗: its compilation)
         for r in range(a.reps):
-            for own in ((True, False) if r % 2 == 0 else (False, True)):
+            for s in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                 torch.manual_seed(r)
-                times[own].append(_time(lambda: generate_responses(model, q, m, a.tokens, never, 0, own_decoder=own)) / a.tokens * 1e3)
-        ours, theirs = statistics.median(times[True]), statistics.median(times[False])
+                times[s].append(_time(lambda: sides[s](model, q, m, a.tokens, never, 0)) / a.tokens * 1e3)
+        med = {s: statistics.median(t) for s, t in times.items()}
+        ours, theirs = med["ours"], med["🤗"]
         floor = sum(t.numel() * t.element_size() for t in model.parameters()) / bw * 1e3    # tied weights once
-        print(f"{shape:<11} {ours:>14.2f} {theirs:>12.2f} {theirs / ours:>7.2f}x {floor:>9.2f} {ours / floor:>9.1f}x")
+        print(f"{shape:<11}" + "".join(f"{med[s]:>22.2f}" for s in sides) + f" {theirs / ours:>7.2f}x {floor:>9.3f} {ours / floor:>9.1f}x")
         print(f"decode_{shape} ratio={theirs / ours:.2f}")
-
 
 if __name__ == "__main__":
     main()

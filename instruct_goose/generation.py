@@ -121,7 +121,7 @@ def generate_responses(
     top_k: int = 0,                                       # keep the k most likely tokens (0: all)
     min_p: float | None = None,                           # keep the tokens at least min_p × as likely as the most likely one (None: all)
     repetition_penalty: float = 1.0,                      # 🤗's: the logit z of a token already in the row becomes z/θ if z > 0, else z·θ (1: off)
-    own_decoder: bool | None = None,                      # sample through `decode` (our loop) rather than 🤗 `generate`; None: when the prompts are on the CPU and `decoding_refusal` has no objection
+    own_decoder: bool | None = None,                      # sample through `decode` (our loop; on a GPU its steps replayed from CUDA graphs) rather than 🤗 `generate`; None: when the prompts are on the CPU and `decoding_refusal` has no objection
     **generate_kwargs,                                    # passed on to 🤗 `generate` (then `decode` is not used); like the four above they are part of the sampler, not of the scored distribution (see "How π_old is scored")
 ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
     "Sample one response per prompt from softmax(z / T), narrowed by top-k/top-p/min-p and a repetition penalty when asked (the model's own `generation_config` ignored), cut after its first stop token, pad to `max_new_tokens`."

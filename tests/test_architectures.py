@@ -215,6 +215,29 @@ def test_decode_draws_from_the_scored_distribution(family, causal, tokenizer):
     assert (sampled - scored).abs().max().item() <= 1e-5, family
 
 
+
+def by_argmax(p):
+    "A draw that depends on p alone: the inverse CDF at (0.618 × the most likely token + 0.3) mod 1."
+    cdf = p.double().cumsum(-1)
+    return torch.searchsorted(cdf, (p.argmax(-1, keepdim=True).double() * 0.618034 + 0.3) % 1 * cdf[:, -1:], right=True).squeeze(1)
+
+
+@pytest.mark.parametrize("family", OWN_DECODING)
+def test_decode_under_graphs_gives_the_plain_loops_tokens(family, causal, tokenizer):
+    "`graphs=True` (static inputs, full-length masks, a tensor-held write position, power-of-two batches with filler rows; eager here on the CPU) changes no row's tokens, with rows stopping at different steps."
+    model = causal(family)
+    q, m = encode_prompts(tokenizer, PROMPTS * 2)
+    stops = list(range(3, model.config.vocab_size, 8))                  # one id in 8: rows stop at different steps
+    runs = {}
+    for graphs in (False, True):
+        rows = []
+        with drawing_with(lambda p: rows.append(len(p)) or by_argmax(p)):
+            ids = decoding.decode(model, q, m, 16, stops, tokenizer.pad_token_id, graphs=graphs, repetition_penalty=1.1)
+        runs[graphs] = ids, rows
+    assert torch.equal(runs[False][0], runs[True][0]), family
+    assert runs[False][1][-1] < 8 <= runs[False][1][0], runs[False][1]   # rows did leave the batch
+    assert all(n <= b < 2 * n for b, n in zip(runs[True][1], runs[False][1])), runs
+
 # ------------------------------------------------------------------------ 3. left padding and batching change nothing
 
 @pytest.mark.parametrize("family", CAUSAL_NAMES)

@@ -1,0 +1,71 @@
+"""`decode` on a GPU: each step replayed from a CUDA graph (`graphs=True`, its default there). Skipped without CUDA.
+
+The CPU runs the same loop with `_Replay` calling the step eagerly (chapter 03a, tests/test_architectures.py); what
+only a GPU can show is that recording and replaying change nothing: with a draw that depends on p alone, the graphs
+give the plain loop's tokens, for weights in float32 and bfloat16 and for float32 weights under bf16 autocast (the
+trainers' mixed precision, where the step reads the casts autocast cached during the prompt's pass); that the drawn
+probabilities are the scored ones; and that a call of B rows records at most 1 + log2 B graphs.
+
+    python3 -m pytest tests/test_decode_cuda.py -q          # on a machine with a GPU
+"""
+import math
+
+import pytest
+import torch
+
+from instruct_goose import Agent, encode_prompts, generate_responses, task_tokenizer, tiny_causal_lm
+from instruct_goose import decoding
+from instruct_goose.decoding import drawing_with
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PROMPTS = ["Review: The editing in this western", "Review: a", "Review: The picture we saw on sunday at the old cinema",
+           "Review: This second feature", "Review: I", "Review: what a film", "Review: dull", "Review: the goose"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(): return task_tokenizer()
+
+
+def by_argmax(p):
+    "A draw that depends on p alone: the inverse CDF at (0.618 × the most likely token + 0.3) mod 1."
+    cdf = p.double().cumsum(-1)
+    return torch.searchsorted(cdf, (p.argmax(-1, keepdim=True).double() * 0.618034 + 0.3) % 1 * cdf[:, -1:], right=True).squeeze(1)
+
+
+def run(model, q, m, stops, pad, graphs, autocast=False):
+    rows, made, plain = [], [], decoding._Replay
+    class Counted(plain):
+        def __init__(self, *args): super().__init__(*args); made.append(args[3])
+    decoding._Replay = Counted
+    try:
+        with drawing_with(lambda p: rows.append(len(p)) or by_argmax(p)), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            ids = decoding.decode(model, q, m, 24, stops, pad, graphs=graphs)
+    finally: decoding._Replay = plain
+    return ids, rows, made
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "autocast"])
+def test_graphs_give_the_plain_loops_tokens(arch, precision, tokenizer):
+    model = tiny_causal_lm(tokenizer, arch=arch, seed=0).eval().cuda()
+    if precision == "bf16": model = model.to(torch.bfloat16)
+    q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
+    stops = list(range(3, model.config.vocab_size, 8))
+    plain, graphed = (run(model, q, m, stops, tokenizer.pad_token_id, g, precision == "autocast") for g in (False, True))
+    assert torch.equal(plain[0], graphed[0])
+    assert plain[1][-1] < len(PROMPTS)                                    # rows left the batch
+    assert all(n <= b < 2 * n for b, n in zip(graphed[1], plain[1]))
+    assert len(plain[2]) == 0 and 1 <= len(graphed[2]) <= 1 + math.log2(len(PROMPTS))
+
+
+def test_graphs_draw_from_the_scored_distribution(tokenizer):
+    "No row stops (the stop id is never drawn), so no filler: each drawn p is exp log π_old as `Agent.response_stats` scores it."
+    agent = Agent(tiny_causal_lm(tokenizer, arch="llama", seed=0).eval().cuda())
+    q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
+    drawn, inverse_cdf = [], decoding._draw
+    torch.manual_seed(0)
+    with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)):
+        r, rm = generate_responses(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, temperature=0.7, own_decoder=True)
+    sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
+    scored = agent.response_stats(q, m, r, rm, temperature=0.7, entropy="skip").logprobs
+    assert (sampled - scored).abs().max().item() <= 1e-4
