@@ -214,7 +214,8 @@ def test_no_logits_kept_at_05b_512_tokens(lora_run, tokenizer):
     the tied output layer's weight, V·h = 136,134,656 elements (a parameter, kept for the hidden state's gradient); the largest
     activation is a layer's input, B·(8 + 512)·h = 931,840 elements (checkpointing keeps each layer's input; the chunked head keeps
     the response positions' hidden states, B·512·h, and recomputes each chunk's logits, 110 positions × V, in the backward),
-    1/167 of the logits. The backward then runs (recomputing layers and logit chunks) and every adapter B gets a finite gradient."""
+    1/167 of the logits (without checkpointing the MLPs would keep B·L·I = 5,058,560-element tensors: the bound also checks that it is
+    on). The backward then runs (recomputing layers and logit chunks) and every adapter B gets a finite gradient."""
     trainer, _ = lora_run
     policy = trainer.model.train()
     part = rollout(tokenizer, 2, 8, 512)
