@@ -175,7 +175,7 @@ def test_packed_linears_sample_the_same_tokens(family, causal, tokenizer):
 
 # ------------------------------------------------------- 2b. our own decoding loop samples what `generate` samples
 
-OWN_DECODING = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "opt"]
+OWN_DECODING = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "opt", "gemma3"]
 
 
 def test_decode_takes_the_families_it_has_a_step_for(causal):
