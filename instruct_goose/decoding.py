@@ -259,18 +259,17 @@ def decode(
     V = logits.shape[-1]
     seen = (torch.zeros(B, V + 1, dtype=torch.bool, device=dev).scatter_(1, query_ids.masked_fill(~valid[:, :P], V), True)[:, :V]
             if repetition_penalty != 1.0 else None)                                          # the prompts' real tokens
-    out, rows, replay = query_ids.new_full((B, max_new_tokens), pad_token_id), torch.arange(B, device=dev), None   # rows: each batch row's output row, -1 once finished
+    out, rows, replay = query_ids.new_full((B + 1, max_new_tokens), pad_token_id), torch.arange(B, device=dev), None   # rows: each batch row's output row; B (a scratch row) once finished
     stops = torch.as_tensor(stop_token_ids, device=dev).reshape(-1)
     for t in range(max_new_tokens):
         tok = _draw(narrow(logits.float(), seen, temperature, top_k, top_p, min_p, repetition_penalty).softmax(-1))
-        going = rows >= 0
-        out[rows[going], t] = tok[going]
-        rows = rows.masked_fill(torch.isin(tok, stops), -1)
-        left = int((rows >= 0).sum())                                                        # the step's one host sync
+        out[rows, t] = tok
+        rows = rows.masked_fill(torch.isin(tok, stops), B)
+        left = int((rows < B).sum())                                                         # the step's one host sync
         if t + 1 == max_new_tokens or left == 0: break
         size = 1 << (left - 1).bit_length() if graphs else left                              # graphs: the power of two at or above
         if size < len(rows):                                                                 # finished rows leave the batch
-            keep = torch.argsort(rows < 0, stable=True)[:size]                               # the rows going first, then (graphs) finished ones as filler
+            keep = torch.argsort(rows == B, stable=True)[:size]                              # the rows going first, then (graphs) finished ones as filler
             rows, tok, valid, pos, replay = rows[keep], tok[keep], valid[keep], pos[keep], None
             cache.keep(keep)
             if seen is not None: seen = seen[keep]
@@ -279,7 +278,7 @@ def decode(
         else:
             replay = replay or _Replay(step, lm, cache, len(rows), dev)
             logits = replay(tok, pos[:, P + t], P + t, valid)
-    return out
+    return out[:B]
 
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a03b
