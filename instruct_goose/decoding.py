@@ -220,13 +220,22 @@ class _Replay:
         if not self.tok.is_cuda: return self.run()
         if self.graph is None:                          # warm up on a side stream (it writes what the replay writes), then record
             side = torch.cuda.Stream(self.tok.device)
-            side.wait_stream(torch.cuda.current_stream())
+            side.wait_stream(torch.cuda.current_stream(self.tok.device))
             with torch.cuda.stream(side): self.run()
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream(self.tok.device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph): self.out = self.run()
         self.graph.replay()
         return self.out.clone()
+
+
+# %% ../nbs/03a_decoding.ipynb #d3c0a04d
+def _graph_refusal(lm: nn.Module) -> str | None:
+    "Why `lm`'s step cannot be replayed from a CUDA graph (None when it can): a rotary embedding that recomputes its frequencies from the positions it is given (🤗's dynamic and long-rope kinds) would keep those of the step it was recorded at."
+    kinds = [getattr(m, "rope_type", None) for m in lm.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    kinds = [k for kind in kinds for k in (kind.values() if isinstance(kind, dict) else [kind]) if isinstance(k, str)]
+    moving = [k for k in kinds if "dynamic" in k or k == "longrope"]
+    return f"its {moving[0]} rotary embedding recomputes its frequencies from the positions" if moving else None
 
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a030
@@ -244,12 +253,14 @@ def decode(
     top_p: float = 1.0,
     min_p: float | None = None,
     repetition_penalty: float = 1.0,
-    graphs: bool | None = None,                           # replay each step from a CUDA graph, the batch kept at a power of two (`_Replay`); None: on a GPU
+    graphs: bool | None = None,                           # replay each step from a CUDA graph, the batch kept at a power of two (`_Replay`); None: on a GPU, where `_graph_refusal` has no objection
 ) -> Int[Tensor, "batch new"]:                            # the sampled ids, `max_new_tokens` per row, stop token included
     "Sample each row's response token by token through the family's step (`_STEPS`) and a static cache; finished rows leave the batch."
     lm = _base_lm(model)
     (B, P), dev = query_ids.shape, query_ids.device
-    graphs = dev.type == "cuda" if graphs is None else graphs
+    refusal = None if graphs is False else _graph_refusal(lm)
+    if graphs and refusal: raise ValueError(f"`graphs=True`, but this model's step cannot be replayed from a CUDA graph: {refusal}")
+    graphs = dev.type == "cuda" and refusal is None if graphs is None else graphs
     valid = torch.cat([query_attention_mask.bool(), torch.ones(B, max_new_tokens, dtype=torch.bool, device=dev)], 1)  # keys a position may read
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
     cache, step = KVCache(lm.config.num_hidden_layers, P + max_new_tokens), _step_for(lm)
