@@ -777,7 +777,9 @@ def main():
         return (f"{a.model_shape} on {a.device} ({machine}), {a.dtype}{', LoRA r16' if a.lora and not a.max_batch else ''}; "
                 f"torch {torch.__version__}, transformers {transformers.__version__}; batch {a.batch}, response "
                 f"{a.response_length} tokens, PPO {a.epochs} epochs x 1 minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, "
-                f"1 epoch; {a.warmup} warm-up + {a.steps} timed steps x {a.reps} runs per side; levers on ours: {a.lever or 'none'}; "
+                + (f"1 epoch; one training step per probe (a fresh process), first batch {a.batch}, at most {a.bisect} bisections; "
+                   if a.max_batch else f"1 epoch; {a.warmup} warm-up + {a.steps} timed steps x {a.reps} runs per side; ")
+                + f"levers on ours: {a.lever or 'none'}; "
                 f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; whole bench {time.perf_counter() - t0:.0f} s; {library}")
     args = {k: v for k, v in vars(a).items() if k not in ("child", "tok_dir", "report", "json", "algo")}
     if a.max_batch:
