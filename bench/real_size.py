@@ -395,6 +395,7 @@ def apply_levers(levers):
 
 
 # ---------------------------------------------------------------- child / parent
+T0 = time.perf_counter()   # the parent's start: --deadline_s counts from here
 OOM_EXIT = 3    # a child's exit status when it ran out of memory (a real CUDA OOM, or its peak over --mem_limit_mib)
 
 
@@ -465,8 +466,14 @@ def measure_bandwidth(a):
     return json.loads(lines[-1][10:])
 
 
+def past_deadline(a):
+    "--deadline_s has passed: start no new child (a device command must end inside its time limit)."
+    return bool(a.deadline_s) and time.perf_counter() - T0 > a.deadline_s
+
+
 def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None, steps=None):
-    "One (algorithm, side) run in a fresh process: its RESULT with `status` 'ok', or {'status': 'oom' | 'error', ...}."
+    "One (algorithm, side) run in a fresh process: its RESULT with `status` 'ok', or {'status': 'oom' | 'error' | 'skipped', ...}."
+    if past_deadline(a): return {"side": side, "algo": algo, "batch": batch or a.batch, "status": "skipped", "child_wall": 0.0}
     batch, lora = batch or a.batch, a.lora if lora is None else lora
     warmup, steps = a.warmup if warmup is None else warmup, a.steps if steps is None else steps
     cmd = [sys.executable, __file__, "--child", side, "--algo", algo, "--tok_dir", a.tok_dir,
@@ -576,11 +583,11 @@ def search_max_batch(a, algo, side, lora):
         print(f"  {algo:<13}{side:<5}{'LoRA' if lora else 'full':<5} batch {b:>5}: {r['status']:<5} peak "
               f"{(r.get('peak_mib') or float('nan')):9.0f} MiB  ({r['child_wall']:.0f} s)", flush=True)
         return r
-    def over_budget(): return a.max_batch_budget_s and time.perf_counter() - t0 > a.max_batch_budget_s
+    def over_budget(): return past_deadline(a) or (a.max_batch_budget_s and time.perf_counter() - t0 > a.max_batch_budget_s)
     ok, fail, b = {}, None, a.batch
     while True:                                    # doubling
         r = probe(b)
-        if r["status"] == "error": fail = "error"; break
+        if r["status"] in ("error", "skipped"): fail = r["status"]; break
         if r["status"] == "oom": fail = b; break
         ok[b] = r["peak_mib"]
         if b * 2 > a.max_batch_cap or over_budget(): break
@@ -590,7 +597,7 @@ def search_max_batch(a, algo, side, lora):
         lo = max(ok); mid = (lo + fail) // 2 // k * k
         if mid <= lo: break
         r = probe(mid); bisections += 1
-        if r["status"] == "error": fail = "error"; break
+        if r["status"] in ("error", "skipped"): fail = r["status"] if r["status"] == "error" else fail; break
         if r["status"] == "oom": fail = mid
         else: ok[mid] = r["peak_mib"]
     lo = max(ok) if ok else None
@@ -607,7 +614,7 @@ def report_max_batch(rows, a, meta):
     mem = "peak GPU MiB" if a.device == "cuda" else "peak RSS MiB"
     print(f"{'algo':<14}{'side':<6}{'mode':<9}{'largest':>8}{'fails at':>10}{mem:>14}{'probes':>8}{'s':>7}")
     for r in rows:
-        print(f"{r['algo']:<14}{r['side']:<6}{r['mode']:<9}{str(r['largest']):>8}{str(r['first_failing']):>10}"
+        print(f"{r['algo']:<14}{r['side']:<6}{r['mode']:<9}{str(r['largest']):>8}{str(r["first_failing"] or "-"):>10}"
               f"{(r['peak_mib'] or float('nan')):>14.0f}{len(r['probes']):>8}{r['wall_s']:>7.0f}")
     by = {(r["algo"], r["mode"], r["side"]): r for r in rows}
     for (algo, mode, side), r in by.items():
@@ -616,16 +623,14 @@ def report_max_batch(rows, a, meta):
             print(f"{algo} {mode} max_batch ours/TRL={r['largest'] / t['largest']:.2f}")
 
 
-def max_batch(a, meta_fn):
-    rows = []
+def max_batch(a, meta_fn, save):
+    rows = a.max_batch_rows = []
     modes = a.modes or (["lora"] if a.lora else ["full"])
     for mode in modes:
         for algo in a.algos:
             for side in a.sides:
-                rows.append(search_max_batch(a, algo, side, mode == "lora"))
-    meta = meta_fn()
-    report_max_batch(rows, a, meta)
-    return meta, rows
+                rows.append(search_max_batch(a, algo, side, mode == "lora")); save(rows)
+    report_max_batch(rows, a, meta_fn())
 
 
 def floor(a):
@@ -735,9 +740,10 @@ def main():
     p.add_argument("--bisect", type=int, default=3, help="--max_batch: bisection probes after the doubling, at most")
     p.add_argument("--max_batch_cap", type=int, default=4096, help="--max_batch: stop doubling past this batch")
     p.add_argument("--max_batch_budget_s", type=float, help="--max_batch: no new probe of an (algorithm, side, mode) after this many seconds")
+    p.add_argument("--deadline_s", type=float, help="start no new child process after this many seconds (runs not started are 'skipped'); the JSON is written after every child")
     p.add_argument("--trl_ppo_path", default=os.environ.get("TRL_PPO_PATH", "/tmp/trl112"),
                    help="a --target install of trl==1.12.0 (for PPO; RLOO uses the installed TRL)")
-    p.add_argument("--tok_dir", help="a tokenizer saved by an earlier run (else one is trained)")
+    p.add_argument("--tok_dir", help="a tokenizer folder: loaded when it holds one of the shape's vocabulary, else one is trained and saved there (none given: trained into a temporary folder)")
     p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
@@ -759,11 +765,15 @@ def main():
         p.error(f"--batch must be a multiple of k={RLOO_K} for rloo and grpo, got {a.batch}")
     if a.modes and not a.max_batch: p.error("--modes is for --max_batch (use --lora for a LoRA comparison)")
     quiet()
-    tmp = None
-    if not a.tok_dir:
-        tmp = tempfile.TemporaryDirectory(); a.tok_dir = tmp.name
-        t = time.perf_counter(); build_tokenizer(SHAPES[a.model_shape]["vocab"], a.tok_dir)
-        print(f"tokenizer: {SHAPES[a.model_shape]['vocab']} tokens trained in {time.perf_counter() - t:.1f} s", flush=True)
+    tmp, vocab = None, SHAPES[a.model_shape]["vocab"]
+    if not a.tok_dir: tmp = tempfile.TemporaryDirectory(); a.tok_dir = tmp.name
+    if not (Path(a.tok_dir) / "tokenizer.json").exists():   # trained once into --tok_dir, then loaded from there
+        t = time.perf_counter(); build_tokenizer(vocab, a.tok_dir)
+        print(f"tokenizer: {vocab} tokens trained in {time.perf_counter() - t:.1f} s into {a.tok_dir}", flush=True)
+    else:
+        from transformers import AutoTokenizer
+        if len(AutoTokenizer.from_pretrained(a.tok_dir)) != vocab:
+            sys.exit(f"--tok_dir {a.tok_dir} has {len(AutoTokenizer.from_pretrained(a.tok_dir))} tokens, the {a.model_shape} shape wants {vocab}")
     if a.floor: return floor(a)
     import torch, transformers   # no CUDA call in the parent: its context would take GPU memory from the children
     lib = library_info()
@@ -782,10 +792,11 @@ def main():
                 + f"levers on ours: {a.lever or 'none'}; "
                 f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; whole bench {time.perf_counter() - t0:.0f} s; {library}")
     args = {k: v for k, v in vars(a).items() if k not in ("child", "tok_dir", "report", "json", "algo")}
+    def save(partial, **d):   # after every child too: a run stopped at its time limit keeps what it measured
+        if a.json: Path(a.json).write_text(json.dumps({"meta": meta_text(), "partial": partial, "library": lib, "bandwidth": bw, "args": args, **d}, indent=1))
     if a.max_batch:
-        meta, rows = max_batch(a, meta_text)
-        if a.json: Path(a.json).write_text(json.dumps({"meta": meta, "library": lib, "args": args, "max_batch": rows}, indent=1))
-        return
+        max_batch(a, meta_text, lambda rows: save(True, max_batch=rows))
+        return save(False, max_batch=a.max_batch_rows)
     res, trl_ppo = [], {}
     for rep in range(a.reps):
         for algo in a.algos:
@@ -802,12 +813,10 @@ def main():
                           f"load {os.getloadavg()[0]:.1f})", flush=True)
                 else: print(f"rep {rep} {algo:<13}{side:<5} {r['status']}", flush=True)
                 res.append(r)
+                save(True, runs=res)
     summary = summarise(res, a, bw)
-    meta = meta_text()
-    report(summary, a, meta, bw)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"meta": meta, "library": lib, "bandwidth": bw, "args": args,
-                                            "summary": summary, "runs": res}, indent=1))
+    report(summary, a, meta_text(), bw)
+    save(False, summary=summary, runs=res)
 
 
 def print_params(shape):
