@@ -614,7 +614,7 @@ def report_max_batch(rows, a, meta):
     mem = "peak GPU MiB" if a.device == "cuda" else "peak RSS MiB"
     print(f"{'algo':<14}{'side':<6}{'mode':<9}{'largest':>8}{'fails at':>10}{mem:>14}{'probes':>8}{'s':>7}")
     for r in rows:
-        print(f"{r['algo']:<14}{r['side']:<6}{r['mode']:<9}{str(r['largest']):>8}{str(r["first_failing"] or "-"):>10}"
+        print(f"{r['algo']:<14}{r['side']:<6}{r['mode']:<9}{str(r['largest']):>8}{str(r['first_failing'] or '-'):>10}"
               f"{(r['peak_mib'] or float('nan')):>14.0f}{len(r['probes']):>8}{r['wall_s']:>7.0f}")
     by = {(r["algo"], r["mode"], r["side"]): r for r in rows}
     for (algo, mode, side), r in by.items():
