@@ -101,16 +101,19 @@ def model_config(shape, tok, n_positions=512):
                        max_position_embeddings=n_positions, tie_word_embeddings=True, **special)
 
 
-def build_models(shape, tok, response_length=64, value=True):
+def build_models(shape, tok, response_length=64, value=True, device="cpu"):
     "(policy, value classifier or None when `value` is False, reward classifier): random weights, fixed seeds, identical on both sides."
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     cfg = model_config(shape, tok, positions(response_length))
-    torch.manual_seed(0); policy = AutoModelForCausalLM.from_config(cfg)
-    cls_cfg = copy.deepcopy(cfg); cls_cfg.num_labels = 1
-    if value: torch.manual_seed(1); value = AutoModelForSequenceClassification.from_config(cls_cfg)
-    else: value = None   # RLOO, GRPO and our shared-critic PPO have no critic trunk: not built (the seeds keep the others as they were)
-    torch.manual_seed(2); reward = AutoModelForSequenceClassification.from_config(cls_cfg)
+    # initialised where they will train: on a GPU random init of 1.5B weights takes ~1 s, on the CPU many seconds (the
+    # CUDA generator draws other numbers than the CPU's: GPU runs have other random weights than CPU runs, the same on both sides)
+    with torch.device(device):
+        torch.manual_seed(0); policy = AutoModelForCausalLM.from_config(cfg)
+        cls_cfg = copy.deepcopy(cfg); cls_cfg.num_labels = 1
+        if value: torch.manual_seed(1); value = AutoModelForSequenceClassification.from_config(cls_cfg)
+        else: value = None   # RLOO, GRPO and our shared-critic PPO have no critic trunk: not built (the seeds keep the others as they were)
+        torch.manual_seed(2); reward = AutoModelForSequenceClassification.from_config(cls_cfg)
     policy.generation_config.pad_token_id = tok.pad_token_id
     return policy, value, reward
 
@@ -168,7 +171,7 @@ def run_ours(algo, a, tok, out, clock):
                                 RewardModel, create_reference_model)
     from instruct_goose.loop import TrainLoop
     from instruct_goose.onpolicy import OnPolicyTrainer
-    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo == "ppo_separate")
+    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo == "ppo_separate", device=a.device)
     clock.info["policy_params"] = n_params(policy)
     # LoRA: adapters through the trainers' `peft_config` (TRL's argument); the reference is then the adapter-off base
     # (ref_model=None), as TRL's (no second copy of the weights)
@@ -231,7 +234,7 @@ def run_trl(algo, a, tok, out, clock):
     import torch, trl
     from datasets import Dataset
     from transformers import TrainerCallback
-    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo.startswith("ppo"))
+    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo.startswith("ppo"), device=a.device)
     clock.info["policy_params"] = n_params(policy)
     peft = lora_config(a.model_shape) if a.lora else None
     steps = a.warmup + a.steps
@@ -295,6 +298,7 @@ def run_trl(algo, a, tok, out, clock):
         else: cfg, Trainer = GRPOConfig(**shared, loss_type="dapo", scale_rewards="group"), GRPOTrainer
         policy.save_pretrained(f"{out}/policy")   # with beta > 0 TRL loads its reference from the policy's path
         del policy                                # TRL loads its own copy: this one would only hold memory
+        if cuda: torch.cuda.empty_cache()
         # LoRA: `peft_config`; with beta > 0 TRL's reference is then the adapter-off policy (ref_model None)
         tr = Trainer(model=f"{out}/policy", reward_funcs=reward, reward_processing_classes=tok, args=cfg,
                      train_dataset=ds, processing_class=tok, callbacks=[Mark()], peft_config=peft)
