@@ -578,7 +578,7 @@ def report(summary, a, meta, bw=None):
 
 # ---------------------------------------------------------------- largest batch that fits
 def search_max_batch(a, algo, side, lora):
-    "Largest completions per step whose first full training step runs without running out of memory: doubling from --batch, then bisection (multiples of k for RLOO/GRPO)."
+    "Largest completions per step whose first full training step runs without running out of memory: doubling from --batch (halving when --batch itself fails), then bisection (multiples of k for RLOO/GRPO)."
     k = RLOO_K if algo in ("rloo", "grpo") else 1
     probes, t0 = [], time.perf_counter()
     def probe(b):
@@ -592,9 +592,12 @@ def search_max_batch(a, algo, side, lora):
     while True:                                    # doubling
         r = probe(b)
         if r["status"] in ("error", "skipped"): fail = r["status"]; break
-        if r["status"] == "oom": fail = b; break
+        if r["status"] == "oom":
+            fail = b
+            if ok or b // 2 < k or over_budget(): break
+            b = b // 2 // k * k; continue          # the first probe failed: halve until one fits
         ok[b] = r["peak_mib"]
-        if b * 2 > a.max_batch_cap or over_budget(): break
+        if b * 2 > a.max_batch_cap or over_budget() or isinstance(fail, int): break
         b *= 2
     bisections = 0
     while ok and isinstance(fail, int) and bisections < a.bisect and not over_budget():   # bisection
