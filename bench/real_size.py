@@ -8,7 +8,9 @@ the like-for-like comparison.
 
 Models: random weights from a config (same seed on both sides): `gpt2-small` = GPT-2 with 12 layers, 768 wide,
 12 heads, a 32,000-token vocabulary; `0.5b` = Qwen2-0.5B's shape (24 layers, 896 wide, 14 heads / 2 KV heads, MLP 4864,
-151,936 tokens, tied embeddings). The tokenizer is a byte-level BPE trained with `instruct_goose.train_tokenizer` to
+151,936 tokens, tied embeddings); `1.5b` = Qwen2.5-1.5B's (28 layers, 1536 wide, 12 heads / 2 KV heads, MLP 8960, the
+same vocabulary, tied; `--params` counts it on the meta device: 1,543,714,304). `--lora`: peft LoRA (r 16, alpha 32) on
+both sides through each trainer's `peft_config`, the references the adapter-off policy. The tokenizer is a byte-level BPE trained with `instruct_goose.train_tokenizer` to
 exactly that vocabulary size on the task's text plus generated pseudo-words, so every id the random policy samples
 decodes to text. The reward model (and TRL's / our separate critic) is a 1-label sequence classifier of the same shape.
 A random policy almost never samples EOS, so every response runs the full `--response_length` tokens.
@@ -18,11 +20,16 @@ swapped every repetition. Per step: a phase breakdown measured by wrapping each 
 the GPU at each boundary): generation, scoring (decode/re-tokenize + reward model), rollout forwards (no-grad
 logprobs/values/reference + advantages), update (forward + backward of the epochs), optimizer (grad clip + AdamW step
 + zero_grad), other (the rest: logging, stats, data). Completions/s over the steps after `--warmup`.
-The last lines are `<algorithm> ratio=X.XX` (ours/TRL completions/s).
+The last lines are `<algorithm> ratio=X.XX` (ours/TRL completions/s). Per side also: tokens/s, peak memory, trainable
+parameters, and generation ms per decoding step beside the floor (policy weights in bf16 / fp32 bytes ÷ the memory
+bandwidth, measured once per bench by a large copy). `--max_batch`: the largest batch whose first training step fits
+(doubling, then bisection; a probe fails on out-of-memory or a peak over `--mem_limit_mib`). The plan for a GPU
+session: bench/gpu_session.md.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/real_size.py --trl_ppo_path /tmp/trl112 --json bench/real_size_cpu.json
     python3 bench/real_size.py --device cuda --dtype bf16 --model-shape 0.5b --trl_ppo_path /tmp/trl112
     .venv/bin/python bench/real_size.py --floor --reps 3      # our PPO step against its floor, with --lever ...
+    .venv/bin/python bench/real_size.py --model-shape tiny --algos grpo --max_batch --modes full lora --batch 4 --mem_limit_mib 600
 """
 import argparse, copy, json, os, random, resource, statistics, subprocess, sys, tempfile, time, warnings
 from pathlib import Path
@@ -406,7 +413,7 @@ OOM_EXIT = 3    # a child's exit status when it ran out of memory (a real CUDA O
 def is_oom(e):
     "A CUDA (or CPU allocator) out-of-memory error, by type or by the message PyTorch and cuBLAS give."
     import torch
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    return isinstance(e, torch.OutOfMemoryError) or any(m in str(e).lower() for m in ("out of memory", "alloc_failed"))
 
 
 def child(a):
@@ -496,7 +503,7 @@ def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None,
     lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
     r = json.loads(lines[-1][7:]) if lines else {"side": side, "algo": algo, "batch": batch, "lora": lora}
     r["child_wall"] = time.perf_counter() - t
-    oom = out.returncode == OOM_EXIT or "OutOfMemoryError" in out.stderr or "CUDA out of memory" in out.stderr
+    oom = out.returncode == OOM_EXIT or any(m in out.stderr for m in ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED"))
     if out.returncode == 0 and lines: r["status"] = "ok"
     elif oom: r["status"] = "oom"
     else:
