@@ -8,7 +8,9 @@ the like-for-like comparison.
 
 Models: random weights from a config (same seed on both sides): `gpt2-small` = GPT-2 with 12 layers, 768 wide,
 12 heads, a 32,000-token vocabulary; `0.5b` = Qwen2-0.5B's shape (24 layers, 896 wide, 14 heads / 2 KV heads, MLP 4864,
-151,936 tokens, tied embeddings). The tokenizer is a byte-level BPE trained with `instruct_goose.train_tokenizer` to
+151,936 tokens, tied embeddings); `1.5b` = Qwen2.5-1.5B's (28 layers, 1536 wide, 12 heads / 2 KV heads, MLP 8960, the
+same vocabulary, tied; `--params` counts it on the meta device: 1,543,714,304). `--lora`: peft LoRA (r 16, alpha 32) on
+both sides through each trainer's `peft_config`, the references the adapter-off policy. The tokenizer is a byte-level BPE trained with `instruct_goose.train_tokenizer` to
 exactly that vocabulary size on the task's text plus generated pseudo-words, so every id the random policy samples
 decodes to text. The reward model (and TRL's / our separate critic) is a 1-label sequence classifier of the same shape.
 A random policy almost never samples EOS, so every response runs the full `--response_length` tokens.
@@ -18,11 +20,16 @@ swapped every repetition. Per step: a phase breakdown measured by wrapping each 
 the GPU at each boundary): generation, scoring (decode/re-tokenize + reward model), rollout forwards (no-grad
 logprobs/values/reference + advantages), update (forward + backward of the epochs), optimizer (grad clip + AdamW step
 + zero_grad), other (the rest: logging, stats, data). Completions/s over the steps after `--warmup`.
-The last lines are `<algorithm> ratio=X.XX` (ours/TRL completions/s).
+The last lines are `<algorithm> ratio=X.XX` (ours/TRL completions/s). Per side also: tokens/s, peak memory, trainable
+parameters, and generation ms per decoding step beside the floor (policy weights in bf16 / fp32 bytes ÷ the memory
+bandwidth, measured once per bench by a large copy). `--max_batch`: the largest batch whose first training step fits
+(doubling, then bisection; a probe fails on out-of-memory or a peak over `--mem_limit_mib`). The plan for a GPU
+session: bench/gpu_session.md.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/real_size.py --trl_ppo_path /tmp/trl112 --json bench/real_size_cpu.json
     python3 bench/real_size.py --device cuda --dtype bf16 --model-shape 0.5b --trl_ppo_path /tmp/trl112
     .venv/bin/python bench/real_size.py --floor --reps 3      # our PPO step against its floor, with --lever ...
+    .venv/bin/python bench/real_size.py --model-shape tiny --algos grpo --max_batch --modes full lora --batch 4 --mem_limit_mib 600
 """
 import argparse, copy, json, os, random, resource, statistics, subprocess, sys, tempfile, time, warnings
 from pathlib import Path
@@ -31,10 +38,14 @@ HERE = Path(__file__).parent
 SHAPES = {
     "gpt2-small": dict(arch="gpt2", n_layer=12, hidden=768, heads=12, vocab=32000),
     "0.5b": dict(arch="qwen2", n_layer=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, vocab=151936),
+    "1.5b": dict(arch="qwen2", n_layer=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960, vocab=151936),  # Qwen2.5-1.5B's
     "tiny": dict(arch="gpt2", n_layer=2, hidden=64, heads=4, vocab=2000),          # for checking the script only
 }
 PHASES = ["generation", "scoring", "rollout forwards", "update (fwd+bwd)", "optimizer", "other"]
 LR, KL_COEF, RLOO_K, MAX_PROMPT = 3e-6, 0.05, 4, 64
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0)   # `--lora`, both sides: on every attention and MLP projection
+LORA_TARGETS = {"qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "gpt2": ["c_attn", "c_proj", "c_fc"]}   # GPT-2: attention qkv + out (c_proj), MLP in (c_fc) + out (c_proj)
 
 
 # ---------------------------------------------------------------- set-up shared by both sides
@@ -68,28 +79,48 @@ def build_tokenizer(vocab, out_dir):
     tok.save_pretrained(out_dir)
 
 
-def model_config(shape, tok):
+def positions(response_length):
+    "Position slots for prompts of at most MAX_PROMPT tokens + the responses: 512 (as before), more for long responses."
+    return max(512, -(-(MAX_PROMPT + response_length) // 128) * 128)
+
+
+def lora_config(shape):
+    "`--lora`: peft LoRA r=16, alpha=32, no dropout, on q/k/v/o and gate/up/down (GPT-2: c_attn, c_proj, c_fc)."
+    from peft import LoraConfig
+    return LoraConfig(**LORA, target_modules=LORA_TARGETS[SHAPES[shape]["arch"]], task_type="CAUSAL_LM")
+
+
+def n_params(model, trainable=False):
+    "Parameters (tied ones once: `parameters()` yields each tensor once), or only those with requires_grad."
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
+
+
+def model_config(shape, tok, n_positions=512):
     s = SHAPES[shape]
     special = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                    bos_token_id=tok.bos_token_id)
     if s["arch"] == "gpt2":
         from transformers import GPT2Config
-        return GPT2Config(n_layer=s["n_layer"], n_embd=s["hidden"], n_head=s["heads"], n_positions=512, **special)
+        return GPT2Config(n_layer=s["n_layer"], n_embd=s["hidden"], n_head=s["heads"], n_positions=n_positions, **special)
     from transformers import Qwen2Config
     return Qwen2Config(num_hidden_layers=s["n_layer"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
                        num_key_value_heads=s["kv_heads"], intermediate_size=s["intermediate"],
-                       max_position_embeddings=512, tie_word_embeddings=True, **special)
+                       max_position_embeddings=n_positions, tie_word_embeddings=True, **special)
 
 
-def build_models(shape, tok):
-    "(policy, value classifier, reward classifier): random weights, fixed seeds, identical on both sides."
+def build_models(shape, tok, response_length=64, value=True, device="cpu"):
+    "(policy, value classifier or None when `value` is False, reward classifier): random weights, fixed seeds, identical on both sides."
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-    cfg = model_config(shape, tok)
-    torch.manual_seed(0); policy = AutoModelForCausalLM.from_config(cfg)
-    cls_cfg = copy.deepcopy(cfg); cls_cfg.num_labels = 1
-    torch.manual_seed(1); value = AutoModelForSequenceClassification.from_config(cls_cfg)
-    torch.manual_seed(2); reward = AutoModelForSequenceClassification.from_config(cls_cfg)
+    cfg = model_config(shape, tok, positions(response_length))
+    # initialised where they will train: on a GPU random init of 1.5B weights takes ~1 s, on the CPU many seconds (the
+    # CUDA generator draws other numbers than the CPU's: GPU runs have other random weights than CPU runs, the same on both sides)
+    with torch.device(device):
+        torch.manual_seed(0); policy = AutoModelForCausalLM.from_config(cfg)
+        cls_cfg = copy.deepcopy(cfg); cls_cfg.num_labels = 1
+        if value: torch.manual_seed(1); value = AutoModelForSequenceClassification.from_config(cls_cfg)
+        else: value = None   # RLOO, GRPO and our shared-critic PPO have no critic trunk: not built (the seeds keep the others as they were)
+        torch.manual_seed(2); reward = AutoModelForSequenceClassification.from_config(cls_cfg)
     policy.generation_config.pad_token_id = tok.pad_token_id
     return policy, value, reward
 
@@ -103,7 +134,7 @@ def prompts_dataset():
 class Clock:
     "Per-step phase seconds; `wrap` adds a function's time to a phase (GPU synchronised at both ends)."
     def __init__(self, cuda):
-        self.cuda, self.steps, self.cur, self.marks, self.t_end = cuda, [], {}, {}, []
+        self.cuda, self.steps, self.cur, self.marks, self.t_end, self.info = cuda, [], {}, {}, [], {}
 
     def now(self):
         if self.cuda:
@@ -147,7 +178,12 @@ def run_ours(algo, a, tok, out, clock):
                                 RewardModel, create_reference_model)
     from instruct_goose.loop import TrainLoop
     from instruct_goose.onpolicy import OnPolicyTrainer
-    policy, value, reward = build_models(a.model_shape, tok)
+    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo == "ppo_separate", device=a.device)
+    clock.info["policy_params"] = n_params(policy)
+    # LoRA: adapters through the trainers' `peft_config` (TRL's argument); the reference is then the adapter-off base
+    # (ref_model=None), as TRL's (no second copy of the weights)
+    peft = lora_config(a.model_shape) if a.lora else None
+    ref = lambda: None if a.lora else create_reference_model(policy)
     apply_levers(a.lever)   # before the trainer: it fuses the models' activations when it takes them
     steps = a.warmup + a.steps
     common = dict(output_dir=out, per_device_train_batch_size=a.batch, response_length=a.response_length,
@@ -160,18 +196,20 @@ def run_ours(algo, a, tok, out, clock):
         cfg = RLHFConfig(**common, num_ppo_epochs=a.epochs, num_mini_batches=1, max_grad_norm=0.0, vf_coef=0.1,
                          cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95)
         agent = Agent(policy, value_model=value if algo == "ppo_separate" else None)
-        tr, cls = RLHFTrainer(agent, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=rm,
+        tr, cls = RLHFTrainer(agent, ref(), cfg, processing_class=tok, reward_funcs=rm, peft_config=peft,
                               train_dataset=prompts_dataset()), RLHFTrainer
     elif algo == "rloo":
         cfg = RLOOConfig(**common, num_generations=RLOO_K, num_ppo_epochs=1, num_mini_batches=1, max_grad_norm=1.0)
-        tr, cls = RLOOTrainer(policy, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=rm,
+        tr, cls = RLOOTrainer(policy, ref(), cfg, processing_class=tok, reward_funcs=rm, peft_config=peft,
                               train_dataset=prompts_dataset()), RLOOTrainer
     else:   # GRPO: β = KL_COEF (k3 in the loss, so both sides run a reference), DAPO token averaging, group scaling
         cfg = GRPOConfig(**common, num_generations=RLOO_K, num_iterations=1, num_mini_batches=1, max_grad_norm=1.0,
                          loss_type="dapo", scale_rewards="group")
         assert cfg.beta == KL_COEF and cfg.max_completion_length == a.response_length, (cfg.beta, cfg.max_completion_length)
-        tr, cls = GRPOTrainer(policy, create_reference_model(policy), cfg, processing_class=tok, reward_funcs=rm,
+        tr, cls = GRPOTrainer(policy, ref(), cfg, processing_class=tok, reward_funcs=rm, peft_config=peft,
                               train_dataset=prompts_dataset()), GRPOTrainer
+    clock.info["trainable_params"] = n_params(tr.model, trainable=True)
+    clock.info["reference"] = type(tr.ref_model).__name__ if tr.ref_model is not None else "none"
     # measure training, not the writing of the final checkpoint and model (TRL's side saves nothing: save_strategy="no")
     TrainLoop.save_checkpoint = lambda self: None
     Agent.save_pretrained = lambda self, *x, **k: None
@@ -203,7 +241,9 @@ def run_trl(algo, a, tok, out, clock):
     import torch, trl
     from datasets import Dataset
     from transformers import TrainerCallback
-    policy, value, reward = build_models(a.model_shape, tok)
+    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo.startswith("ppo"), device=a.device)
+    clock.info["policy_params"] = n_params(policy)
+    peft = lora_config(a.model_shape) if a.lora else None
     steps = a.warmup + a.steps
     class Mark(TrainerCallback):
         def on_step_end(self, *x, **k): clock.step_end()
@@ -227,8 +267,11 @@ def run_trl(algo, a, tok, out, clock):
         def step_marked(*x, **k):
             r = step(*x, **k); st["last_opt"] = time.perf_counter(); return r
         torch.optim.AdamW.step = step_marked
-        tr = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=copy.deepcopy(policy).eval(),
-                        reward_model=reward, value_model=value, train_dataset=ds, eval_dataset=ds, callbacks=[Mark()])
+        # LoRA: ref_model=None, TRL then takes the adapter-off policy as the reference (`null_ref_context`)
+        tr = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=None if a.lora else copy.deepcopy(policy).eval(),
+                        reward_model=reward, value_model=value, train_dataset=ds, eval_dataset=ds, callbacks=[Mark()],
+                        peft_config=peft)
+        clock.info["reference"] = "adapter-off policy (null_ref_context)" if tr.ref_model is None else type(tr.ref_model).__name__
         # phases: generation = batch_generation; scoring = get_reward on the reward model; rollout = from the end of
         # generation to the first forward with gradients (less scoring); update = from there to the step's last
         # optimizer call (less optimizer)
@@ -261,8 +304,13 @@ def run_trl(algo, a, tok, out, clock):
         if algo == "rloo": cfg, Trainer = RLOOConfig(**shared, normalize_advantages=False), RLOOTrainer
         else: cfg, Trainer = GRPOConfig(**shared, loss_type="dapo", scale_rewards="group"), GRPOTrainer
         policy.save_pretrained(f"{out}/policy")   # with beta > 0 TRL loads its reference from the policy's path
+        del policy                                # TRL loads its own copy: this one would only hold memory
+        if cuda: torch.cuda.empty_cache()
+        # LoRA: `peft_config`; with beta > 0 TRL's reference is then the adapter-off policy (ref_model None)
         tr = Trainer(model=f"{out}/policy", reward_funcs=reward, reward_processing_classes=tok, args=cfg,
-                     train_dataset=ds, processing_class=tok, callbacks=[Mark()])
+                     train_dataset=ds, processing_class=tok, callbacks=[Mark()], peft_config=peft)
+        clock.info["reference"] = ("adapter-off policy (disable_adapter)" if getattr(tr, "ref_model", None) is None
+                                   else type(tr.ref_model).__name__)
         C = type(tr)
         C._generate_single_turn = clock.wrap("generation", C._generate_single_turn)
         C._generate = clock.wrap("_gen_all", C._generate)
@@ -271,6 +319,7 @@ def run_trl(algo, a, tok, out, clock):
         C.compute_loss = clock.wrap("update (fwd+bwd)", C.compute_loss)
         import accelerate
         accelerate.Accelerator.backward = clock.wrap("update (fwd+bwd)", accelerate.Accelerator.backward)
+    clock.info["trainable_params"] = n_params(tr.model, trainable=True)
     clock.t0 = clock.now()
     tr.train()
     for s in clock.steps:
@@ -325,6 +374,17 @@ def apply_levers(levers):
             gen = gm.generate_responses
             def generate_static(*x, **k): return gen(*x, **{**k, "static_cache": True, "own_decoder": False})
             tm.generate_responses = generate_static
+        elif lever == "own_decoder":
+            # sampling through `decode`, the library's own loop (its default on the CPU only; on a GPU the default is
+            # 🤗 `generate` with the static cache, compiled into CUDA graphs)
+            gen = gm.generate_responses
+            def generate_own(*x, **k): return gen(*x, **{**k, "own_decoder": True})
+            tm.generate_responses = generate_own
+        elif lever == "dynamic_cache":
+            # 🤗 `generate` with its dynamic KV cache, as TRL samples without vLLM (the library's GPU default before b4705e0)
+            gen = gm.generate_responses
+            def generate_dynamic(*x, **k): return gen(*x, **{**k, "static_cache": False, "own_decoder": False})
+            tm.generate_responses = generate_dynamic
         elif lever == "unpacked":
             # the 🤗 default linear layers while sampling on the CPU (the library packs them for oneDNN: `packed_linears`)
             gen = gm.generate_responses
@@ -346,6 +406,16 @@ def apply_levers(levers):
 
 
 # ---------------------------------------------------------------- child / parent
+T0 = time.perf_counter()   # the parent's start: --deadline_s counts from here
+OOM_EXIT = 3    # a child's exit status when it ran out of memory (a real CUDA OOM, or its peak over --mem_limit_mib)
+
+
+def is_oom(e):
+    "A CUDA (or CPU allocator) out-of-memory error, by type or by the message PyTorch and cuBLAS give."
+    import torch
+    return isinstance(e, torch.OutOfMemoryError) or any(m in str(e).lower() for m in ("out of memory", "alloc_failed"))
+
+
 def child(a):
     quiet()
     if a.device == "cpu": os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -354,24 +424,75 @@ def child(a):
     tok = AutoTokenizer.from_pretrained(a.tok_dir)
     cuda = a.device == "cuda"
     clock = Clock(cuda)
-    with tempfile.TemporaryDirectory() as out:
-        version = (run_ours if a.side == "ours" else run_trl)(a.algo, a, tok, out, clock)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            version = (run_ours if a.side == "ours" else run_trl)(a.algo, a, tok, out, clock)
+    except Exception as e:
+        if not is_oom(e): raise
+        print(f"OOM {type(e).__name__}: {str(e)[:300]}", flush=True)
+        sys.exit(OOM_EXIT)
     steps = clock.steps
     if len(steps) != a.warmup + a.steps: sys.exit(f"expected {a.warmup + a.steps} steps, timed {len(steps)}")
     timed = steps[a.warmup:]
     wall = sum(s["total"] for s in timed)
     for s in steps: s["other"] = s["total"] - sum(s.get(p, 0.0) for p in PHASES if p != "other")
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps({"side": a.side, "algo": a.algo, "version": version, "cps": a.batch * len(timed) / wall,
-                                  "tokens_per_s": a.batch * a.response_length * len(timed) / wall,
-                                  "peak_mib": peak, "steps": steps, "levers": a.lever or []}))
+    r = {"side": a.side, "algo": a.algo, "version": version, "batch": a.batch, "lora": a.lora,
+         "cps": a.batch * len(timed) / wall if timed else None,
+         "tokens_per_s": a.batch * a.response_length * len(timed) / wall if timed else None,
+         "peak_mib": peak, "steps": steps, "levers": a.lever or [], **clock.info}
+    if cuda: r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
+    # a simulated OOM (to test --max_batch on the CPU, or to ask what fits a smaller GPU): the peak over the cap
+    r["oom"] = bool(a.mem_limit_mib and peak > a.mem_limit_mib)
+    print("RESULT " + json.dumps(r), flush=True)
+    if r["oom"]: sys.exit(OOM_EXIT)
 
 
-def run_child(a, algo, side, extra_env=None):
+def bandwidth_child(a):
+    "Memory bandwidth of this device: a large tensor copied (1 GiB on CUDA, 256 MiB on the CPU), bytes read + written."
+    if a.device == "cpu": os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+    cuda = a.device == "cuda"
+    n = 2**30 if cuda else 2**28
+    src = torch.ones(n, dtype=torch.uint8, device=a.device); dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        if cuda: torch.cuda.synchronize()
+        t = time.perf_counter(); dst.copy_(src)
+        if cuda: torch.cuda.synchronize()
+        if i >= 3: times.append(time.perf_counter() - t)   # 3 warm-ups
+    s = statistics.median(times)
+    how = (f"{'device-to-device' if cuda else 'CPU tensor'} copy of {n / 2**20:.0f} MiB, median of 10 after 3 warm-ups, "
+           f"counting bytes read + written (2 x {n / 2**20:.0f} MiB); torch threads {torch.get_num_threads()}")
+    print("BANDWIDTH " + json.dumps({"bytes_per_s": 2 * n / s, "how": how,
+                                     "device": torch.cuda.get_device_name() if cuda else "cpu"}), flush=True)
+
+
+def measure_bandwidth(a):
+    "The bandwidth in a child process: the parent keeps no CUDA context (its memory would be missing from the children's)."
+    out = subprocess.run([sys.executable, __file__, "--child", "bandwidth", "--device", a.device],
+                         capture_output=True, text=True)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("BANDWIDTH ")]
+    if out.returncode or not lines: sys.exit(f"bandwidth measurement failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][10:])
+
+
+def past_deadline(a):
+    "--deadline_s has passed: start no new child (a device command must end inside its time limit)."
+    return bool(a.deadline_s) and time.perf_counter() - T0 > a.deadline_s
+
+
+def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None, steps=None):
+    "One (algorithm, side) run in a fresh process: its RESULT with `status` 'ok', or {'status': 'oom' | 'error' | 'skipped', ...}."
+    if past_deadline(a): return {"side": side, "algo": algo, "batch": batch or a.batch, "status": "skipped", "child_wall": 0.0}
+    batch, lora = batch or a.batch, a.lora if lora is None else lora
+    warmup, steps = a.warmup if warmup is None else warmup, a.steps if steps is None else steps
     cmd = [sys.executable, __file__, "--child", side, "--algo", algo, "--tok_dir", a.tok_dir,
-           "--model-shape", a.model_shape, "--device", a.device, "--dtype", a.dtype, "--batch", str(a.batch),
-           "--response_length", str(a.response_length), "--epochs", str(a.epochs), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--trl_ppo_path", a.trl_ppo_path] + sum((["--lever", l] for l in a.lever or []), [])
+           "--model-shape", a.model_shape, "--device", a.device, "--dtype", a.dtype, "--batch", str(batch),
+           "--response_length", str(a.response_length), "--epochs", str(a.epochs), "--steps", str(steps),
+           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path] + sum((["--lever", l] for l in a.lever or []), [])
+    if lora: cmd.append("--lora")
+    if a.mem_limit_mib: cmd += ["--mem_limit_mib", str(a.mem_limit_mib)]
     env = {**os.environ, **(extra_env or {})}
     if side == "trl" and algo.startswith("ppo") and a.dtype == "bf16":
         # TRL's PPOTrainer builds its own Accelerator(), which reads the precision that `accelerate launch
@@ -380,10 +501,14 @@ def run_child(a, algo, side, extra_env=None):
     t = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-    if out.returncode or not lines:
+    r = json.loads(lines[-1][7:]) if lines else {"side": side, "algo": algo, "batch": batch, "lora": lora}
+    r["child_wall"] = time.perf_counter() - t
+    oom = out.returncode == OOM_EXIT or any(m in out.stderr for m in ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED"))
+    if out.returncode == 0 and lines: r["status"] = "ok"
+    elif oom: r["status"] = "oom"
+    else:
+        r["status"] = "error"
         print(f"{algo}/{side} failed:\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}", flush=True)
-        return None
-    r = json.loads(lines[-1][7:]); r["child_wall"] = time.perf_counter() - t
     return r
 
 
@@ -395,13 +520,18 @@ ALGOS = {  # algorithm -> (our trainer, TRL's trainer)
 }
 
 
-def summarise(res, a):
+def dtype_bytes(a):
+    "Bytes per weight read while sampling: 2 under bf16 (the floor of weights kept in bf16; ours and TRL keep float32 weights under autocast, so they read 4 and cast), else 4."
+    return 2 if a.dtype == "bf16" else 4
+
+
+def summarise(res, a, bw=None):
     med = statistics.median
     out = {}
     for algo in a.algos:
         rows = {}
         for side in ("ours", "trl"):
-            rs = [r for r in res if r and r["algo"] == algo and r["side"] == side]
+            rs = [r for r in res if r and r.get("status", "ok") == "ok" and r["algo"] == algo and r["side"] == side]
             if not rs: continue
             timed = [s for r in rs for s in r["steps"][a.warmup:]]
             rows[side] = {"cps": med([r["cps"] for r in rs]), "cps_all": [r["cps"] for r in rs],
@@ -409,28 +539,112 @@ def summarise(res, a):
                           "tokens_per_s": med([r["tokens_per_s"] for r in rs]), "peak_mib": max(r["peak_mib"] for r in rs),
                           "version": rs[0]["version"],
                           "phases_s": {p: med([s.get(p, 0.0) for s in timed]) for p in PHASES + ["total"]}}
+            for k in ("trainable_params", "policy_params", "reference"):
+                if k in rs[0]: rows[side][k] = rs[0][k]
+            if "peak_reserved_mib" in rs[0]: rows[side]["peak_reserved_mib"] = max(r["peak_reserved_mib"] for r in rs)
+            # generation per decoding step (the whole batch advances one token) beside the bandwidth floor: the
+            # policy's weights read once per token, policy params x bytes per weight / measured bandwidth
+            g = rows[side]["gen_ms_per_token"] = rows[side]["phases_s"]["generation"] / a.response_length * 1e3
+            if bw and "policy_params" in rs[0]:
+                f = rows[side]["floor_ms_per_token"] = rs[0]["policy_params"] * dtype_bytes(a) / bw["bytes_per_s"] * 1e3
+                rows[side]["gen_over_floor"] = g / f
         out[algo] = rows
     return out
 
 
-def report(summary, a, meta):
+def report(summary, a, meta, bw=None):
     print("\n" + meta)
+    if bw: print(f"bandwidth {bw['bytes_per_s'] / 1e9:.0f} GB/s ({bw['device']}: {bw['how']}); floor per token = policy "
+                 f"params x {dtype_bytes(a)} B ({'bf16' if dtype_bytes(a) == 2 else 'fp32'}) / bandwidth")
     mem = "peak GPU MiB (max_memory_allocated)" if a.device == "cuda" else "peak RSS MiB"
     for algo, rows in summary.items():
-        if len(rows) < 2: print(f"{algo}: a side failed"); continue
-        o, t = rows["ours"], rows["trl"]
-        print(f"\n{algo}: ours = {ALGOS[algo][0]}, TRL {t['version']} = {ALGOS[algo][1]}")
-        print(f"{'':<22}{'ours':>10}{'TRL':>10}{'ours/TRL':>10}")
-        for k, label in (("cps", "completions/s"), ("cps_median_step", "  (batch/median step)"),
-                         ("tokens_per_s", "tokens/s"), ("peak_mib", mem[:22])):
-            print(f"{label:<22}{o[k]:>10.2f}{t[k]:>10.2f}{o[k] / t[k]:>10.2f}")
+        if not rows: print(f"{algo}: every side failed"); continue
+        sides = [s for s in ("ours", "trl") if s in rows]
+        names = {"ours": f"ours = {ALGOS[algo][0]}", "trl": f"TRL {rows['trl']['version']} = {ALGOS[algo][1]}" if "trl" in rows else ""}
+        print(f"\n{algo}: " + ", ".join(names[s] for s in sides) + (" (LoRA)" if getattr(a, "lora", False) else ""))
+        both = len(sides) == 2
+        print(f"{'':<24}" + "".join(f"{('TRL' if s == 'trl' else s):>12}" for s in sides) + (f"{'ours/TRL':>10}" if both else ""))
+        lines = [("cps", "completions/s"), ("cps_median_step", "  (batch/median step)"), ("tokens_per_s", "tokens/s"),
+                 ("peak_mib", mem[:24]), ("peak_reserved_mib", "  (reserved)"), ("trainable_params", "trainable params (M)"),
+                 ("gen_ms_per_token", "generation ms/token"), ("floor_ms_per_token", "  floor ms/token"),
+                 ("gen_over_floor", "  generation/floor")]
+        for k, label in lines:
+            if not all(k in rows[s] for s in sides): continue
+            v = [rows[s][k] / (1e6 if k == "trainable_params" else 1) for s in sides]
+            print(f"{label:<24}" + "".join(f"{x:>12.3f}" if k.endswith("per_token") else f"{x:>12.2f}" for x in v)
+                  + (f"{v[0] / v[1]:>10.2f}" if both and v[1] else ""))
+        if all("reference" in rows[s] for s in sides): print("reference: " + ", ".join(f"{s} {rows[s]['reference']}" for s in sides))
         print(f"median step phases, s:")
         for p in PHASES + ["total"]:
-            x, y = o["phases_s"][p], t["phases_s"][p]
-            print(f"  {p:<20}{x:>10.3f}{y:>10.3f}{(x / y if y > 1e-9 else float('nan')):>10.2f}")
+            x = [rows[s]["phases_s"][p] for s in sides]
+            print(f"  {p:<22}" + "".join(f"{v:>12.3f}" for v in x) + (f"{(x[0] / x[1] if x[1] > 1e-9 else float('nan')):>10.2f}" if both else ""))
     print()
     for algo, rows in summary.items():
         if len(rows) == 2: print(f"{algo} ratio={rows['ours']['cps'] / rows['trl']['cps']:.2f}")
+
+
+# ---------------------------------------------------------------- largest batch that fits
+def search_max_batch(a, algo, side, lora):
+    "Largest completions per step whose first full training step runs without running out of memory: doubling from --batch (halving when --batch itself fails), then bisection (multiples of k for RLOO/GRPO)."
+    k = RLOO_K if algo in ("rloo", "grpo") else 1
+    probes, t0 = [], time.perf_counter()
+    def probe(b):
+        r = run_child(a, algo, side, batch=b, lora=lora, warmup=1, steps=0)
+        probes.append({"batch": b, "status": r["status"], "peak_mib": r.get("peak_mib"), "wall_s": r["child_wall"]})
+        print(f"  {algo:<13}{side:<5}{'LoRA' if lora else 'full':<5} batch {b:>5}: {r['status']:<5} peak "
+              f"{(r.get('peak_mib') or float('nan')):9.0f} MiB  ({r['child_wall']:.0f} s)", flush=True)
+        return r
+    def over_budget(): return past_deadline(a) or (a.max_batch_budget_s and time.perf_counter() - t0 > a.max_batch_budget_s)
+    ok, fail, b = {}, None, a.batch
+    while True:                                    # doubling
+        r = probe(b)
+        if r["status"] in ("error", "skipped"): fail = r["status"]; break
+        if r["status"] == "oom":
+            fail = b
+            if ok or b // 2 < k or over_budget(): break
+            b = b // 2 // k * k; continue          # the first probe failed: halve until one fits
+        ok[b] = r["peak_mib"]
+        if b * 2 > a.max_batch_cap or over_budget() or isinstance(fail, int): break
+        b *= 2
+    bisections = 0
+    while ok and isinstance(fail, int) and bisections < a.bisect and not over_budget():   # bisection
+        lo = max(ok); mid = (lo + fail) // 2 // k * k
+        if mid <= lo: break
+        r = probe(mid); bisections += 1
+        if r["status"] in ("error", "skipped"): fail = r["status"] if r["status"] == "error" else fail; break
+        if r["status"] == "oom": fail = mid
+        else: ok[mid] = r["peak_mib"]
+    lo = max(ok) if ok else None
+    return {"algo": algo, "side": side, "mode": "LoRA" if lora else "full FT", "largest": lo,
+            "peak_mib": ok.get(lo), "first_failing": fail, "exact": isinstance(fail, int) and lo is not None and fail - lo <= k,
+            "probes": probes, "wall_s": time.perf_counter() - t0}
+
+
+def report_max_batch(rows, a, meta):
+    print("\n" + meta)
+    print(f"largest batch (completions per step) whose first training step fits; a failing probe = "
+          f"{'CUDA out of memory' if a.device == 'cuda' else 'out of memory'}"
+          + (f" or a peak over --mem_limit_mib {a.mem_limit_mib:g}" if a.mem_limit_mib else ""))
+    mem = "peak GPU MiB" if a.device == "cuda" else "peak RSS MiB"
+    print(f"{'algo':<14}{'side':<6}{'mode':<9}{'largest':>8}{'fails at':>10}{mem:>14}{'probes':>8}{'s':>7}")
+    for r in rows:
+        print(f"{r['algo']:<14}{r['side']:<6}{r['mode']:<9}{str(r['largest']):>8}{str(r['first_failing'] or '-'):>10}"
+              f"{(r['peak_mib'] or float('nan')):>14.0f}{len(r['probes']):>8}{r['wall_s']:>7.0f}")
+    by = {(r["algo"], r["mode"], r["side"]): r for r in rows}
+    for (algo, mode, side), r in by.items():
+        t = by.get((algo, mode, "trl"))
+        if side == "ours" and t and r["largest"] and t["largest"]:
+            print(f"{algo} {mode} max_batch ours/TRL={r['largest'] / t['largest']:.2f}")
+
+
+def max_batch(a, meta_fn, save):
+    rows = a.max_batch_rows = []
+    modes = a.modes or (["lora"] if a.lora else ["full"])
+    for mode in modes:
+        for algo in a.algos:
+            for side in a.sides:
+                rows.append(search_max_batch(a, algo, side, mode == "lora")); save(rows)
+    report_max_batch(rows, a, meta_fn())
 
 
 def floor(a):
@@ -447,7 +661,7 @@ def floor(a):
     from instruct_goose.loop import TrainLoop
     apply_levers(a.lever)
     tok = AutoTokenizer.from_pretrained(a.tok_dir)
-    policy, _, _ = build_models(a.model_shape, tok)
+    policy, _, _ = build_models(a.model_shape, tok, a.response_length, value=False)
     config = RLHFConfig(output_dir=tempfile.mkdtemp(), learning_rate=1e-5, lr_scheduler_type="constant",
                         per_device_train_batch_size=a.batch, num_mini_batches=1, num_ppo_epochs=a.epochs,
                         response_length=a.response_length, total_episodes=a.batch * 10_000, num_sample_generations=0,
@@ -500,66 +714,141 @@ def floor(a):
                                             "args": {k: v for k, v in vars(a).items() if k != "child"}}, indent=1))
 
 
+
+
+def library_info():
+    "The library measured: its folder, sha1 of its *.py, and the git commit (LIBRARY_COMMIT overrides: a device machine's copy of the tree has no .git) and whether the tree differs from it."
+    import hashlib, instruct_goose
+    pkg = Path(instruct_goose.__file__).parent
+    info = {"path": str(pkg), "sha1_py": hashlib.sha1(b"".join(f.read_bytes() for f in sorted(pkg.glob("*.py")))).hexdigest()[:10]}
+    git = lambda *x: subprocess.run(["git", "-C", str(pkg.parent), *x], capture_output=True, text=True)
+    head = git("rev-parse", "HEAD")
+    if os.environ.get("LIBRARY_COMMIT"):
+        info["commit"], info["commit_from"] = os.environ["LIBRARY_COMMIT"], "LIBRARY_COMMIT"
+        info["dirty"] = os.environ.get("LIBRARY_DIRTY", "unknown")
+    elif head.returncode == 0:
+        info["commit"], info["commit_from"] = head.stdout.strip(), "git"
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "instruct_goose", "nbs").stdout.split("\n")
+        info["dirty"] = any(l.strip() for l in changed)   # library or notebook files changed since that commit
+    else: info["commit"], info["dirty"] = "unknown (no git here, LIBRARY_COMMIT unset)", "unknown"
+    return info
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-shape", "--model_shape", dest="model_shape", choices=list(SHAPES), default="gpt2-small")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast (mixed precision) on both sides")
     p.add_argument("--algos", nargs="+", default=list(ALGOS), choices=list(ALGOS))
-    p.add_argument("--batch", type=int, default=8, help="completions per step (RLOO: batch/4 prompts x k=4)")
+    p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"], help="run only these sides (e.g. a lever on ours alone)")
+    p.add_argument("--batch", type=int, default=8, help="completions per step (RLOO/GRPO: batch/4 prompts x k=4); --max_batch: the first probe")
     p.add_argument("--response_length", type=int, default=64)
     p.add_argument("--epochs", type=int, default=4, help="PPO epochs per rollout (RLOO: 1, as TRL's num_iterations=1)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--reps", type=int, default=1, help="runs per (algorithm, side), alternating ours/TRL")
+    p.add_argument("--lora", action="store_true", help="peft LoRA on both sides (r 16, alpha 32, no dropout, attention + MLP projections), through each trainer's peft_config")
+    p.add_argument("--max_batch", action="store_true", help="for each (algorithm, side): the largest batch whose first training step fits (doubling from --batch, then bisection)")
+    p.add_argument("--modes", nargs="+", choices=["full", "lora"], help="--max_batch: full fine-tuning and/or LoRA (default: lora with --lora, else full)")
+    p.add_argument("--mem_limit_mib", type=float, help="a probe whose peak (GPU allocated, or RSS on the CPU) exceeds this counts as out of memory")
+    p.add_argument("--bisect", type=int, default=3, help="--max_batch: bisection probes after the doubling, at most")
+    p.add_argument("--max_batch_cap", type=int, default=4096, help="--max_batch: stop doubling past this batch")
+    p.add_argument("--max_batch_budget_s", type=float, help="--max_batch: no new probe of an (algorithm, side, mode) after this many seconds")
+    p.add_argument("--deadline_s", type=float, help="start no new child process after this many seconds (runs not started are 'skipped'); the JSON is written after every child")
     p.add_argument("--trl_ppo_path", default=os.environ.get("TRL_PPO_PATH", "/tmp/trl112"),
                    help="a --target install of trl==1.12.0 (for PPO; RLOO uses the installed TRL)")
-    p.add_argument("--tok_dir", help="a tokenizer saved by an earlier run (else one is trained)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache; or take one back: unpacked, no_kept_pass, unfused, hf_generate")
+    p.add_argument("--tok_dir", help="a tokenizer folder: loaded when it holds one of the shape's vocabulary, else one is trained and saved there (none given: trained into a temporary folder)")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
+    p.add_argument("--params", action="store_true", help="only build the shape's policy on the meta device and print its parameter count")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--report", help="only print the tables from a file written by --json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--algo", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.child == "bandwidth": return bandwidth_child(a)
     if a.child: a.side = a.child; return child(a)
     if a.report:                        # print the tables again from a file written by --json
         d = json.loads(Path(a.report).read_text())
         for k, v in d["args"].items(): setattr(a, k, v)
-        return report(summarise(d["runs"], a), a, d["meta"])
+        if "max_batch" in d: return report_max_batch(d["max_batch"], a, d["meta"])
+        return report(summarise(d["runs"], a, d.get("bandwidth")), a, d["meta"], d.get("bandwidth"))
+    if a.params: return print_params(a.model_shape)
+    if {"rloo", "grpo"} & set(a.algos) and a.batch % RLOO_K:
+        p.error(f"--batch must be a multiple of k={RLOO_K} for rloo and grpo, got {a.batch}")
+    if a.modes and not a.max_batch: p.error("--modes is for --max_batch (use --lora for a LoRA comparison)")
     quiet()
-    tmp = None
-    if not a.tok_dir:
-        tmp = tempfile.TemporaryDirectory(); a.tok_dir = tmp.name
-        t = time.perf_counter(); build_tokenizer(SHAPES[a.model_shape]["vocab"], a.tok_dir)
-        print(f"tokenizer: {SHAPES[a.model_shape]['vocab']} tokens trained in {time.perf_counter() - t:.1f} s", flush=True)
+    tmp, vocab = None, SHAPES[a.model_shape]["vocab"]
+    if not a.tok_dir: tmp = tempfile.TemporaryDirectory(); a.tok_dir = tmp.name
+    if not (Path(a.tok_dir) / "tokenizer.json").exists():   # trained once into --tok_dir, then loaded from there
+        t = time.perf_counter(); build_tokenizer(vocab, a.tok_dir)
+        print(f"tokenizer: {vocab} tokens trained in {time.perf_counter() - t:.1f} s into {a.tok_dir}", flush=True)
+    else:
+        from transformers import AutoTokenizer
+        if len(AutoTokenizer.from_pretrained(a.tok_dir)) != vocab:
+            sys.exit(f"--tok_dir {a.tok_dir} has {len(AutoTokenizer.from_pretrained(a.tok_dir))} tokens, the {a.model_shape} shape wants {vocab}")
     if a.floor: return floor(a)
-    import torch, transformers, hashlib, instruct_goose
-    pkg = Path(instruct_goose.__file__).parent
-    library = f"instruct_goose from {pkg} (sha1 of *.py {hashlib.sha1(b''.join(f.read_bytes() for f in sorted(pkg.glob('*.py')))).hexdigest()[:10]})"
+    import torch, transformers   # no CUDA call in the parent: its context would take GPU memory from the children
+    lib = library_info()
+    library = (f"instruct_goose {lib['commit'][:12]} ({'dirty' if lib['dirty'] is True else 'clean' if lib['dirty'] is False else 'dirty: ' + str(lib['dirty'])}) "
+               f"from {lib['path']} (sha1 of *.py {lib['sha1_py']})")
+    bw = measure_bandwidth(a)
     machine = f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
-    if a.device == "cuda": machine = torch.cuda.get_device_name() + ", " + machine
+    if a.device == "cuda": machine = bw["device"] + ", " + machine
     t0 = time.perf_counter()
-    res = []
+    def meta_text():
+        return (f"{a.model_shape} on {a.device} ({machine}), {a.dtype}{', LoRA r16' if a.lora and not a.max_batch else ''}; "
+                f"torch {torch.__version__}, transformers {transformers.__version__}; batch {a.batch}, response "
+                f"{a.response_length} tokens, PPO {a.epochs} epochs x 1 minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, "
+                + (f"1 epoch; one training step per probe (a fresh process), first batch {a.batch}, at most {a.bisect} bisections; "
+                   if a.max_batch else f"1 epoch; {a.warmup} warm-up + {a.steps} timed steps x {a.reps} runs per side; ")
+                + f"levers on ours: {a.lever or 'none'}; "
+                f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; whole bench {time.perf_counter() - t0:.0f} s; {library}")
+    args = {k: v for k, v in vars(a).items() if k not in ("child", "tok_dir", "report", "json", "algo")}
+    def save(partial, **d):   # after every child too: a run stopped at its time limit keeps what it measured
+        if a.json: Path(a.json).write_text(json.dumps({"meta": meta_text(), "partial": partial, "library": lib, "bandwidth": bw, "args": args, **d}, indent=1))
+    if a.max_batch:
+        max_batch(a, meta_text, lambda rows: save(True, max_batch=rows))
+        return save(False, max_batch=a.max_batch_rows)
+    res, trl_ppo = [], {}
     for rep in range(a.reps):
         for algo in a.algos:
-            for side in (("ours", "trl") if (rep + a.algos.index(algo)) % 2 == 0 else ("trl", "ours")):
-                r = run_child(a, algo, side)
-                if r:
+            order = ("ours", "trl") if (rep + a.algos.index(algo)) % 2 == 0 else ("trl", "ours")
+            for side in (s for s in order if s in a.sides):
+                if side == "trl" and algo.startswith("ppo") and rep in trl_ppo:
+                    # TRL's PPO has one (separate) critic: the run for ppo_shared and for ppo_separate is the same one
+                    r = {**trl_ppo[rep], "algo": algo, "reused_from": trl_ppo[rep]["algo"]}
+                else: r = run_child(a, algo, side)
+                if side == "trl" and algo.startswith("ppo") and r["status"] == "ok": trl_ppo.setdefault(rep, r)
+                if r["status"] == "ok":
                     print(f"rep {rep} {algo:<13}{side:<5} {r['cps']:7.2f} completions/s  peak {r['peak_mib']:8.0f} MiB  "
-                          f"(run {r['child_wall']:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
+                          f"(run {r['child_wall']:.0f} s{', the ' + r['reused_from'] + ' run' if 'reused_from' in r else ''}, "
+                          f"load {os.getloadavg()[0]:.1f})", flush=True)
+                else: print(f"rep {rep} {algo:<13}{side:<5} {r['status']}", flush=True)
                 res.append(r)
-    summary = summarise(res, a)
-    meta = (f"{a.model_shape} on {a.device} ({machine}), {a.dtype}; torch {torch.__version__}, transformers "
-            f"{transformers.__version__}; batch {a.batch}, response {a.response_length} tokens, PPO {a.epochs} epochs x 1 "
-            f"minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, 1 epoch; {a.warmup} warm-up + {a.steps} timed steps "
-            f"x {a.reps} runs per side; levers on ours: {a.lever or 'none'}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
-            f"whole bench {time.perf_counter() - t0:.0f} s; {library}")
-    report(summary, a, meta)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"meta": meta, "args": {k: v for k, v in vars(a).items() if k not in ("child", "tok_dir", "report", "json")},
-                                            "summary": summary, "runs": res}, indent=1))
+                save(True, runs=res)
+    summary = summarise(res, a, bw)
+    report(summary, a, meta_text(), bw)
+    save(False, summary=summary, runs=res)
+
+
+def print_params(shape):
+    "The shape's policy built on the meta device (no memory, no tokenizer): its config and parameter count."
+    import torch
+    from transformers import AutoModelForCausalLM
+    class Tok:   # what model_config reads of a tokenizer
+        pad_token_id, eos_token_id, bos_token_id = 0, 1, 1
+        def __len__(self): return SHAPES[shape]["vocab"]
+    cfg = model_config(shape, Tok())
+    with torch.device("meta"): m = AutoModelForCausalLM.from_config(cfg)
+    emb = m.get_input_embeddings().weight.numel()
+    tied = m.get_output_embeddings().weight is m.get_input_embeddings().weight
+    print(f"{shape}: {type(m).__name__}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads} heads / {getattr(cfg, 'num_key_value_heads', cfg.num_attention_heads)} KV heads, "
+          f"MLP {getattr(cfg, 'intermediate_size', None) or 4 * cfg.hidden_size}, vocabulary {cfg.vocab_size}, tied embeddings {tied}")
+    print(f"parameters {n_params(m):,} ({n_params(m) / 1e9:.3f} B; embeddings {emb:,}, the rest {n_params(m) - emb:,}); "
+          f"bf16 weights {n_params(m) * 2 / 2**30:.2f} GiB")
 
 
 if __name__ == "__main__":
