@@ -41,6 +41,16 @@ class KVCache:
         "Keep only `rows` of the batch (a boolean or index tensor): finished responses leave it."
         self.keys, self.values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
 
+# %% ../nbs/03a_decoding.ipynb #d3c0a04f
+def _attend(q, k, v, mask, scale: float):
+    "softmax(q kᵀ · scale + M) v over the cache's keys and values (`mask` False: -inf), key heads shared by groups of query heads where there are fewer."
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+def _rotate(attention: nn.Module, q, k, cos, sin):
+    "Rotate q and k by the family's own `apply_rotary_pos_emb` (from the attention module's source file: partial rotary and each family's layout come with it)."
+    return sys.modules[type(attention).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+
+
 # %% ../nbs/03a_decoding.ipynb #d3c0a011
 def _gpt2_step(lm, ids, pos, cache, start, mask):
     "GPT-2: the logits (batch, vocab) after the last of `ids`, the keys and values of `ids` written into `cache` at `start`."
@@ -50,7 +60,7 @@ def _gpt2_step(lm, ids, pos, cache, start, mask):
         a = block.attn
         q, k, v = (x.unflatten(-1, (a.num_heads, a.head_dim)).transpose(1, 2) for x in a.c_attn(block.ln_1(h)).split(a.split_size, -1))
         k, v = cache.update(i, k, v, start)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling)        # scaling: 1/√d, and 🤗's per-layer option
+        o = _attend(q, k, v, mask, a.scaling)        # scaling: 1/√d, and 🤗's per-layer option
         h = h + a.c_proj(o.transpose(1, 2).flatten(2))
         h = h + block.mlp(block.ln_2(h))
     return lm.lm_head(t.ln_f(h[:, -1]))
@@ -72,9 +82,9 @@ def _llama_step(lm, ids, pos, cache, start, mask):
         a = layer.self_attn
         q, k, v = (x.unflatten(-1, (-1, a.head_dim)) for x in _qkv(a, layer.input_layernorm(h)))   # (batch, new, heads, head_dim)
         if hasattr(a, "q_norm"): q, k = a.q_norm(q), a.k_norm(k)                                    # Qwen3
-        q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q, k = _rotate(a, q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         k, v = cache.update(i, k, v.transpose(1, 2), start)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling, enable_gqa=q.shape[1] != k.shape[1])
+        o = _attend(q, k, v, mask, a.scaling)
         h = h + a.o_proj(o.transpose(1, 2).flatten(2))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return lm.lm_head(base.norm(h[:, -1]))
@@ -88,9 +98,9 @@ def _neox_step(lm, ids, pos, cache, start, mask):
     for i, layer in enumerate(base.layers):
         a = layer.attention
         q, k, v = a.query_key_value(layer.input_layernorm(h)).unflatten(-1, (-1, 3 * a.head_size)).transpose(1, 2).chunk(3, -1)
-        q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = _rotate(a, q, k, cos, sin)
         k, v = cache.update(i, k, v, start)
-        o = a.dense(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling).transpose(1, 2).flatten(2))
+        o = a.dense(_attend(q, k, v, mask, a.scaling).transpose(1, 2).flatten(2))
         if layer.use_parallel_residual: h = h + o + layer.mlp(layer.post_attention_layernorm(h))
         else:
             h = h + o
@@ -109,7 +119,7 @@ def _opt_step(lm, ids, pos, cache, start, mask):
         x = layer.self_attn_layer_norm(h) if before else h
         q, k, v = (x.unflatten(-1, (a.num_heads, a.head_dim)).transpose(1, 2) for x in (a.q_proj(x) * a.scaling, a.k_proj(x), a.v_proj(x)))
         k, v = cache.update(i, k, v, start)
-        h = h + a.out_proj(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0).transpose(1, 2).flatten(2))
+        h = h + a.out_proj(_attend(q, k, v, mask, 1.0).transpose(1, 2).flatten(2))
         if not before: h = layer.self_attn_layer_norm(h)
         h = h + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(h) if before else h)))
         if not before: h = layer.final_layer_norm(h)
@@ -127,9 +137,9 @@ def _gemma3_step(lm, ids, pos, cache, start, mask):
         a = layer.self_attn
         x = layer.input_layernorm(h)
         q, k, v = (p(x).unflatten(-1, (-1, a.head_dim)).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
-        q, k = sys.modules[type(a).__module__].apply_rotary_pos_emb(a.q_norm(q), a.k_norm(k), *rope[a.layer_type])
+        q, k = _rotate(a, a.q_norm(q), a.k_norm(k), *rope[a.layer_type])
         k, v = cache.update(i, k, v, start)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling, enable_gqa=q.shape[1] != k.shape[1])
+        o = _attend(q, k, v, mask, a.scaling)
         h = h + layer.post_attention_layernorm(a.o_proj(o.transpose(1, 2).flatten(2)))
         h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
     z = lm.lm_head(base.norm(h[:, -1]))
