@@ -50,7 +50,7 @@ NB_TIMEOUT = 900                    # seconds one notebook may take before the b
 # The navigation, in reading order: (notebook, title in the sidebar). The page file is the notebook's `output-file`.
 CHAPTERS = [
     ("index", "Overview"), ("00_core", "Core"), ("01_losses", "Losses"), ("02_data", "Data"), ("02b_toy", "Toy models and tasks"),
-    ("03_agent", "Agent"), ("03b_generation", "Generation"), ("04_reward", "Reward"), ("04b_rewards", "Reward helpers (TRL's)"), ("04c_reward_eval", "Reward models you can trust"), ("05_loop", "Loop"), ("05b_levers", "Memory levers"), ("06_sft", "SFT and reward modelling"),
+    ("03_agent", "Agent"), ("03a_decoding", "Decoding"), ("03b_generation", "Generation"), ("04_reward", "Reward"), ("04b_rewards", "Reward helpers (TRL's)"), ("04c_reward_eval", "Reward models you can trust"), ("05_loop", "Loop"), ("05b_levers", "Memory levers"), ("06_sft", "SFT and reward modelling"),
     ("07_rollout", "Rollout"), ("07b_completions", "Completions you can read"), ("08_onpolicy", "On-policy engine"), ("08b_ppo", "PPO"), ("09_rloo", "RLOO"), ("09b_grpo", "GRPO"), ("09c_dpo", "DPO"), ("09d_tools", "Tools"), ("10_cli", "CLI"),
     ("14_scaling", "Scaling up"),
 ]
