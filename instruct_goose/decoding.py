@@ -268,9 +268,8 @@ def decode(
     "Sample each row's response token by token through the family's step (`_STEPS`) and a static cache; finished rows leave the batch."
     lm = _base_lm(model)
     (B, P), dev = query_ids.shape, query_ids.device
-    refusal = None if graphs is False else _graph_refusal(lm)
-    if graphs and refusal: raise ValueError(f"`graphs=True`, but this model's step cannot be replayed from a CUDA graph: {refusal}")
-    graphs = dev.type == "cuda" and refusal is None if graphs is None else graphs
+    if graphs and (refusal := _graph_refusal(lm)): raise ValueError(f"`graphs=True`, but this model's step cannot be replayed from a CUDA graph: {refusal}")
+    if graphs is None: graphs = dev.type == "cuda" and _graph_refusal(lm) is None      # the module walk only where graphs could run
     valid = torch.cat([query_attention_mask.bool(), torch.ones(B, max_new_tokens, dtype=torch.bool, device=dev)], 1)  # keys a position may read
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
     cache, step = KVCache(lm.config.num_hidden_layers, P + max_new_tokens), _step_for(lm)
