@@ -570,12 +570,28 @@ def average_gradients(self: TrainLoop, model: nn.Module):
     for p in model.parameters():
         if p.grad is not None: p.grad = self.accelerator.reduce(p.grad, reduction="mean")
 
+# %% ../nbs/05_loop.ipynb #c1a90002
+def _clip_gradients(
+    accelerator: Accelerator,
+    parameters: list[nn.Parameter],   # the model's parameters
+    max_norm: float,                  # c (inf: measure only)
+) -> Tensor | None:                   # ‖g‖ before clipping (None where DeepSpeed keeps it)
+    "Accelerate's `clip_grad_norm_`, with the gradients multiplied only when the factor min(1, c/(‖g‖+1e-6)) is below 1 (one host sync, which the loop makes anyway)."
+    if (accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA)
+            or any(hasattr(p.grad, "full_tensor") for p in parameters)):
+        return accelerator.clip_grad_norm_(parameters, max_norm)
+    accelerator.unscale_gradients()                                   # fp16: the scaler's factor out first
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    if max_norm / (norm + 1e-6) < 1: torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)   # torch's factor, in the norm's dtype
+    return norm
+
+
 # %% ../nbs/05_loop.ipynb #de735e8a
 @patch
 def optimizer_step(self: TrainLoop, model: nn.Module, stats: dict | None = None) -> Tensor:
     "Clip, step the optimizer and the schedule, zero the gradients; returns the gradient norm before clipping."
     max_norm = self.config.max_grad_norm or math.inf
-    grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = _clip_gradients(self.accelerator, list(model.parameters()), max_norm)
     if hasattr(grad_norm, "full_tensor"): grad_norm = grad_norm.full_tensor()   # FSDP2: the norm is a DTensor over the shards
     if self.accelerator.distributed_type == DistributedType.DEEPSPEED:   # the engine clipped and stepped in `backward`
         self.fire("on_pre_optimizer_step"); self.fire("on_optimizer_step")
