@@ -4,7 +4,8 @@ The CPU runs the same loop with `_Replay` calling the step eagerly (chapter 03a,
 only a GPU can show is that recording and replaying change nothing: with a draw that depends on p alone, the graphs
 give the plain loop's tokens, for weights in float32 and bfloat16 and for float32 weights under bf16 autocast (the
 trainers' mixed precision, where the step reads the casts autocast cached during the prompt's pass); that the drawn
-probabilities are the scored ones; and that a call of B rows records at most 1 + log2 B graphs.
+probabilities are the scored ones; and that a call of B rows records at most 1 + log2 B graphs. Without a GPU,
+tests/test_decode_device.py runs every family's loop on the `meta` device and checks what recording forbids.
 
     python3 -m pytest tests/test_decode_cuda.py -q          # on a machine with a GPU
 """

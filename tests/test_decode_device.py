@@ -1,0 +1,105 @@
+"""`decode` on a device that is not the CPU, without a GPU: every family's loop run on PyTorch's `meta` device.
+
+No CUDA graph has been recorded on the machines this project is tested on, and the CPU runs hide two kinds of bug
+that only a GPU would show: a tensor made on the CPU where the model's device was meant (`torch.arange(n)` without
+`device=`), and, inside the step a graph records, what recording forbids: a host sync (`.item()`, `int(t)`, a
+boolean mask's `nonzero`), a copy between host and device, or a CPU tensor read by a kernel (recording would bake
+its value into the graph). On the `meta` device tensors have shapes and no values, so every operation runs where
+the model is, and a mode below each operation checks the devices of its tensors. The loop's one host sync a step
+(how many rows are still going) is answered from a schedule, so rows leave the batch and the batch shrinks through
+the powers of two as it would on a GPU; `_Replay` runs its step eagerly off CUDA, and the check inside it is the
+stricter one: no sync, no CPU tensor at all.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import AutoModelForCausalLM
+
+from instruct_goose import decoding, encode_prompts, task_tokenizer
+
+from _families import BY_NAME, build_causal
+from test_architectures import OWN_DECODING
+
+META = torch.device("meta")
+
+
+class OnTheDevice(TorchDispatchMode):
+    "Every operation's tensors on one device; host syncs answered from `left` (rows still going) and counted. `strict`: inside a recorded step, no sync and no CPU tensor, scalar or not."
+    def __init__(self, left: list[int]):
+        super().__init__()
+        self.left, self.syncs, self.strict = list(left), 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if name == "_local_scalar_dense":
+            assert not self.strict, "a host sync inside the step a CUDA graph records"
+            self.syncs += 1
+            return self.left.pop(0)
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = inputs + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        on_cpu = [t for t in tensors if t.device.type == "cpu" and (self.strict or t.dim() > 0)]   # outside a graph a CPU scalar is a kernel argument
+        assert not (on_cpu and (self.strict or any(t.device.type == "meta" for t in inputs))), \
+            f"{func}: a CPU tensor where the model's device was meant" + (" (inside the step a CUDA graph records)" if self.strict else "")
+        return out
+
+
+def on_meta(name, tokenizer):
+    "The family's tiny model, built on the meta device (weights without values), as decode finds it: eval mode, no gradients."
+    config = build_causal(BY_NAME[name], tokenizer).config
+    with META: model = AutoModelForCausalLM.from_config(config)
+    return model.eval().requires_grad_(False)
+
+
+def record_strictly(monkeypatch, mode: OnTheDevice, sizes: list):
+    "Make decode's `_Replay` run its step (what a CUDA graph would record) under `mode`'s strict check, noting each one's batch size in `sizes`."
+    class Checked(decoding._Replay):
+        def __init__(self, step, lm, cache, rows, device):
+            super().__init__(step, lm, cache, rows, device)
+            sizes.append(rows)
+            run = self.run
+            def strict():
+                mode.strict = True
+                try: return run()
+                finally: mode.strict = False
+            self.run = strict
+    monkeypatch.setattr(decoding, "_Replay", Checked)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(): return task_tokenizer()
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "plain"])
+@pytest.mark.parametrize("family", OWN_DECODING)
+def test_decode_runs_on_the_models_device(family, graphs, tokenizer, monkeypatch):
+    "decode's whole loop on `meta`: each operation on the model's device, one host sync a step, and (graphs) a recorded step that neither syncs nor reads the host."
+    model = on_meta(family, tokenizer)
+    q, m = encode_prompts(tokenizer, ["Review: The editing in this western", "Review: a", "Review: dull", "Review: I"])
+    left = [4, 3, 3, 2, 1, 1, 1]                       # rows still going after each step: 4 → 3 (batch 4) → 2 → 1
+    mode, sizes = OnTheDevice(left), []
+    record_strictly(monkeypatch, mode, sizes)
+    with mode:
+        out = decoding.decode(model, q.to(META), m.to(META), len(left), [0], tokenizer.pad_token_id, graphs=graphs,
+                              temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.1)
+    assert out.device == META and out.shape == (4, len(left))
+    assert mode.syncs == len(left) and not mode.left                           # one host sync a step, none elsewhere
+    assert sizes == ([4, 2, 1] if graphs else [])                              # powers of two: 3 rows run as 4
+
+
+def test_the_device_check_catches_a_cpu_tensor_and_a_sync(tokenizer, monkeypatch):
+    "The check is not vacuous: a position range made on the CPU, or a sync inside the recorded step, fails it."
+    model = on_meta("llama", tokenizer)
+    q, m = encode_prompts(tokenizer, ["Review: The editing", "Review: a"])
+    update = decoding.KVCache.update
+    for bug, message in [(lambda k, start: start + torch.arange(k.shape[2]), "a CPU tensor"), (lambda k, start: start.item(), "a host sync")]:
+        def buggy(self, layer, k, v, start, bug=bug):
+            if isinstance(start, torch.Tensor): bug(k, start)
+            return update(self, layer, k, v, start)
+        monkeypatch.setattr(decoding.KVCache, "update", buggy)
+        mode = OnTheDevice([2, 2, 2])
+        record_strictly(monkeypatch, mode, [])
+        with pytest.raises(AssertionError, match=message), mode:
+            decoding.decode(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, graphs=True)
