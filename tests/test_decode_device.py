@@ -103,3 +103,18 @@ def test_the_device_check_catches_a_cpu_tensor_and_a_sync(tokenizer, monkeypatch
         record_strictly(monkeypatch, mode, [])
         with pytest.raises(AssertionError, match=message), mode:
             decoding.decode(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, graphs=True)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_lora_sampling_runs_on_the_models_device(family, tokenizer, monkeypatch):
+    "A LoRA policy samples through `merged_adapters` (W + s·BA made once a call) and then decode: the merge too stays on the model's device."
+    from peft import LoraConfig, get_peft_model
+    from instruct_goose.generation import merged_adapters
+    model = get_peft_model(on_meta(family, tokenizer), LoraConfig(r=4, target_modules="all-linear", fan_in_fan_out=family == "gpt2")).requires_grad_(False)
+    q, m = encode_prompts(tokenizer, ["Review: The editing", "Review: a"])
+    mode, sizes = OnTheDevice([2, 2, 2]), []
+    record_strictly(monkeypatch, mode, sizes)
+    with torch.no_grad(), mode, merged_adapters(model):
+        assert sum(1 for n, _ in model.named_modules() if n.endswith("merged_for_sampling")) > 0
+        out = decoding.decode(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, graphs=True)
+    assert out.device == META and sizes == [2]
