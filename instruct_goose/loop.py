@@ -596,7 +596,7 @@ def optimizer_step(self: TrainLoop, model: nn.Module, stats: dict | None = None)
     if self.accelerator.distributed_type == DistributedType.DEEPSPEED:   # the engine clipped and stepped in `backward`
         self.fire("on_pre_optimizer_step"); self.fire("on_optimizer_step")
         self.scheduler.step()   # ours (a LambdaLR DeepSpeed does not know) is not the engine's to step; its own kinds: a no-op wrapper
-        return torch.as_tensor(math.nan if grad_norm is None else grad_norm)
+        return torch.as_tensor(math.nan if grad_norm is None else grad_norm, device=self.device)   # logged and all-reduced with the step's statistics (NCCL: no CPU tensors)
     if not torch.isfinite(grad_norm) and self.accelerator.scaler is None:  # one host sync per step; fp16's scaler skips such steps itself
         self.optimizer.zero_grad(set_to_none=True)
         self._nonfinite(grad_norm, stats or {})

@@ -575,7 +575,7 @@ def train(
             reward_stats = self.reward_model.stats(loop.accelerator.gather(samples.reward_scores.to(loop.device).T.contiguous()).T)
             # 2. K epochs of minibatch updates; statistics averaged over processes
             stats = {**self.rollout_stats(rollout), **reward_stats, **self.update(model, rollout, loop)}
-            stats = {k: loop.accelerator.reduce(v, reduction="mean") for k, v in stats.items()}
+            stats = {k: loop.accelerator.reduce(v.to(loop.device), reduction="mean") for k, v in stats.items()}   # NCCL all-reduces no CPU tensor
             # 3. the KL controller, then logs, sample tables and checkpoints
             if "objective/kl" in stats: self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
             loop.state.step += 1

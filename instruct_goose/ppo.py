@@ -73,7 +73,7 @@ def objective_stats(
             "objective/non_score_reward": seq_non_score.mean(),
             "objective/scores": rollout.scores.mean(),
             "objective/rlhf_reward": (rollout.scores + seq_non_score).mean(),
-            "objective/kl_coef": torch.tensor(kl_coef)}
+            "objective/kl_coef": seq_kl.new_tensor(kl_coef)}   # on the rollout's device, as every statistic: NCCL all-reduces no CPU tensor
 
 # %% ../nbs/08b_ppo.ipynb #2f13d71a
 class RLHFTrainer(OnPolicyTrainer):
