@@ -28,7 +28,7 @@ from .data import as_dataset, encode_prompts, prompt_text, warn_cut_prompts
 from .reward import RewardModel, WeightedReward, reward_from
 from .core import check_number, masked_sum, masked_whiten
 from .loop import Trainer, TrainLoop, TrainingConfig, as_callbacks, batch_indices, trainer_arguments
-from .levers import fuse_activations
+from .levers import fuse_activations, half_linears
 from .losses import FixedKLController, KLEstimator
 from .rollout import Samples, chunked, micro_batch_index, minibatches, sampling_seed
 from .tools import trainer_tools
@@ -246,6 +246,7 @@ class OnPolicyTrainer(Trainer):
         self.model = fuse_activations(self.policy_from(model, peft_config))   # before anything samples or scores with it
         policy = self.model.model if isinstance(self.model, Agent) else self.model
         self.ref_model = frozen_reference(policy, ref_model) if self.needs_reference else None
+        self.ref_is_copy = self.ref_model is not None and ref_model is None and not _is_peft(policy)   # our own copy (`setup` may hold it in half precision)
 
     needs_reference: bool = True      # whether the algorithm uses π_ref (GRPO: only when `beta` > 0)
 
@@ -615,13 +616,16 @@ def setup(
     loop: TrainLoop,         # the run's loop
     steps: int,              # training steps in the run
 ) -> nn.Module:              # the trained model, prepared and unwrapped
-    "Optimizer and schedule, frozen models on their device, KL controller in the checkpoints, resume, Ctrl-C handling."
+    "Optimizer and schedule, frozen models on their device (the reference copy's linear layers in autocast's dtype under mixed precision: `half_linears`), KL controller in the checkpoints, resume, Ctrl-C handling."
     c = self.args
     loop.register(self.kl_ctl)
     if getattr(self, "entropy_ctl", None) is not None: loop.register(self.entropy_ctl)   # GRPO's adaptive entropy coefficient (`use_adaptive_entropy`)
     loop.progress_keys = self.progress_keys
     loop.callbacks += self.trl_callbacks()                     # TR-DPO's reference sync (`TRLOptions`)
     model = loop.accelerator.unwrap_model(loop.setup_optimizer(self.model, steps * c.num_ppo_epochs * c.num_mini_batches))
+    if self.ref_is_copy and not getattr(c, "sync_ref_model", False):   # our copy, never mixed into (PPO has no sync), run only under the rollout's autocast
+        with loop.accelerator.autocast(): on, dtype = torch.is_autocast_enabled(loop.device.type), torch.get_autocast_dtype(loop.device.type)
+        if on: half_linears(self.ref_model, dtype)    # bit-identical outputs, half those weights' memory
     for frozen in (self.ref_model, self.reward_model):
         if isinstance(frozen, nn.Module): frozen.to("cpu" if c.offload_models else loop.device)
     loop.maybe_resume()
