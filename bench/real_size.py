@@ -175,7 +175,7 @@ def run_ours(algo, a, tok, out, clock):
     import torch
     import instruct_goose.onpolicy as tm
     from instruct_goose import (Agent, GRPOConfig, GRPOTrainer, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
-                                RewardModel, create_reference_model)
+                                RewardModel)
     from instruct_goose.loop import TrainLoop
     from instruct_goose.onpolicy import OnPolicyTrainer
     policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo == "ppo_separate", device=a.device)
@@ -183,7 +183,7 @@ def run_ours(algo, a, tok, out, clock):
     # LoRA: adapters through the trainers' `peft_config` (TRL's argument); the reference is then the adapter-off base
     # (ref_model=None), as TRL's (no second copy of the weights)
     peft = lora_config(a.model_shape) if a.lora else None
-    ref = lambda: None if a.lora else create_reference_model(policy)
+    ref = lambda: None   # the trainer's own copy (LoRA: the adapter-off base), as TRL's make theirs; under bf16 its linear layers are held in bf16 (`half_linears`: the same numbers)
     apply_levers(a.lever)   # before the trainer: it fuses the models' activations when it takes them
     steps = a.warmup + a.steps
     common = dict(output_dir=out, per_device_train_batch_size=a.batch, response_length=a.response_length,
