@@ -8,7 +8,9 @@ its value into the graph). On the `meta` device tensors have shapes and no value
 the model is, and a mode below each operation checks the devices of its tensors. The loop's one host sync a step
 (how many rows are still going) is answered from a schedule, so rows leave the batch and the batch shrinks through
 the powers of two as it would on a GPU; `_Replay` runs its step eagerly off CUDA, and the check inside it is the
-stricter one: no sync, no CPU tensor at all.
+stricter one: no sync, no CPU tensor at all. A LoRA policy samples through `merged_adapters` the same way, and the
+update's pass (log-probabilities in chunks from the last hidden state, entropies, values of a shared or separate
+critic) runs forward and backward under the same check.
 """
 import pytest
 import torch
@@ -118,3 +120,28 @@ def test_lora_sampling_runs_on_the_models_device(family, tokenizer, monkeypatch)
         assert sum(1 for n, _ in model.named_modules() if n.endswith("merged_for_sampling")) > 0
         out = decoding.decode(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, graphs=True)
     assert out.device == META and sizes == [2]
+
+
+class AnswerAll(OnTheDevice):
+    "`OnTheDevice` with every host sync answered True (the padding checks' yes), however many there are."
+    def __init__(self):
+        super().__init__([])
+        self.left = type("Always", (), {"pop": lambda self, i: 1})()
+
+
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3"])
+def test_the_policy_pass_runs_on_the_models_device(family, critic, tokenizer):
+    "The update's pass: log-probabilities from the last hidden state in chunks (`_ChunkedHead`), entropies and values, forward and backward, on `meta`: every operation and every gradient on the model's device."
+    from instruct_goose import Agent
+    value_model = None
+    if critic == "separate":
+        from transformers import AutoModelForSequenceClassification
+        with META: value_model = AutoModelForSequenceClassification.from_config(on_meta(family, tokenizer).config)
+    agent = Agent(on_meta(family, tokenizer).requires_grad_(True), value_model=value_model).to(META)   # a trainer moves it so
+    q, m = encode_prompts(tokenizer, ["Review: The editing in this western", "Review: a"])
+    r, rm = torch.zeros(2, 5, dtype=torch.long, device=META), torch.ones(2, 5, dtype=torch.bool, device=META)
+    with AnswerAll():
+        stats = agent.response_stats(q.to(META), m.to(META), r, rm, temperature=0.7, entropy="grad")
+        (stats.logprobs.sum() + stats.entropy.sum() + stats.values.sum()).backward()
+    assert {p.grad.device for p in agent.parameters() if p.requires_grad} == {META}
