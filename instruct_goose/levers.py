@@ -54,8 +54,17 @@ def half_linears(
     if dtype not in (torch.bfloat16, torch.float16): raise ValueError(f"`dtype` must be torch.bfloat16 or torch.float16 (autocast's), got {dtype}")
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     layers = [m for m in model.modules() if type(m) in (nn.Linear, Conv1D) and id(m.weight) not in embedded]
-    for m in layers: m.to(dtype)
+    for m in layers:
+        if m.weight.dtype != dtype: m.register_forward_pre_hook(_only_under_autocast)
+        m.to(dtype)
     return sum(p.numel() for m in layers for p in m.parameters(recurse=False))
+
+def _only_under_autocast(layer: nn.Module, args):
+    "A layer `half_linears` changed, called outside autocast: a one-line error rather than PyTorch's dtype mismatch."
+    x = args[0]
+    if isinstance(x, Tensor) and x.dtype != layer.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise RuntimeError(f"this model's linear layers are held in {layer.weight.dtype} (`half_linears`: a trainer's own reference or "
+                           f"reward model under mixed precision): run it under torch.autocast('{x.device.type}', dtype={layer.weight.dtype})")
 
 
 # %% ../nbs/05b_levers.ipynb #f10615ac

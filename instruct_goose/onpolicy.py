@@ -616,16 +616,18 @@ def setup(
     loop: TrainLoop,         # the run's loop
     steps: int,              # training steps in the run
 ) -> nn.Module:              # the trained model, prepared and unwrapped
-    "Optimizer and schedule, frozen models on their device (the reference copy's linear layers in autocast's dtype under mixed precision: `half_linears`), KL controller in the checkpoints, resume, Ctrl-C handling."
+    "Optimizer and schedule, frozen models on their device (under mixed precision the reference copy's and a path-loaded reward model's linear layers in autocast's dtype: `half_linears`), KL controller in the checkpoints, resume, Ctrl-C handling."
     c = self.args
     loop.register(self.kl_ctl)
     if getattr(self, "entropy_ctl", None) is not None: loop.register(self.entropy_ctl)   # GRPO's adaptive entropy coefficient (`use_adaptive_entropy`)
     loop.progress_keys = self.progress_keys
     loop.callbacks += self.trl_callbacks()                     # TR-DPO's reference sync (`TRLOptions`)
     model = loop.accelerator.unwrap_model(loop.setup_optimizer(self.model, steps * c.num_ppo_epochs * c.num_mini_batches))
-    if self.ref_is_copy and not getattr(c, "sync_ref_model", False):   # our copy, never mixed into (PPO has no sync), run only under the rollout's autocast
-        with loop.accelerator.autocast(): on, dtype = torch.is_autocast_enabled(loop.device.type), torch.get_autocast_dtype(loop.device.type)
-        if on: half_linears(self.ref_model, dtype)    # bit-identical outputs, half those weights' memory
+    with loop.accelerator.autocast(): on, half = torch.is_autocast_enabled(loop.device.type), torch.get_autocast_dtype(loop.device.type)
+    if on:   # the models made here, run only under the rollout's autocast: linear layers in its dtype (`half_linears`: the same outputs, half the bytes)
+        if self.ref_is_copy and not getattr(c, "sync_ref_model", False): half_linears(self.ref_model, half)   # never mixed into (PPO has no sync)
+        for f in getattr(self.reward_model, "models", ()):
+            if getattr(f, "loaded_here", False): half_linears(f, half)                                       # a reward model loaded from a path
     for frozen in (self.ref_model, self.reward_model):
         if isinstance(frozen, nn.Module): frozen.to("cpu" if c.offload_models else loop.device)
     loop.maybe_resume()

@@ -383,7 +383,10 @@ def _as_reward(
     processing_class=None,   # the tokenizer to fall back on for a 🤗 classifier
 ):
     "A path loads a `RewardModel`; a 🤗 1-label classifier is wrapped in one, with the tokenizer saved beside it or `processing_class`."
-    if isinstance(f, (str, Path)): return RewardModel.from_pretrained(f)
+    if isinstance(f, (str, Path)):
+        model = RewardModel.from_pretrained(f)
+        model.loaded_here = True      # nobody else holds it: a trainer may keep it in half precision under autocast (`half_linears`)
+        return model
     if not isinstance(f, PreTrainedModel): return f
     if not type(f).__name__.endswith("ForSequenceClassification"):
         raise TypeError(f"`reward_funcs`[{i}] is a {type(f).__name__}: a reward model is a 1-label sequence classifier (or a RewardModel)")

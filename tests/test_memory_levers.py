@@ -130,25 +130,27 @@ def test_bf16_rollout_is_computed_under_the_same_autocast(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_bf16_reference_copy_in_half_precision_gives_the_same_run(arch, tokenizer, tmp_path, monkeypatch):
-    "Under bf16 mixed precision the trainer's own reference copy holds its linear layers in bf16 (`half_linears`): every logged number is the one the float32 copy gives, and the first KL is exactly 0."
+    "Under bf16 mixed precision the trainer's own reference copy, and a reward model it loads from a path, hold their linear layers in bf16 (`half_linears`): every logged number is the one the float32 models give, and the first KL is exactly 0."
     from instruct_goose import onpolicy
+    RewardModel(tiny_causal_lm(tokenizer, arch=arch, seed=1), tokenizer).save_pretrained(tmp_path / "rm")
 
     def run(path):
         config = RLOOConfig(output_dir=str(path), mixed_precision="bf16", per_device_train_batch_size=4, num_generations=2,
                             total_episodes=8, response_length=8, beta=0.05, learning_rate=1e-3, disable_tqdm=True,
                             num_sample_generations=0)
         trainer = RLOOTrainer(tiny_causal_lm(tokenizer, arch=arch, seed=0), None, config, processing_class=tokenizer,
-                              reward_funcs=reward, train_dataset=load_task("prompts"))
+                              reward_funcs=str(tmp_path / "rm"), train_dataset=load_task("prompts"))
         trainer.train()
         return trainer, [{k: v for k, v in row.items() if k != "eps"} for row in trainer.loop.state.history]   # eps: wall-clock
 
     half, half_rows = run(tmp_path / "half")
     linear = nn.Linear if arch == "llama" else type(half.ref_model.transformer.h[0].attn.c_attn)
-    dtypes = {type(m).__name__: {p.dtype for p in m.parameters(recurse=False)} for m in half.ref_model.modules() if list(m.parameters(recurse=False))}
-    assert {p.dtype for m in half.ref_model.modules() if type(m) is linear for p in m.parameters(recurse=False)} == {torch.bfloat16}, dtypes
-    assert {p.dtype for n, p in half.ref_model.named_parameters() if "embed" in n or "wte" in n or "norm" in n or "ln_" in n} == {torch.float32}
-    monkeypatch.setattr(onpolicy, "half_linears", lambda model, dtype: 0)          # the float32 copy
+    for made_here in (half.ref_model, half.reward_model.models[0].model):
+        layers = [m for m in made_here.modules() if type(m) is linear]
+        assert layers and {p.dtype for m in layers for p in m.parameters(recurse=False)} == {torch.bfloat16}
+        assert {p.dtype for n, p in made_here.named_parameters() if "embed" in n or "wte" in n or "norm" in n or "ln_" in n} == {torch.float32}
+    monkeypatch.setattr(onpolicy, "half_linears", lambda model, dtype: 0)          # the float32 models
     full, full_rows = run(tmp_path / "full")
-    assert {p.dtype for p in full.ref_model.parameters()} == {torch.float32}
+    assert {p.dtype for p in full.ref_model.parameters()} | {p.dtype for p in full.reward_model.models[0].parameters()} == {torch.float32}
     assert half_rows == full_rows and len(half_rows) == 2
     assert half_rows[0]["objective/kl"] == 0.0, half_rows[0]                         # π_θ = π_ref at the first rollout, to the bit
