@@ -61,7 +61,7 @@ def half_linears(
 
 def _only_under_autocast(layer: nn.Module, args):
     "A layer `half_linears` changed, called outside autocast: a one-line error rather than PyTorch's dtype mismatch."
-    x = args[0]
+    x = args[0] if args else None                 # a layer called with its input by keyword is left to PyTorch's own message
     if isinstance(x, Tensor) and x.dtype != layer.weight.dtype and not torch.is_autocast_enabled(x.device.type):
         raise RuntimeError(f"this model's linear layers are held in {layer.weight.dtype} (`half_linears`: a trainer's own reference or "
                            f"reward model under mixed precision): run it under torch.autocast('{x.device.type}', dtype={layer.weight.dtype})")
