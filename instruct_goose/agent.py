@@ -258,7 +258,8 @@ class Agent(nn.Module):
         self.model = disable_dropout(_load(model, AutoModelForCausalLM, **from_pretrained_kwargs))
         value_model = _load_critic(value_model, **from_pretrained_kwargs)
         self.value_model = None if value_model is None else disable_dropout(value_model.base_model)
-        self.value_head = nn.Linear(_hidden_size((self.model if value_model is None else value_model).config), 1)
+        trunk = self.model if value_model is None else value_model       # the head lives where the trunk's weights are (a GPU, `meta`)
+        self.value_head = nn.Linear(_hidden_size(trunk.config), 1, device=next(trunk.parameters()).device)
         nn.init.normal_(self.value_head.weight, std=check_number("value_head_std", value_head_std))
         nn.init.zeros_(self.value_head.bias)
         score = getattr(value_model, "score", None)   # InstructGPT (and TRL) start the value function from the reward model
@@ -271,7 +272,8 @@ class Agent(nn.Module):
     def config(self): return self.model.config
 
     def _values(self, hidden: Tensor) -> Tensor:
-        return self.value_head(hidden).squeeze(-1).float()
+        "V per position from the trunk's last hidden states, through the float32 head (a bf16 trunk's states cast up; autocast casts as it does for any layer)."
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     def _critic_hidden(self, input_ids, attention_mask) -> Tensor:
         out = self.value_model(input_ids=input_ids, attention_mask=attention_mask,
