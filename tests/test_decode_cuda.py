@@ -70,3 +70,19 @@ def test_graphs_draw_from_the_scored_distribution(tokenizer):
     sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
     scored = agent.response_stats(q, m, r, rm, temperature=0.7, entropy="skip").logprobs
     assert (sampled - scored).abs().max().item() <= 1e-4
+
+
+def test_generate_responses_samples_through_graphs_by_default(tokenizer):
+    "On a GPU `generate_responses` samples through `decode` with its steps replayed from graphs unless told otherwise."
+    model = tiny_causal_lm(tokenizer, arch="llama", seed=0).eval().cuda()
+    q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
+    made, plain = [], decoding._Replay
+    class Counted(plain):
+        def __init__(self, *args): super().__init__(*args); made.append(args[3])
+    decoding._Replay = Counted
+    try:
+        generate_responses(model, q, m, 6, model.config.vocab_size, tokenizer.pad_token_id)
+        assert made == [len(PROMPTS)]                               # no row stops: one graph, all rows
+        generate_responses(model, q, m, 6, model.config.vocab_size, tokenizer.pad_token_id, own_decoder=False)
+        assert made == [len(PROMPTS)]                               # 🤗 generate: no graph of ours
+    finally: decoding._Replay = plain

@@ -145,3 +145,17 @@ def test_the_policy_pass_runs_on_the_models_device(family, critic, tokenizer):
         stats = agent.response_stats(q.to(META), m.to(META), r, rm, temperature=0.7, entropy="grad")
         (stats.logprobs.sum() + stats.entropy.sum() + stats.values.sum()).backward()
     assert {p.grad.device for p in agent.parameters() if p.requires_grad} == {META}
+
+
+def test_generate_responses_samples_through_decode_off_the_cpu(tokenizer, monkeypatch):
+    "Off the CPU (a GPU; here `meta`, where decode runs its plain loop: graphs are for CUDA) `generate_responses` samples through `decode` by default; 🤗 `generate` only when asked or refused."
+    from instruct_goose import generate_responses, generation
+    model = on_meta("qwen2", tokenizer)
+    q, m = encode_prompts(tokenizer, ["Review: The editing in this western", "Review: a"])
+    hf = []
+    monkeypatch.setattr(generation, "_hf_generate", lambda *args: hf.append(args[0]) or torch.zeros(2, 3, dtype=torch.long, device=META))
+    with AnswerAll(): r, rm = generate_responses(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id)
+    assert r.device == META and r.shape == (2, 3) and hf == []
+    with AnswerAll(): generate_responses(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, own_decoder=False)
+    with AnswerAll(): generate_responses(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, static_cache=False)   # TRL's "dynamic"
+    assert hf == [model, model]
