@@ -14,7 +14,10 @@ where the layers are wide enough (`packed_linears`).
 On a GPU (`--device cuda`, weights in `--dtype`, bf16 by default there) a third side runs: `decode` with each step
 replayed from a CUDA graph (`graphs=True`, its default there), beside the plain loop (`graphs=False`) and 🤗
 `generate` with a static cache (which 🤗 compiles, CUDA graphs included); the floor's bandwidth is a large
-device-to-device copy's, counting bytes read and written.
+device-to-device copy's, counting bytes read and written. `--compiled` adds `decode(compile=True)`: the graphed step
+through torch.compile (inductor). The warm-up calls use `--tokens` new tokens as the timed ones do, so the cache
+length, and with it 🤗's and our compiled step, is the same (a warm-up of other lengths made 🤗 compile in the timed
+calls: 136 ms a token on 2026-11-26).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/decode_speed.py --shapes tiny llama --batch 16 --tokens 32 --reps 5
     OMP_NUM_THREADS=2 .venv/bin/python bench/decode_speed.py --shapes gpt2-small --batch 8 --tokens 64 --reps 3
@@ -60,6 +63,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--compiled", action="store_true", help="a side more: `decode(compile=True)`, the step through torch.compile (inductor; its compilation in the warm-up)")
     a = p.parse_args()
     warnings.filterwarnings("ignore"); T.utils.logging.set_verbosity_error()
     from instruct_goose import decode, generate_responses
@@ -70,6 +74,7 @@ def main():
           f"{torch.get_num_threads()} threads, {dtype}; copy bandwidth {bw / 1e9:.1f} GB/s")
     sides = {"ours": lambda *args: generate_responses(*args, own_decoder=True), "🤗": lambda *args: generate_responses(*args, own_decoder=False)}
     if a.device == "cuda": sides["ours, no graphs"] = lambda *args: decode(*args, graphs=False)
+    if a.compiled: sides["ours, compiled"] = lambda *args: decode(*args, compile=True)
     print(f"{'shape':<11}" + "".join(f"{s + ' ms/token':>22}" for s in sides) + f" {'🤗/ours':>8} {'floor ms':>9} {'ours/floor':>10}")
     for shape in a.shapes:
         model = fuse_activations(build(shape).eval()).to(a.device, dtype)
@@ -78,7 +83,7 @@ def main():
         m = torch.ones_like(q); m[: a.batch // 2, :8] = 0
         never = vocab                                           # a stop id never drawn: every row runs --tokens steps
         times = {s: [] for s in sides}
-        for run in sides.values(): run(model, q, m, 4, never, 0)   # warm-up (🤗: its compilation)
+        for run in sides.values(): run(model, q, m, a.tokens, never, 0)   # warm-up at the timed length (🤗 and `compile`: their compilation)
         for r in range(a.reps):
             for s in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                 torch.manual_seed(r)

@@ -375,11 +375,16 @@ def apply_levers(levers):
             def generate_static(*x, **k): return gen(*x, **{**k, "static_cache": True, "own_decoder": False})
             tm.generate_responses = generate_static
         elif lever == "own_decoder":
-            # sampling through `decode`, the library's own loop (its default on the CPU only; on a GPU the default is
-            # 🤗 `generate` with the static cache, compiled into CUDA graphs)
+            # sampling through `decode`, the library's own loop (its default on the CPU, and on a GPU since 2026-11-26,
+            # where it replays each step from a CUDA graph; before, a GPU sampled through 🤗 `generate` with a static cache)
             gen = gm.generate_responses
             def generate_own(*x, **k): return gen(*x, **{**k, "own_decoder": True})
             tm.generate_responses = generate_own
+        elif lever == "compiled_decoder":
+            # `decode` with its static step through torch.compile (inductor), recorded inside the CUDA graph: fused kernels
+            import instruct_goose.decoding as dm
+            def decode_compiled(*x, **k): return dm.decode(*x, **{**k, "compile": True})
+            gm.decode = decode_compiled
         elif lever == "dynamic_cache":
             # 🤗 `generate` with its dynamic KV cache, as TRL samples without vLLM (the library's GPU default before b4705e0)
             gen = gm.generate_responses
@@ -391,7 +396,7 @@ def apply_levers(levers):
             def generate_unpacked(*x, **k): return gen(*x, packed=False, **k)
             tm.generate_responses = generate_unpacked
         elif lever == "hf_generate":
-            # 🤗 `generate` samples, as before `decode` (the library's own decoding loop, on by default on the CPU)
+            # 🤗 `generate` samples (a static cache on a GPU), as before `decode` (the library's own decoding loop, its default)
             gen = gm.generate_responses
             def generate_hf(*x, **k): return gen(*x, **{**k, "own_decoder": False})
             tm.generate_responses = generate_hf
@@ -758,7 +763,7 @@ def main():
     p.add_argument("--trl_ppo_path", default=os.environ.get("TRL_PPO_PATH", "/tmp/trl112"),
                    help="a --target install of trl==1.12.0 (for PPO; RLOO uses the installed TRL)")
     p.add_argument("--tok_dir", help="a tokenizer folder: loaded when it holds one of the shape's vocabulary, else one is trained and saved there (none given: trained into a temporary folder)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--params", action="store_true", help="only build the shape's policy on the meta device and print its parameter count")

@@ -248,6 +248,20 @@ def _graph_refusal(lm: nn.Module) -> str | None:
     return f"its {moving[0]} rotary embedding recomputes its frequencies from the positions" if moving else None
 
 
+# %% ../nbs/03a_decoding.ipynb #1108dff1
+_COMPILED = {}   # (step, options) -> its torch.compile wrapper: one per pair, so its compiled graphs are reused across calls
+
+def _compiled(step, options: bool | dict):
+    "`step` through `torch.compile`: the whole step one graph (`fullgraph`), its shapes static; `options` (a dict) go to `torch.compile`, e.g. `backend`."
+    options = {} if options is True else dict(options)
+    key = (step, repr(sorted(options.items())))
+    if key not in _COMPILED:
+        fn = torch.compile(step, fullgraph=True, dynamic=False, **options)
+        def run(*args):
+            with torch._dynamo.config.patch(recompile_limit=64): return fn(*args)   # dynamo's 8 would run eagerly past 2 cache lengths at 8 rows
+        _COMPILED[key] = run
+    return _COMPILED[key]
+
 # %% ../nbs/03a_decoding.ipynb #d3c0a030
 @torch.no_grad()
 @typecheck
@@ -264,15 +278,21 @@ def decode(
     min_p: float | None = None,
     repetition_penalty: float = 1.0,
     graphs: bool | None = None,                           # replay each step from a CUDA graph, the batch kept at a power of two (`_Replay`); None: on a GPU, where `_graph_refusal` has no objection
+    compile: bool | dict = False,                         # run that static step through `torch.compile` (`_compiled`; a dict: its options, e.g. a backend): fused kernels, recorded inside the graph on a GPU; the cache's length rounded up to a multiple of 64 so other prompt widths reuse the compiled step
 ) -> Int[Tensor, "batch new"]:                            # the sampled ids, `max_new_tokens` per row, stop token included
     "Sample each row's response token by token through the family's step (`_STEPS`) and a static cache; finished rows leave the batch."
     lm = _base_lm(model)
     (B, P), dev = query_ids.shape, query_ids.device
-    if graphs and (refusal := _graph_refusal(lm)): raise ValueError(f"`graphs=True`, but this model's step cannot be replayed from a CUDA graph: {refusal}")
-    if graphs is None: graphs = dev.type == "cuda" and _graph_refusal(lm) is None      # the module walk only where graphs could run
-    valid = torch.cat([query_attention_mask.bool(), torch.ones(B, max_new_tokens, dtype=torch.bool, device=dev)], 1)  # keys a position may read
+    if compile and graphs is False: raise ValueError("`compile` compiles the static step that `graphs` replays: it cannot run with graphs=False")
+    if (graphs or compile) and (refusal := _graph_refusal(lm)):
+        raise ValueError(f"`{'compile' if compile else 'graphs=True'}`, but this model's step cannot be replayed from a CUDA graph: {refusal}")
+    if graphs is None: graphs = bool(compile) or dev.type == "cuda" and _graph_refusal(lm) is None   # the module walk only where graphs could run
+    length = -(-(P + max_new_tokens) // 64) * 64 if compile else P + max_new_tokens          # compiled: one cache length for 64 widths
+    valid = torch.cat([query_attention_mask.bool(), torch.ones(B, max_new_tokens, dtype=torch.bool, device=dev),
+                       torch.zeros(B, length - P - max_new_tokens, dtype=torch.bool, device=dev)], 1)   # keys a position may read
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-    cache, step = KVCache(lm.config.num_hidden_layers, P + max_new_tokens), _step_for(lm)
+    cache, step = KVCache(lm.config.num_hidden_layers, length), _step_for(lm)
+    static_step = _compiled(step, compile) if compile else step
     causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
     reads = causal & valid[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)        # the real tokens at or before; a pad reads itself
     logits = step(lm, query_ids, pos[:, :P], cache, 0, reads[:, None])
@@ -296,7 +316,7 @@ def decode(
         if seen is not None: seen[torch.arange(len(tok), device=dev), tok] = True
         if not graphs: logits = step(lm, tok[:, None], pos[:, P + t, None], cache, P + t, valid[:, None, None, :P + t + 1])
         else:
-            replay = replay or _Replay(step, lm, cache, len(rows), dev)
+            replay = replay or _Replay(static_step, lm, cache, len(rows), dev)
             logits = replay(tok, pos[:, P + t], P + t, valid)
     return out[:B]
 

@@ -86,3 +86,30 @@ def test_generate_responses_samples_through_graphs_by_default(tokenizer):
         generate_responses(model, q, m, 6, model.config.vocab_size, tokenizer.pad_token_id, own_decoder=False)
         assert made == [len(PROMPTS)]                               # 🤗 generate: no graph of ours
     finally: decoding._Replay = plain
+
+
+def test_the_compiled_step_gives_the_graphs_tokens(tokenizer):
+    "`compile=True`, float32: inductor's kernels recorded in the graph give the uncompiled graph's tokens (a draw of p alone), rows leaving."
+    model = tiny_causal_lm(tokenizer, arch="llama", seed=0).eval().cuda()
+    q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
+    stops = list(range(3, model.config.vocab_size, 8))
+    with drawing_with(by_argmax):
+        graphed, compiled = (decoding.decode(model, q, m, 24, stops, tokenizer.pad_token_id, compile=c) for c in (False, True))
+    assert torch.equal(graphed, compiled)
+    torch._dynamo.reset()
+
+
+def test_the_compiled_step_under_autocast_draws_the_scored_p(tokenizer):
+    "`compile=True` under bf16 autocast (the trainers' mixed precision): each drawn p is the scored p to bf16's rounding, as the uncompiled graph's is."
+    agent = Agent(tiny_causal_lm(tokenizer, arch="llama", seed=0).eval().cuda())
+    q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
+    errors = []
+    for compile in (False, True):
+        drawn, inverse_cdf = [], decoding._draw
+        torch.manual_seed(0)
+        with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)), torch.autocast("cuda", torch.bfloat16):
+            r = decoding.decode(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, compile=compile)
+            scored = agent.response_stats(q, m, r, torch.ones_like(r, dtype=torch.bool), entropy="skip").logprobs
+        errors.append((torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log() - scored).abs().max().item())
+    assert errors[1] <= max(2 * errors[0], 0.05), errors
+    torch._dynamo.reset()
