@@ -7,13 +7,14 @@ __all__ = ['KVCache', 'decoding_refusal', 'narrow', 'decode', 'drawing_with']
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a003
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
+from transformers.pytorch_utils import Conv1D
 
 from .core import typecheck
 
@@ -262,6 +263,21 @@ def _compiled(step, options: bool | dict):
         _COMPILED[key] = run
     return _COMPILED[key]
 
+# %% ../nbs/03a_decoding.ipynb #0604e012
+@contextmanager
+def _cast_once(
+    lm: nn.Module,        # the model `decode` samples from, under autocast
+    dtype: torch.dtype,   # autocast's dtype
+):
+    "Inside the block each linear layer (`nn.Linear`, GPT-2's `Conv1D`, a tied output layer too) holds its float weight and bias cast to `dtype`, cast once; the model's own parameters are untouched and come back after."
+    layers = [m for m in lm.modules() if isinstance(m, (nn.Linear, Conv1D))]
+    saved = [m._parameters for m in layers]
+    cast = lambda p: nn.Parameter(p.detach().to(dtype), requires_grad=False) if p is not None and p.is_floating_point() else p
+    for m in layers: m._parameters = {name: cast(p) for name, p in m._parameters.items()}   # an output layer tied to the embedding: only its entry
+    try: yield
+    finally:
+        for m, own in zip(layers, saved): m._parameters = own
+
 # %% ../nbs/03a_decoding.ipynb #d3c0a030
 @torch.no_grad()
 @typecheck
@@ -293,31 +309,33 @@ def decode(
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
     cache, step = KVCache(lm.config.num_hidden_layers, length), _step_for(lm)
     static_step = _compiled(step, compile) if compile else step
-    causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-    reads = causal & valid[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)        # the real tokens at or before; a pad reads itself
-    logits = step(lm, query_ids, pos[:, :P], cache, 0, reads[:, None])
-    V = logits.shape[-1]
-    seen = (torch.zeros(B, V + 1, dtype=torch.bool, device=dev).scatter_(1, query_ids.masked_fill(~valid[:, :P], V), True)[:, :V]
-            if repetition_penalty != 1.0 else None)                                          # the prompts' real tokens
-    out, rows, replay = query_ids.new_full((B + 1, max_new_tokens), pad_token_id), torch.arange(B, device=dev), None   # rows: each batch row's output row; B (a scratch row) once finished
-    stops = torch.as_tensor(stop_token_ids, device=dev).reshape(-1)
-    for t in range(max_new_tokens):
-        tok = _draw(narrow(logits.float(), seen, temperature, top_k, top_p, min_p, repetition_penalty).softmax(-1))
-        out[rows, t] = tok
-        rows = rows.masked_fill(torch.isin(tok, stops), B)
-        left = int((rows < B).sum())                                                         # the step's one host sync
-        if t + 1 == max_new_tokens or left == 0: break
-        size = 1 << (left - 1).bit_length() if graphs else left                              # graphs: the power of two at or above
-        if size < len(rows):                                                                 # finished rows leave the batch
-            keep = torch.argsort(rows == B, stable=True)[:size]                              # the rows going first, then (graphs) finished ones as filler
-            rows, tok, valid, pos, replay = rows[keep], tok[keep], valid[keep], pos[keep], None
-            cache.keep(keep)
-            if seen is not None: seen = seen[keep]
-        if seen is not None: seen[torch.arange(len(tok), device=dev), tok] = True
-        if not graphs: logits = step(lm, tok[:, None], pos[:, P + t, None], cache, P + t, valid[:, None, None, :P + t + 1])
-        else:
-            replay = replay or _Replay(static_step, lm, cache, len(rows), dev)
-            logits = replay(tok, pos[:, P + t], P + t, valid)
+    cast_once = compile and torch.is_autocast_enabled(dev.type)                              # else a compiled graph casts every weight every step
+    with _cast_once(lm, torch.get_autocast_dtype(dev.type)) if cast_once else nullcontext():
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        reads = causal & valid[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)        # the real tokens at or before; a pad reads itself
+        logits = step(lm, query_ids, pos[:, :P], cache, 0, reads[:, None])
+        V = logits.shape[-1]
+        seen = (torch.zeros(B, V + 1, dtype=torch.bool, device=dev).scatter_(1, query_ids.masked_fill(~valid[:, :P], V), True)[:, :V]
+                if repetition_penalty != 1.0 else None)                                          # the prompts' real tokens
+        out, rows, replay = query_ids.new_full((B + 1, max_new_tokens), pad_token_id), torch.arange(B, device=dev), None   # rows: each batch row's output row; B (a scratch row) once finished
+        stops = torch.as_tensor(stop_token_ids, device=dev).reshape(-1)
+        for t in range(max_new_tokens):
+            tok = _draw(narrow(logits.float(), seen, temperature, top_k, top_p, min_p, repetition_penalty).softmax(-1))
+            out[rows, t] = tok
+            rows = rows.masked_fill(torch.isin(tok, stops), B)
+            left = int((rows < B).sum())                                                         # the step's one host sync
+            if t + 1 == max_new_tokens or left == 0: break
+            size = 1 << (left - 1).bit_length() if graphs else left                              # graphs: the power of two at or above
+            if size < len(rows):                                                                 # finished rows leave the batch
+                keep = torch.argsort(rows == B, stable=True)[:size]                              # the rows going first, then (graphs) finished ones as filler
+                rows, tok, valid, pos, replay = rows[keep], tok[keep], valid[keep], pos[keep], None
+                cache.keep(keep)
+                if seen is not None: seen = seen[keep]
+            if seen is not None: seen[torch.arange(len(tok), device=dev), tok] = True
+            if not graphs: logits = step(lm, tok[:, None], pos[:, P + t, None], cache, P + t, valid[:, None, None, :P + t + 1])
+            else:
+                replay = replay or _Replay(static_step, lm, cache, len(rows), dev)
+                logits = replay(tok, pos[:, P + t], P + t, valid)
     return out[:B]
 
 
