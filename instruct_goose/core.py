@@ -255,9 +255,31 @@ def _head_stats(hidden, weight, bias, labels, temperature: float, entropy: str):
     return logprobs, _entropy(z, lse) if entropy == "grad" else _entropy(z.detach(), lse.detach())
 
 
+# %% ../nbs/00_core.ipynb #c7a1e003c
+def _autocast_once(
+    x: Tensor | None,        # the output layer's weight or bias (float32 master weights under mixed precision)
+    device: str,             # autocast's device type
+    dtype: torch.dtype,      # autocast's dtype
+    enabled: bool,           # whether autocast was on in the forward
+) -> Tensor | None:          # `x` as the layer reads it under that autocast
+    "The cast autocast makes of `x` for a linear layer (`x.to(dtype)` of a float32/float16/bfloat16 tensor on its device), made once."
+    if x is None or not enabled or x.device.type != device or x.dtype not in (torch.float32, torch.float16, torch.bfloat16): return x
+    return x.to(dtype)
+
+_ADD_BLOCK = 2 ** 22   # elements `_add_into` converts at a time: 16 MiB in float32
+
+def _add_into(
+    total: Tensor,          # the float32 sum, updated in place
+    g: Tensor,              # a gradient of the same shape, float32 or bf16
+):
+    "`total += g`, `_ADD_BLOCK` elements at a time: the CPU makes a float32 copy of a bf16 operand before adding it (a GPU converts it in the kernel), so at most one block is ever copied."
+    rows = max(1, _ADD_BLOCK // max(1, g[0].numel())) if g.dim() else 1
+    for t, x in zip(total.split(rows), g.split(rows)): t += x
+
+
 # %% ../nbs/00_core.ipynb #c7a1e004
 class _ChunkedHead(torch.autograd.Function):
-    "`_head_stats` over chunks of positions. The forward keeps (hidden, weight, bias, labels); the backward recomputes each chunk's logits under the forward's autocast and pushes that chunk's gradient through them (weight and bias gradients summed in float32)."
+    "`_head_stats` over chunks of positions. The forward keeps (hidden, weight, bias, labels); the backward recomputes each chunk's logits under the forward's autocast and pushes that chunk's gradient through them (weight and bias gradients summed in float32, from W and b cast once: `_autocast_once`)."
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature: float, size: int, entropy: str):
         ctx.set_materialize_grads(False)                      # a logging-only entropy brings no gradient
@@ -278,6 +300,7 @@ class _ChunkedHead(torch.autograd.Function):
         wants = ctx.needs_input_grad[:3]
         grads = [torch.zeros_like(x, dtype=torch.float32 if i else x.dtype) if w else None
                  for i, (x, w) in enumerate(zip((hidden, weight, bias), wants))]
+        weight, bias = (_autocast_once(x, device, dtype, autocast) for x in (weight, bias))   # the casts autocast would make in every chunk
         for start in range(0, len(hidden), size):
             rows = slice(start, start + size)
             inputs = [None if x is None else x.detach().requires_grad_(w) for x, w in zip((hidden[rows], weight, bias), wants)]
@@ -290,8 +313,8 @@ class _ChunkedHead(torch.autograd.Function):
                 g = next(got) if w else None
                 if g is None: continue
                 if i == 0: grads[0][rows] = g
-                else: grads[i] += g
-        return (grads[0], *(None if g is None else g.to(x.dtype) for g, x in zip(grads[1:], (weight, bias))), None, None, None, None)
+                else: _add_into(grads[i], g)           # a bf16 g is added in float32: its exact float32 value, as its cast would be
+        return (grads[0], *(None if g is None else g.to(x.dtype) for g, x in zip(grads[1:], ctx.saved_tensors[1:3])), None, None, None, None)
 
 
 # %% ../nbs/00_core.ipynb #c7a1e006
