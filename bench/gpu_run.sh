@@ -10,7 +10,8 @@
 #   ppo          0.5B, 512 tokens, PPO shared and separate critic vs TRL 1.12's PPO (not reached 2026-11-26)
 #   compiled     GRPO, ours alone, `--lever compiled_decoder` (the step through inductor inside the graph)
 #   maxbatch     1.5B, GRPO, the largest batch for full fine-tuning, ours vs TRL (doubling only)
-# 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). Next: tests decode ppo compiled.
+# 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). Next: tests decode ppo compiled, then
+# grpo_rloo (the memory lever of 1f91bf3) and maxbatch.
 set -u
 SHA=${1:-unknown}; DIRTY=${2:-unknown}; BUDGET=${3:-570}; shift 3; START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
