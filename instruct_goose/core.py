@@ -273,7 +273,8 @@ def _add_into(
     g: Tensor,              # a gradient of the same shape, float32 or bf16
 ):
     "`total += g`, `_ADD_BLOCK` elements at a time: the CPU makes a float32 copy of a bf16 operand before adding it (a GPU converts it in the kernel), so at most one block is ever copied."
-    rows = max(1, _ADD_BLOCK // max(1, g[0].numel())) if g.dim() else 1
+    if total.device.type != "cpu" or g.dtype == total.dtype or g.dim() == 0: total += g; return   # nothing copied: one add
+    rows = max(1, _ADD_BLOCK // max(1, g[0].numel()))
     for t, x in zip(total.split(rows), g.split(rows)): t += x
 
 

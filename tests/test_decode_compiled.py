@@ -11,13 +11,7 @@ import torch
 from instruct_goose import Agent, decoding, encode_prompts, task_tokenizer, tiny_causal_lm
 from instruct_goose.decoding import drawing_with
 
-PROMPTS = ["Review: The editing in this western", "Review: a", "Review: The picture we saw on sunday", "Review: dull"]
-
-
-def by_argmax(p):
-    "A draw that depends on p alone: the inverse CDF at (0.618 × the most likely token + 0.3) mod 1."
-    cdf = p.double().cumsum(-1)
-    return torch.searchsorted(cdf, (p.argmax(-1, keepdim=True).double() * 0.618034 + 0.3) % 1 * cdf[:, -1:], right=True).squeeze(1)
+from test_decode_cuda import PROMPTS, by_argmax
 
 
 @pytest.mark.slow

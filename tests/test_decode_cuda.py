@@ -10,6 +10,7 @@ tests/test_decode_device.py runs every family's loop on the `meta` device and ch
     python3 -m pytest tests/test_decode_cuda.py -q          # on a machine with a GPU
 """
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -33,15 +34,21 @@ def by_argmax(p):
     return torch.searchsorted(cdf, (p.argmax(-1, keepdim=True).double() * 0.618034 + 0.3) % 1 * cdf[:, -1:], right=True).squeeze(1)
 
 
-def run(model, q, m, stops, pad, graphs, autocast=False):
-    rows, made, plain = [], [], decoding._Replay
+@contextmanager
+def counting_graphs(made: list):
+    "Inside the block each `_Replay` decode makes (a graph on a GPU) notes its batch size in `made`."
+    plain = decoding._Replay
     class Counted(plain):
         def __init__(self, *args): super().__init__(*args); made.append(args[3])
     decoding._Replay = Counted
-    try:
-        with drawing_with(lambda p: rows.append(len(p)) or by_argmax(p)), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-            ids = decoding.decode(model, q, m, 24, stops, pad, graphs=graphs)
+    try: yield made
     finally: decoding._Replay = plain
+
+
+def run(model, q, m, stops, pad, graphs, autocast=False):
+    rows, made = [], []
+    with counting_graphs(made), drawing_with(lambda p: rows.append(len(p)) or by_argmax(p)), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        ids = decoding.decode(model, q, m, 24, stops, pad, graphs=graphs)
     return ids, rows, made
 
 
@@ -76,16 +83,11 @@ def test_generate_responses_samples_through_graphs_by_default(tokenizer):
     "On a GPU `generate_responses` samples through `decode` with its steps replayed from graphs unless told otherwise."
     model = tiny_causal_lm(tokenizer, arch="llama", seed=0).eval().cuda()
     q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
-    made, plain = [], decoding._Replay
-    class Counted(plain):
-        def __init__(self, *args): super().__init__(*args); made.append(args[3])
-    decoding._Replay = Counted
-    try:
+    with counting_graphs([]) as made:
         generate_responses(model, q, m, 6, model.config.vocab_size, tokenizer.pad_token_id)
         assert made == [len(PROMPTS)]                               # no row stops: one graph, all rows
         generate_responses(model, q, m, 6, model.config.vocab_size, tokenizer.pad_token_id, own_decoder=False)
         assert made == [len(PROMPTS)]                               # 🤗 generate: no graph of ours
-    finally: decoding._Replay = plain
 
 
 def test_the_compiled_step_gives_the_graphs_tokens(tokenizer):
