@@ -189,7 +189,8 @@ def run_ours(algo, a, tok, out, clock):
     common = dict(output_dir=out, per_device_train_batch_size=a.batch, response_length=a.response_length,
                   learning_rate=LR, kl_coef=KL_COEF, seed=0, total_episodes=a.batch * steps, num_sample_generations=0,
                   disable_tqdm=True, mixed_precision="bf16" if a.dtype == "bf16" else "no", temperature=1.0,
-                  max_prompt_length=MAX_PROMPT, save_steps=0)
+                  max_prompt_length=MAX_PROMPT, save_steps=0, gradient_checkpointing=a.checkpointing != "none",
+                  gradient_checkpointing_policy="selective" if a.checkpointing == "selective" else "full")
     rm = RewardModel(reward, tokenizer=tok)
     if algo.startswith("ppo"):
         # TRL's PPO does not clip gradients: max_grad_norm=0 (no clipping) here too
@@ -300,7 +301,7 @@ def run_trl(algo, a, tok, out, clock):
                       save_strategy="no", use_cpu=not cuda, bf16=a.dtype == "bf16", temperature=1.0, top_p=1.0,
                       top_k=0, disable_dropout=True, epsilon=0.2, max_grad_norm=1.0,
                       lr_scheduler_type="linear", disable_tqdm=True, dataloader_num_workers=0,
-                      gradient_checkpointing=False)   # TRL 1.x's default is True; ours recomputes nothing (added 2026-11-24)
+                      gradient_checkpointing=a.checkpointing == "full")   # TRL 1.x's default is True; off unless --checkpointing full (TRL has no selective)
         if algo == "rloo": cfg, Trainer = RLOOConfig(**shared, normalize_advantages=False), RLOOTrainer
         else: cfg, Trainer = GRPOConfig(**shared, loss_type="dapo", scale_rewards="group"), GRPOTrainer
         policy.save_pretrained(f"{out}/policy")   # with beta > 0 TRL loads its reference from the policy's path
@@ -445,7 +446,7 @@ def child(a):
     r = {"side": a.side, "algo": a.algo, "version": version, "batch": a.batch, "lora": a.lora,
          "cps": a.batch * len(timed) / wall if timed else None,
          "tokens_per_s": a.batch * a.response_length * len(timed) / wall if timed else None,
-         "peak_mib": peak, "steps": steps, "levers": a.lever or [], **clock.info}
+         "peak_mib": peak, "steps": steps, "levers": a.lever or [], "checkpointing": a.checkpointing, **clock.info}
     if cuda: r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
     # a simulated OOM (to test --max_batch on the CPU, or to ask what fits a smaller GPU): the peak over the cap
     r["oom"] = bool(a.mem_limit_mib and peak > a.mem_limit_mib)
@@ -495,7 +496,7 @@ def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None,
     cmd = [sys.executable, __file__, "--child", side, "--algo", algo, "--tok_dir", a.tok_dir,
            "--model-shape", a.model_shape, "--device", a.device, "--dtype", a.dtype, "--batch", str(batch),
            "--response_length", str(a.response_length), "--epochs", str(a.epochs), "--steps", str(steps),
-           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path] + sum((["--lever", l] for l in a.lever or []), [])
+           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing] + sum((["--lever", l] for l in a.lever or []), [])
     if lora: cmd.append("--lora")
     if a.mem_limit_mib: cmd += ["--mem_limit_mib", str(a.mem_limit_mib)]
     env = {**os.environ, **(extra_env or {})}
@@ -763,6 +764,9 @@ def main():
     p.add_argument("--trl_ppo_path", default=os.environ.get("TRL_PPO_PATH", "/tmp/trl112"),
                    help="a --target install of trl==1.12.0 (for PPO; RLOO uses the installed TRL)")
     p.add_argument("--tok_dir", help="a tokenizer folder: loaded when it holds one of the shape's vocabulary, else one is trained and saved there (none given: trained into a temporary folder)")
+    p.add_argument("--checkpointing", default="none", choices=["none", "full", "selective"],
+                   help="gradient checkpointing: none on either side (default); full on both (TRL 1.x's default; TRL 1.12's PPO never turns it on); "
+                        "selective on ours (gradient_checkpointing_policy='selective': matmul outputs kept), none on TRL's, which has no such policy")
     p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
@@ -808,7 +812,7 @@ def main():
                 f"{a.response_length} tokens, PPO {a.epochs} epochs x 1 minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, "
                 + (f"1 epoch; one training step per probe (a fresh process), first batch {a.batch}, at most {a.bisect} bisections; "
                    if a.max_batch else f"1 epoch; {a.warmup} warm-up + {a.steps} timed steps x {a.reps} runs per side; ")
-                + f"levers on ours: {a.lever or 'none'}; "
+                + f"levers on ours: {a.lever or 'none'}; gradient checkpointing: {a.checkpointing}; "
                 f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; whole bench {time.perf_counter() - t0:.0f} s; {library}")
     args = {k: v for k, v in vars(a).items() if k not in ("child", "tok_dir", "report", "json", "algo")}
     def save(partial, **d):   # after every child too: a run stopped at its time limit keeps what it measured

@@ -140,7 +140,8 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     fp16: bool = False                            # 🤗/TRL's switch for `mixed_precision="fp16"`
     warmup_ratio: float = 0.0                     # warm-up as a fraction of the optimizer steps (🤗's; `warmup_steps` wins when both are set)
     gradient_checkpointing: bool = False          # recompute activations in the backward pass instead of keeping them (a memory lever)
-    gradient_checkpointing_kwargs: dict | None = None  # passed to 🤗's `gradient_checkpointing_enable` (default here: {"use_reentrant": False})
+    gradient_checkpointing_kwargs: dict | None = None  # passed to 🤗's `gradient_checkpointing_enable` (default here: {"use_reentrant": False}); 🤗's `every_n_layers`, `offload` too
+    gradient_checkpointing_policy: Literal["full", "selective"] = "full"  # with `gradient_checkpointing`: recompute each block ("full", 🤗's) or only what lies between its matmuls ("selective": no matmul twice, about half the activations kept)
     logging_strategy: Literal["steps"] = "steps"  # 🤗's: metrics are logged every `logging_steps` ("no" and "epoch" are refused)
     logging_steps: int = 1                        # log metrics every this many steps
     eval_strategy: Literal["no", "steps", "epoch"] = "steps"  # "steps": every `eval_steps` and at the end; "epoch": after each pass; "no": never (🤗's default is "no"; here a given eval set is evaluated)
@@ -161,6 +162,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     may_change_on_resume: ClassVar[frozenset] = frozenset({   # where and how often to log and save: a resumed run may change these
         "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "save_steps", "save_total_limit",
         "save_only_model", "report_to", "disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs", "eval_strategy",
+        "gradient_checkpointing_policy",
         "per_device_eval_batch_size", "save_strategy", "run_name"})
     keeps_columns: ClassVar[bool] = False         # whether a row's unused columns reach the trainer (`remove_unused_columns`=False)
 
@@ -173,6 +175,10 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
             check_number(name, getattr(self, name), low=1)
         if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ValueError(f"`mixed_precision` must be 'no', 'fp16' or 'bf16', got {self.mixed_precision!r}")
+        if self.gradient_checkpointing_policy not in ("full", "selective"):
+            raise ValueError(f"`gradient_checkpointing_policy` must be 'full' or 'selective', got {self.gradient_checkpointing_policy!r}")
+        if self.gradient_checkpointing_policy == "selective" and not self.gradient_checkpointing:
+            raise ValueError("`gradient_checkpointing_policy`='selective' acts with `gradient_checkpointing`=True: set both")
         if self.bf16 is None: self.bf16 = self.mixed_precision is None and not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         switched = [p for p in ("bf16", "fp16") if getattr(self, p)]
         if switched and self.mixed_precision not in (None, "no", *switched) or len(switched) > 1:
@@ -489,7 +495,7 @@ def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) 
     "AdamW over `model`'s trainable parameters with the configured schedule (`model`'s written-out GELUs fused first); returns the prepared model."
     c = self.config
     fuse_activations(model)
-    if c.gradient_checkpointing: enable_gradient_checkpointing(model, c.gradient_checkpointing_kwargs)
+    if c.gradient_checkpointing: enable_gradient_checkpointing(model, c.gradient_checkpointing_kwargs, c.gradient_checkpointing_policy)
     if self.accelerator.state.deepspeed_plugin is not None:   # DeepSpeed reads its micro-batch from a dataloader, else from here
         self.accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = c.per_device_train_batch_size
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,6 +1,7 @@
 """The memory levers: each is a config field, runs, and changes results by no more than its stated tolerance.
 
 - `gradient_checkpointing`: recomputes activations in the backward pass; the same arithmetic, so equal results (1e-6).
+  `gradient_checkpointing_policy="selective"` keeps the matmuls' outputs and recomputes the rest: equal results too.
 - `local_rollout_forward_batch_size`: rows per forward pass in the rollout; given the same samples the rollout is the
   same (1e-5). It also sets how sampling is seeded (per chunk), so a different value draws different samples.
 - `offload_models`: the reference and reward models wait on the CPU; equal results (1e-6), and the models go to the
@@ -16,7 +17,8 @@ from torch import nn
 
 from instruct_goose import (Agent, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, RewardModel, TrainLoop,
                             TrainingConfig, create_reference_model, load_task, task_tokenizer, tiny_causal_lm)
-from instruct_goose.levers import enable_gradient_checkpointing
+from instruct_goose import GRPOConfig, GRPOTrainer
+from instruct_goose.levers import enable_gradient_checkpointing, keep_matmul_outputs
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,30 @@ def test_gradient_checkpointing_gives_the_same_run(tokenizer, tmp_path):
     assert checkpointed.model.model.is_activation_checkpointing and not plain.model.model.is_activation_checkpointing
     assert max_difference(plain.model, checkpointed.model) <= 1e-6
     assert max_difference(plain.model, Agent(tiny_causal_lm(tokenizer, seed=0))) > 1e-4       # training moved it
+
+
+def grpo(tokenizer, tmp_path, **config):
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, total_episodes=8,
+                    max_completion_length=8, beta=0.05, learning_rate=1e-3, disable_tqdm=True, num_sample_generations=0)
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(tiny_causal_lm(tokenizer, arch="llama", seed=0), None, GRPOConfig(**{**settings, **config}),
+                          processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
+    trainer.train()
+    return trainer
+
+
+def test_selective_checkpointing_gives_the_same_run(tokenizer, tmp_path):
+    "PPO (GPT-2, float32) and GRPO (Llama, bf16 autocast, with the kept first pass) with selective checkpointing end on the very weights of the plain runs."
+    selective = dict(gradient_checkpointing=True, gradient_checkpointing_policy="selective")
+    plain, checkpointed = ppo(tokenizer, tmp_path / "plain"), ppo(tokenizer, tmp_path / "selective", **selective)
+    assert max_difference(plain.model, checkpointed.model) == 0.0
+    plain, checkpointed = (grpo(tokenizer, tmp_path / "grpo-plain", mixed_precision="bf16"),
+                           grpo(tokenizer, tmp_path / "grpo-selective", mixed_precision="bf16", **selective))
+    for layer in checkpointed.model.model.layers:
+        assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords["context_fn"] is keep_matmul_outputs
+    assert not plain.model.model.layers[0].gradient_checkpointing
+    assert max_difference(plain.model, checkpointed.model) == 0.0
+    assert max_difference(plain.model, tiny_causal_lm(tokenizer, arch="llama", seed=0)) > 1e-4       # training moved it
 
 
 def test_gradient_checkpointing_really_recomputes(tokenizer):

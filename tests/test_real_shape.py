@@ -23,7 +23,7 @@ import transformers as T
 from instruct_goose import GRPOConfig, GRPOTrainer, task_tokenizer
 from instruct_goose.agent import AdapterOffReference
 from instruct_goose.grpo import GRPORollout
-from instruct_goose.levers import enable_gradient_checkpointing
+from instruct_goose.levers import LiveBytes, enable_gradient_checkpointing
 
 pytestmark = pytest.mark.slow
 
@@ -159,6 +159,34 @@ def live_storages() -> dict[int, int]:
     gc.collect()
     return {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in gc.get_objects()
             if isinstance(type(o), type) and issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta}
+
+
+def test_selective_checkpointing_at_05b_blocks():
+    """What one block of the 0.5B shape keeps per token under bf16 autocast (the GPU's setting), with no checkpointing, full,
+    and selective (`policy="selective"`, chapter levers): the kept bytes (`LiveBytes`) of a 2-block model less a 1-block
+    one's, at 32 and 96 tokens, their difference per token (it cancels autocast's bf16 weights, which do not grow with
+    tokens). The chapter's table: 28h + 8k + 8i = 65,024 bytes with nothing recomputed, 12h + 4k + 4i = 30,720 selective
+    (k = 2 heads × 64), 4h = 3,584 full (measured 66,368, 30,776, 3,584: the table leaves out a few small terms).
+    At GRPO's update in bench/real_size.py (24 blocks, 8 × (64 + 512) tokens) selective keeps ~3.7 GiB less."""
+    shape = dict(hidden_size=H, intermediate_size=I, num_attention_heads=Q_HEADS, num_key_value_heads=KV_HEADS, vocab_size=256)
+    def per_token(policy):
+        kept = {}
+        for blocks in (1, 2):
+            torch.manual_seed(0)
+            m = T.Qwen2ForCausalLM(T.Qwen2Config(num_hidden_layers=blocks, **shape)).train()
+            if policy != "none": enable_gradient_checkpointing(m, policy=policy)
+            for n in (32, 96):
+                with torch.autocast("cpu", dtype=torch.bfloat16), LiveBytes() as live:
+                    logits = m(torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n))).logits
+                    kept[blocks, n] = live.sweep()                  # while `logits` holds the graph
+        return ((kept[2, 96] - kept[1, 96]) - (kept[2, 32] - kept[1, 32])) / 64
+    k = KV_HEADS * HEAD_DIM
+    kept = {policy: per_token(policy) for policy in ("none", "full", "selective")}
+    print(f"\nbytes a token and block keeps at the 0.5B shape: {kept}")
+    assert kept["full"] == 4 * H
+    assert 1 <= kept["none"] / (28 * H + 8 * k + 8 * I) <= 1.03, kept
+    assert 1 <= kept["selective"] / (12 * H + 4 * k + 4 * I) <= 1.01, kept
+    assert kept["none"] - kept["selective"] >= 34_000 and 24 * 8 * 576 * (kept["none"] - kept["selective"]) / 2**30 >= 3.6
 
 
 @pytest.fixture(scope="module")
