@@ -7,11 +7,13 @@
 #   tests        tests/test_decode_cuda.py (graphs == plain loop, rows leaving, drawn p == scored p, the GPU default, compile)
 #   decode       bench/decode_speed.py at 0.5B, bf16 weights: graphs, no graphs, 🤗 static, compiled (inductor)
 #   grpo_rloo    0.5B, 512 tokens, GRPO and RLOO vs TRL 1.16 (ran 2026-11-26: 10.8x, 14.2x)
+#   selective    0.5B, 512 tokens, GRPO vs TRL 1.16, ours with selective checkpointing (TRL without: it has none);
+#                expected peak ~13,550 MiB vs TRL's 17,883 (0.76x), at a few % of our update's time
 #   ppo          0.5B, 512 tokens, PPO shared and separate critic vs TRL 1.12's PPO (not reached 2026-11-26)
 #   compiled     GRPO, ours alone, `--lever compiled_decoder` (the step through inductor inside the graph)
 #   maxbatch     1.5B, GRPO, the largest batch for full fine-tuning, ours vs TRL (doubling only)
-# 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). Next: tests decode ppo compiled, then
-# grpo_rloo (the memory lever of 1f91bf3) and maxbatch.
+# 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). Next: tests selective decode ppo
+# compiled, then grpo_rloo (the memory lever of 1f91bf3, without selective) and maxbatch.
 set -u
 SHA=${1:-unknown}; DIRTY=${2:-unknown}; BUDGET=${3:-570}; shift 3; START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -32,6 +34,7 @@ for stage in "$@"; do
     tests) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m pytest tests/test_decode_cuda.py -q -p no:cacheprovider 2>&1 | tail -30 | tee $OUT/test_decode_cuda.txt ;;
     decode) timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 3 --compiled 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
     grpo_rloo) $B --algos grpo rloo --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512.json ;;
+    selective) $B --algos grpo --checkpointing selective --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_selective.json ;;
     ppo) $B --algos ppo_shared ppo_separate --epochs 4 --deadline_s $(deadline 130) --json $OUT/real_size_gpu_0.5b_r512_ppo.json ;;
     compiled) $B --algos grpo --sides ours --lever compiled_decoder --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_compiled.json ;;
     maxbatch) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full.json ;;
