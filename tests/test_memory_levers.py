@@ -51,18 +51,18 @@ def test_gradient_checkpointing_gives_the_same_run(tokenizer, tmp_path):
     assert max_difference(plain.model, Agent(tiny_causal_lm(tokenizer, seed=0))) > 1e-4       # training moved it
 
 
-def grpo(tokenizer, tmp_path, **config):
+def grpo(tokenizer, tmp_path, peft_config=None, **config):
     settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, total_episodes=8,
                     max_completion_length=8, beta=0.05, learning_rate=1e-3, disable_tqdm=True, num_sample_generations=0)
     torch.manual_seed(0)
     trainer = GRPOTrainer(tiny_causal_lm(tokenizer, arch="llama", seed=0), None, GRPOConfig(**{**settings, **config}),
-                          processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
+                          processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"), peft_config=peft_config)
     trainer.train()
     return trainer
 
 
 def test_selective_checkpointing_gives_the_same_run(tokenizer, tmp_path):
-    "PPO (GPT-2, float32) and GRPO (Llama, bf16 autocast, with the kept first pass) with selective checkpointing end on the very weights of the plain runs."
+    "PPO (GPT-2, float32) and GRPO (Llama, bf16 autocast, with the kept first pass; full and LoRA) with selective checkpointing end on the very weights of the plain runs."
     selective = dict(gradient_checkpointing=True, gradient_checkpointing_policy="selective")
     plain, checkpointed = ppo(tokenizer, tmp_path / "plain"), ppo(tokenizer, tmp_path / "selective", **selective)
     assert max_difference(plain.model, checkpointed.model) == 0.0
@@ -73,6 +73,11 @@ def test_selective_checkpointing_gives_the_same_run(tokenizer, tmp_path):
     assert not plain.model.model.layers[0].gradient_checkpointing
     assert max_difference(plain.model, checkpointed.model) == 0.0
     assert max_difference(plain.model, tiny_causal_lm(tokenizer, arch="llama", seed=0)) > 1e-4       # training moved it
+    from peft import LoraConfig                                     # LoRA's adapter matmuls are kept too
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    plain, checkpointed = (grpo(tokenizer, tmp_path / "lora-plain", lora, mixed_precision="bf16"),
+                           grpo(tokenizer, tmp_path / "lora-selective", lora, mixed_precision="bf16", **selective))
+    assert max_difference(plain.model, checkpointed.model) == 0.0
 
 
 def test_gradient_checkpointing_really_recomputes(tokenizer):
