@@ -405,3 +405,33 @@ def test_normalized_reward_model_reloads_as_plain_transformers_classifier(family
     plain = AutoModelForSequenceClassification.from_pretrained(tmp_path)
     theirs = hf_scores(plain, reward_model, [p + c for p, c in zip(prompts, completions)])
     torch.testing.assert_close(theirs, reward_model.score(prompts, completions), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------- 7. selective checkpointing changes no gradient, on every family
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+def test_selective_checkpointing_gives_the_plain_gradients(family, autocast, checkpoint, tokenizer):
+    """`gradient_checkpointing_policy="selective"` keeps what each block's matmuls and attention return and recomputes the
+    rest (chapter levers): the loss and every gradient are the plain backward's to the bit, in train mode (dropout on: the
+    recompute replays the same random draws), for each causal family and each reward backbone (as its classifier)."""
+    from instruct_goose.levers import enable_gradient_checkpointing
+    kind = "classifier" if family in ENCODER_NAMES else "causal"
+    Auto = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
+    batch = tokenizer(PROMPTS, padding=True, return_tensors="pt")
+
+    def loss_and_grads(policy):
+        model = Auto.from_pretrained(checkpoint(kind, family)).train()
+        if policy:
+            enable_gradient_checkpointing(model, policy=policy)
+            assert any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())   # the blocks checkpoint
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_grads(None)
+    loss_, grads_ = loss_and_grads("selective")
+    assert torch.equal(loss_, loss) and grads_.keys() == grads.keys() and len(grads) > 10
+    assert all(torch.equal(grads_[n], grads[n]) for n in grads), [n for n in grads if not torch.equal(grads_[n], grads[n])][:5]
