@@ -409,7 +409,7 @@ def test_normalized_reward_model_reloads_as_plain_transformers_classifier(family
 
 # ---------------------------------------------------- 7. selective checkpointing changes no gradient, on every family
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("autocast", [pytest.param(False, marks=pytest.mark.slow), True], ids=["float32", "bf16-autocast"])
 @pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
 def test_selective_checkpointing_gives_the_plain_gradients(family, autocast, checkpoint, tokenizer):
     """`gradient_checkpointing_policy="selective"` keeps what each block's matmuls and attention return and recomputes the
