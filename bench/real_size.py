@@ -170,6 +170,19 @@ def patch_optimizer(clock):
     torch.optim.AdamW.zero_grad = clock.wrap("optimizer", torch.optim.AdamW.zero_grad)
 
 
+def training(a, clock):
+    "The context `tr.train()` runs in: with --live_bytes, `instruct_goose.levers.LiveBytes`, whose peak (the bytes of tensors made during training and alive at once: activations, gradients, AdamW's moments, logits; not the weights built before) goes to the result."
+    import contextlib
+    if not a.live_bytes: return contextlib.nullcontext()
+    from instruct_goose.levers import LiveBytes
+    live = LiveBytes()
+    @contextlib.contextmanager
+    def counted():
+        with live: yield
+        clock.info["live_peak_mib"] = live.peak / 2**20
+    return counted()
+
+
 # ---------------------------------------------------------------- our side
 def run_ours(algo, a, tok, out, clock):
     import torch
@@ -226,7 +239,7 @@ def run_ours(algo, a, tok, out, clock):
         r = log(self, *x, **k); clock.step_end(); return r
     TrainLoop.log = log_and_mark
     clock.t0 = clock.now()
-    tr.train()
+    with training(a, clock): tr.train()
     for s in clock.steps:   # nested wrappers -> exclusive phases
         s["scoring"] = s.pop("_sas") - s.get("generation", 0)
         s["rollout forwards"] = s.pop("_rollout") - s["generation"] - s["scoring"]
@@ -322,7 +335,7 @@ def run_trl(algo, a, tok, out, clock):
         accelerate.Accelerator.backward = clock.wrap("update (fwd+bwd)", accelerate.Accelerator.backward)
     clock.info["trainable_params"] = n_params(tr.model, trainable=True)
     clock.t0 = clock.now()
-    tr.train()
+    with training(a, clock): tr.train()
     for s in clock.steps:
         if algo.startswith("ppo"):
             s["rollout forwards"] = s.pop("_rollout_window") - s.get("scoring", 0)
@@ -496,7 +509,7 @@ def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None,
     cmd = [sys.executable, __file__, "--child", side, "--algo", algo, "--tok_dir", a.tok_dir,
            "--model-shape", a.model_shape, "--device", a.device, "--dtype", a.dtype, "--batch", str(batch),
            "--response_length", str(a.response_length), "--epochs", str(a.epochs), "--steps", str(steps),
-           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing] + sum((["--lever", l] for l in a.lever or []), [])
+           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing] + (["--live_bytes"] if a.live_bytes else []) + sum((["--lever", l] for l in a.lever or []), [])
     if lora: cmd.append("--lora")
     if a.mem_limit_mib: cmd += ["--mem_limit_mib", str(a.mem_limit_mib)]
     env = {**os.environ, **(extra_env or {})}
@@ -548,6 +561,7 @@ def summarise(res, a, bw=None):
             for k in ("trainable_params", "policy_params", "reference"):
                 if k in rs[0]: rows[side][k] = rs[0][k]
             if "peak_reserved_mib" in rs[0]: rows[side]["peak_reserved_mib"] = max(r["peak_reserved_mib"] for r in rs)
+            if "live_peak_mib" in rs[0]: rows[side]["live_peak_mib"] = max(r["live_peak_mib"] for r in rs)
             # generation per decoding step (the whole batch advances one token) beside the bandwidth floor: the
             # policy's weights read once per token, policy params x bytes per weight / measured bandwidth
             g = rows[side]["gen_ms_per_token"] = rows[side]["phases_s"]["generation"] / a.response_length * 1e3
@@ -571,7 +585,8 @@ def report(summary, a, meta, bw=None):
         both = len(sides) == 2
         print(f"{'':<24}" + "".join(f"{('TRL' if s == 'trl' else s):>12}" for s in sides) + (f"{'ours/TRL':>10}" if both else ""))
         lines = [("cps", "completions/s"), ("cps_median_step", "  (batch/median step)"), ("tokens_per_s", "tokens/s"),
-                 ("peak_mib", mem[:24]), ("peak_reserved_mib", "  (reserved)"), ("trainable_params", "trainable params (M)"),
+                 ("peak_mib", mem[:24]), ("peak_reserved_mib", "  (reserved)"),
+                 ("live_peak_mib", "training's live MiB"), ("trainable_params", "trainable params (M)"),
                  ("gen_ms_per_token", "generation ms/token"), ("floor_ms_per_token", "  floor ms/token"),
                  ("gen_over_floor", "  generation/floor")]
         for k, label in lines:
@@ -767,6 +782,8 @@ def main():
     p.add_argument("--checkpointing", default="none", choices=["none", "full", "selective"],
                    help="gradient checkpointing: none on either side (default); full on both (TRL 1.x's default; TRL 1.12's PPO never turns it on); "
                         "selective on ours (gradient_checkpointing_policy='selective': matmul outputs kept), none on TRL's, which has no such policy")
+    p.add_argument("--live_bytes", action="store_true",
+                   help="count the training's tensor bytes with LiveBytes (a CPU stand-in for torch.cuda.max_memory_allocated, less the weights built before training; slows the run: memory only)")
     p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
