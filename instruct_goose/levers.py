@@ -6,7 +6,6 @@
 __all__ = ['enable_gradient_checkpointing', 'keep_matmul_outputs', 'LiveBytes', 'fuse_activations', 'half_linears']
 
 # %% ../nbs/05b_levers.ipynb #a7a50367
-import functools
 from contextlib import contextmanager
 from typing import Literal
 
