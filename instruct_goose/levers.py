@@ -6,6 +6,7 @@
 __all__ = ['enable_gradient_checkpointing', 'keep_matmul_outputs', 'LiveBytes', 'fuse_activations', 'half_linears']
 
 # %% ../nbs/05b_levers.ipynb #a7a50367
+import weakref
 from contextlib import contextmanager
 from typing import Literal
 
@@ -56,28 +57,37 @@ def keep_matmul_outputs():
     return create_selective_checkpoint_contexts(_MATMULS_AND_ATTENTION)
 
 # %% ../nbs/05b_levers.ipynb #8612da5f
+def _storage_key(t: Tensor):
+    "(key, a callable saying whether it was freed, bytes) of `t`'s storage; a tensor without one (oneDNN's opaque layouts) stands for itself."
+    try: s = t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        ref = weakref.ref(t)
+        return ("opaque", id(t)), lambda: ref() is None, t.numel() * t.element_size()
+    ref = StorageWeakRef(s)
+    return s._cdata, ref.expired, s.nbytes()
+
 class LiveBytes(TorchDispatchMode):
     "While on: the bytes of the tensor storages made since, still alive (`now`), and their highest total (`peak`)."
     def __init__(self):
         super().__init__()
-        self.alive, self.now, self.peak = {}, 0, 0      # storage key -> (weak reference, bytes)
+        self.alive, self.now, self.peak = {}, 0, 0      # storage key -> (whether freed, bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        inputs = {_storage_key(t)[0] for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         self.sweep()
         for t in tree_leaves(out):
             if not isinstance(t, Tensor) or t.device.type == "meta": continue
-            s = t.untyped_storage()
-            if s._cdata in inputs or s._cdata in self.alive: continue   # a view, or the result of an in-place operation
-            self.alive[s._cdata] = (StorageWeakRef(s), s.nbytes())
-            self.now += s.nbytes()
+            key, freed, size = _storage_key(t)
+            if key in inputs or key in self.alive: continue    # a view, or the result of an in-place operation
+            self.alive[key] = (freed, size)
+            self.now += size
         self.peak = max(self.peak, self.now)
         return out
 
     def sweep(self) -> int:
         "Forget the storages freed since the last operation; returns `now`."
-        for key in [key for key, (ref, _) in self.alive.items() if ref.expired()]: self.now -= self.alive.pop(key)[1]
+        for key in [key for key, (freed, _) in self.alive.items() if freed()]: self.now -= self.alive.pop(key)[1]
         return self.now
 
 # %% ../nbs/05b_levers.ipynb #a3cfb1c5
