@@ -69,6 +69,7 @@ def test_killed_run_resumes_to_the_same_result(algo, policy_dir, tmp_path):
            [{k: v for k, v in row.items() if k != "eps"} for row in history]   # eps is wall-clock speed
 
 
+@pytest.mark.slow   # in the full set: the resume tests below compare a straight run with a resumed one, which needs this too
 def test_same_seed_same_metrics(policy_dir, tmp_path):
     run(command("ppo", policy_dir, tmp_path / "a"))
     run(command("ppo", policy_dir, tmp_path / "b"))
