@@ -60,7 +60,6 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {   # 🤗 TrainingArguments field 
     "torch_compile": (False, "not run here: compile the model yourself before passing it"), "torch_compile_backend": (None, "not run here"),
     "torch_compile_mode": (None, "not run here"), "use_liger_kernel": (False, "not run here (no Liger kernels)"),
     "liger_kernel_config": (None, "not run here (no Liger kernels)"), "tf32": (None, "set torch.backends.cuda.matmul.allow_tf32 yourself"),
-    "activation_checkpointing": (None, "use `gradient_checkpointing`"), "activation_checkpointing_kwargs": (None, "use `gradient_checkpointing_kwargs`"),
     "optim_args": (None, "AdamW's settings here are `adam_beta1`, `adam_beta2`, `adam_epsilon`, `weight_decay`"),
     "optim_target_modules": (None, "only AdamW runs here, over every trainable parameter"),
     "label_smoothing_factor": (0.0, "not run here (DPO has its own `label_smoothing`)"), "neftune_noise_alpha": (None, "not run here (no NEFTune)"),
@@ -80,10 +79,20 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {   # 🤗 TrainingArguments field 
 }
 
 # %% ../nbs/05_loop.ipynb #d3a2e6c9
+_HF_RENAMED = {"activation_checkpointing": "gradient_checkpointing",             # transformers 5's names -> TRL 1.16's, held here
+                "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+
 class TakesTrainingArguments(type):
-    "The configs' metaclass: a 🤗 `TrainingArguments` field of `_HF_NOT_RUN` is taken out of the keywords; the value this library behaves as passes, any other is refused by name."
+    "The configs' metaclass: transformers 5's new names (`_HF_RENAMED`) are taken as the names TRL uses; a 🤗 `TrainingArguments` field of `_HF_NOT_RUN` is taken out of the keywords, the value this library behaves as passes, any other is refused by name."
     def __call__(cls, *args, **kwargs):
         own = {f.name for f in fields(cls)}
+        for new, old in _HF_RENAMED.items():
+            if new not in kwargs or new in own: continue
+            value = kwargs.pop(new)
+            if value is None: continue                                              # 🤗's default: unset
+            if old in kwargs and kwargs[old] not in (None, value):
+                raise ValueError(f"`{new}`={value!r} and `{old}`={kwargs[old]!r} disagree: give one (`{new}` is transformers 5's name for `{old}`)")
+            kwargs[old] = value
         for name in [n for n in kwargs if n in _HF_NOT_RUN and n not in own]:
             value, (ours, why) = kwargs.pop(name), _HF_NOT_RUN[name]
             if value != ours: raise ValueError(f"`{name}`={value!r} is not supported: {why}")
@@ -139,7 +148,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     bf16: bool | None = None                      # 🤗/TRL's switch for `mixed_precision="bf16"`; None: on when a bf16-capable GPU is present and neither `mixed_precision` nor `fp16` is given (TRL 1.16 says True, which fails on a CPU)
     fp16: bool = False                            # 🤗/TRL's switch for `mixed_precision="fp16"`
     warmup_ratio: float = 0.0                     # warm-up as a fraction of the optimizer steps (🤗's; `warmup_steps` wins when both are set)
-    gradient_checkpointing: bool = False          # recompute activations in the backward pass instead of keeping them (a memory lever)
+    gradient_checkpointing: bool = False          # recompute activations in the backward pass instead of keeping them (a memory lever); transformers 5's `activation_checkpointing` is taken as this
     gradient_checkpointing_kwargs: dict | None = None  # passed to 🤗's `gradient_checkpointing_enable` (default here: {"use_reentrant": False}); 🤗's `every_n_layers`, `offload` too
     gradient_checkpointing_policy: Literal["full", "selective"] = "full"  # with `gradient_checkpointing`: recompute each block ("full", 🤗's) or only what lies between its matmuls ("selective": no matmul twice, about half the activations kept)
     logging_strategy: Literal["steps"] = "steps"  # 🤗's: metrics are logged every `logging_steps` ("no" and "epoch" are refused)

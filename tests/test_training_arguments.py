@@ -1,5 +1,6 @@
 """Every field of 🤗 `transformers.TrainingArguments` (which TRL's configs inherit) on every config: set to a value other
-than 🤗's default, it is honoured (the config holds it, and the run follows it) or refused by name. Never accepted and
+than 🤗's default, it is honoured (the config holds it, under TRL's name where transformers 5 renamed it, and the run
+follows it) or refused by name. Never accepted and
 ignored. The counts per config are printed (`pytest -s`)."""
 import dataclasses
 import math
@@ -8,13 +9,14 @@ import pytest
 from transformers import TrainingArguments
 
 from instruct_goose import DPOConfig, GRPOConfig, RewardConfig, RLHFConfig, RLOOConfig, SFTConfig
-from instruct_goose.loop import _HF_NOT_RUN as HF_NOT_RUN
+from instruct_goose.loop import _HF_NOT_RUN as HF_NOT_RUN, _HF_RENAMED as HF_RENAMED
 
 CONFIGS = {SFTConfig: {}, RewardConfig: {}, RLHFConfig: {}, RLOOConfig: {}, GRPOConfig: {"num_generations": 2}, DPOConfig: {}}
 CHOICES = {"lr_scheduler_type": "cosine", "optim": "adamw_torch", "eval_strategy": "epoch", "save_strategy": "epoch",
            "logging_strategy": "epoch", "hub_strategy": "end", "include_num_input_tokens_seen": "all", "log_level": "info",
            "log_level_replica": "info", "train_sampling_strategy": "sequential", "debug": "underflow_overflow",
            "report_to": ["none"], "gradient_checkpointing_kwargs": {"use_reentrant": True}, "lr_scheduler_kwargs": {},
+           "activation_checkpointing_kwargs": {"use_reentrant": True},
            "deepspeed": {"zero_optimization": {"stage": 2}}, "fsdp": "full_shard", "include_for_metrics": ["inputs"],
            "label_names": ["labels"], "output_dir": "elsewhere", "resume_from_checkpoint": "latest", "run_name": "my-run"}
 SAME_AS = {"report_to": "none"}     # what the config holds for a value given in 🤗's other form
@@ -46,7 +48,7 @@ def classify(config_class, name, value):
     except ValueError as e:
         return "refused" if f"`{name}`" in str(e) else f"refused without naming it: {e}"
     if name in HF_NOT_RUN and HF_NOT_RUN[name][0] == value: return "ours"
-    held = getattr(config, name, "<missing>")
+    held = getattr(config, HF_RENAMED.get(name, name), "<missing>")   # transformers 5's new names are held under TRL's
     return "honoured" if held == SAME_AS.get(name, value) else f"accepted and ignored (holds {held!r})"
 
 
