@@ -59,6 +59,8 @@ reward = lambda prompts, completions: [len(c) / 10 for c in completions]
 common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, max_steps=4,
               local_rollout_forward_batch_size=4, num_sample_generations=0, disable_tqdm=True, learning_rate=1e-3,
               save_steps=2, resume_from_checkpoint=resume)
+if os.environ.get("GOOSE_CHECKPOINTING"):   # a gradient checkpointing policy for every trained model
+    common.update(gradient_checkpointing=True, gradient_checkpointing_policy=os.environ["GOOSE_CHECKPOINTING"])
 if algo.startswith("ppo"):   # the reference (a frozen copy, not prepared) is replicated in every process beside the sharded agent
     torch.manual_seed(0)     # the fresh value head: the same draw in every process (FSDP2 does not broadcast rank 0's weights)
     critic = AutoModel.from_pretrained(policy) if algo == "ppo_critic" else None
@@ -92,10 +94,10 @@ def setup_dir(policy_dir, tmp_path_factory):
 ON_POLICY = ("ppo", "ppo_critic", "rloo", "grpo")
 
 
-def _run(setup_dir, out, algo, processes, accumulation, resume=None, fsdp=False, check=True, engine=None):
-    "Train `algo` in 1 process or under torchrun; `engine`: the launch's environment in place of `use_cpu` (DeepSpeed's, tests/test_deepspeed.py)."
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
-    env |= {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache",
+def _run(setup_dir, out, algo, processes, accumulation, resume=None, fsdp=False, check=True, engine=None, checkpointing=None):
+    "Train `algo` in 1 process or under torchrun; `engine`: the launch's environment in place of `use_cpu` (DeepSpeed's, tests/test_deepspeed.py); `checkpointing`: a gradient checkpointing policy (on-policy runs)."
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "GOOSE_CHECKPOINTING"))}
+    env |= {"OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache", **({"GOOSE_CHECKPOINTING": checkpointing} if checkpointing else {}),
             **(engine if engine is not None else {"ACCELERATE_USE_CPU": "true", **(FSDP2_CPU if fsdp else {})})}
     script = [str(setup_dir / ("onpolicy.py" if algo in ON_POLICY else "train.py")), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
     if processes == 1: command = [sys.executable] + script
@@ -147,6 +149,15 @@ def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
     shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     resumed = _run(setup_dir, tmp_path / "resumed", algo, processes=2, accumulation=1, resume="latest", fsdp=True)
     _assert_same(two, resumed, f"{algo}: FSDP2 run vs its checkpoint resumed under FSDP2", EPS[algo])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "ppo_critic"])
+def test_fsdp2_with_selective_checkpointing_equals_one_plain_process(algo, setup_dir, tmp_path):
+    "Selective checkpointing (every block, the critic's too) under FSDP2 over 2 processes trains as 1 unsharded process without checkpointing."
+    one = _run(setup_dir, tmp_path / "one", algo, processes=1, accumulation=2)
+    two = _run(setup_dir, tmp_path / "two", algo, processes=2, accumulation=1, fsdp=True, checkpointing="selective")
+    _assert_same(one, two, f"{algo}: 1 plain process x 2 micro-batches vs FSDP2 over 2 processes with selective checkpointing", EPS[algo])
 
 
 @pytest.mark.parametrize("env, says", [
