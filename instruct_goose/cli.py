@@ -54,6 +54,13 @@ def _none_or(parse):
     "`parse`, but `none` (any case) is None."
     return lambda text: None if text.lower() == "none" else parse(text)
 
+def _json_object(text: str) -> dict:
+    "A dict setting given as a flag, in 🤗/TRL's form: a JSON object (`--gradient_checkpointing_kwargs '{\"use_reentrant\": false}'`)."
+    try: value = json.loads(text)
+    except json.JSONDecodeError: value = None
+    if not isinstance(value, dict): raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r}")
+    return value
+
 # %% ../nbs/10_cli.ipynb #f1a00005
 class _OneSpelling(argparse.ArgumentDefaultsHelpFormatter):
     "Help that shows each flag as its field is named; 🤗's dashed spelling (`--learning-rate`) is accepted, not listed."
@@ -86,6 +93,7 @@ class GooseParser(HfArgumentParser):
         field.metadata = {**field.metadata, "help": self._help(field.name)}
         HfArgumentParser._parse_dataclass_field(parser, field)
         action = parser._option_string_actions[f"--{field.name}"]
+        if action.type is dict: action.type = _json_object          # 🤗's `dict(text)` takes no text
         if optional and action.nargs != "+":
             action.type = _none_or(action.type)
             if action.choices: action.choices = [*action.choices, None]
