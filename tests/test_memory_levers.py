@@ -15,9 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from instruct_goose import (Agent, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, RewardModel, TrainLoop,
-                            TrainingConfig, create_reference_model, load_task, task_tokenizer, tiny_causal_lm)
-from instruct_goose import GRPOConfig, GRPOTrainer
+from instruct_goose import (Agent, GRPOConfig, GRPOTrainer, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, RewardModel,
+                            TrainLoop, TrainingConfig, create_reference_model, load_task, task_tokenizer, tiny_causal_lm)
 from instruct_goose.levers import enable_gradient_checkpointing, keep_matmul_outputs
 
 
