@@ -21,6 +21,10 @@ from transformers import PreTrainedModel, activations
 from transformers.pytorch_utils import Conv1D
 
 # %% ../nbs/05b_levers.ipynb #fe101938
+def _check_policy(policy: str):
+    "Refuse a gradient checkpointing policy other than 'full' and 'selective', by the config field's name."
+    if policy not in ("full", "selective"): raise ValueError(f"`gradient_checkpointing_policy` must be 'full' or 'selective', got {policy!r}")
+
 def enable_gradient_checkpointing(
     model: nn.Module,        # a 🤗 model, or a module holding some (an `Agent`, a `RewardModel`, a peft model)
     kwargs: dict | None = None,  # 🤗's `gradient_checkpointing_kwargs`: `torch.utils.checkpoint.checkpoint`'s, and 🤗's `every_n_layers`, `offload` (None: {"use_reentrant": False})
@@ -30,6 +34,7 @@ def enable_gradient_checkpointing(
     found = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing]
     if not found:
         raise ValueError(f"`gradient_checkpointing`: {type(model).__name__} holds no 🤗 model that supports gradient checkpointing")
+    _check_policy(policy)
     kwargs = {"use_reentrant": False} if kwargs is None else dict(kwargs)
     layers = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}   # 🤗's keys, not checkpoint's
     if policy == "selective":
@@ -37,7 +42,6 @@ def enable_gradient_checkpointing(
             raise ValueError("`gradient_checkpointing_policy`='selective' sets checkpoint's `context_fn` and needs use_reentrant=False: "
                              f"drop those keys from `gradient_checkpointing_kwargs` ({kwargs})")
         kwargs = {**kwargs, "use_reentrant": False, "context_fn": keep_matmul_outputs}
-    elif policy != "full": raise ValueError(f"`gradient_checkpointing_policy` must be 'full' or 'selective', got {policy!r}")
     for m in found:
         if hasattr(m, "activation_checkpointing_enable"):       # its name from transformers 5 on
             m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layers)

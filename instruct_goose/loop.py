@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, TrainerControl, TrainerState, get_scheduler
 
 from .core import check_number, quiet_progress
-from .levers import _deepspeed_gathered, enable_gradient_checkpointing, fuse_activations
+from .levers import _check_policy, _deepspeed_gathered, enable_gradient_checkpointing, fuse_activations
 
 # %% ../nbs/05_loop.ipynb #c2f1d5b8
 _HUB = "no Hub uploads here: `save_model` writes `output_dir`; push that folder with `huggingface_hub` yourself"
@@ -184,8 +184,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
             check_number(name, getattr(self, name), low=1)
         if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ValueError(f"`mixed_precision` must be 'no', 'fp16' or 'bf16', got {self.mixed_precision!r}")
-        if self.gradient_checkpointing_policy not in ("full", "selective"):
-            raise ValueError(f"`gradient_checkpointing_policy` must be 'full' or 'selective', got {self.gradient_checkpointing_policy!r}")
+        _check_policy(self.gradient_checkpointing_policy)
         if self.gradient_checkpointing_policy == "selective" and not self.gradient_checkpointing:
             raise ValueError("`gradient_checkpointing_policy`='selective' acts with `gradient_checkpointing`=True: set both")
         if self.bf16 is None: self.bf16 = self.mixed_precision is None and not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
