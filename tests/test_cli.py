@@ -9,10 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from instruct_goose import task_tokenizer, tiny_causal_lm
+
 GOOSE = str(Path(sys.executable).parent / "goose")
 
 
 def goose(*args, cwd=None):
+    "The console script in its own process: for what only a process shows (the entry point, start-up, determinism across runs)."
     return subprocess.run([GOOSE, *args], capture_output=True, text=True, cwd=cwd, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -26,8 +29,8 @@ def test_every_command_has_help(capsys):
         assert "--output_dir" in out or "--output" in out, command
 
 
-def test_bad_value_is_refused_before_any_work(tmp_path):
-    result = goose("ppo", "--kl_coef", "nan", "--output_dir", str(tmp_path / "ppo"))
+def test_bad_value_is_refused_before_any_work(tmp_path, goose_here):
+    result = goose_here("ppo", "--kl_coef", "nan", "--output_dir", str(tmp_path / "ppo"))
     assert result.returncode == 2
     assert "`kl_coef` must be a finite number" in result.stderr
     assert not (tmp_path / "ppo").exists()
@@ -54,7 +57,7 @@ def test_short_pipeline_trains_evaluates_and_reports(tmp_path, algo):
 
 # --- a run you can watch: metrics.jsonl and goose plot -------------------------------------------------------------
 
-def test_ppo_metrics_jsonl_holds_every_metric_of_every_logged_step(policy_dir, tmp_path):
+def test_ppo_metrics_jsonl_holds_every_metric_of_every_logged_step(policy_dir, tmp_path, goose_here):
     out = tmp_path / "ppo"
     result = goose("ppo", "--policy", str(policy_dir), "--reward_model", "gold", "--output_dir", str(out),
                    "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--total_episodes", "48",
@@ -68,7 +71,7 @@ def test_ppo_metrics_jsonl_holds_every_metric_of_every_logged_step(policy_dir, t
                 "policy/approxkl_avg", "loss/policy_avg", "loss/value_avg", "val/ratio", "lr", "eps", "val/num_eos_tokens"}
     assert all(expected <= set(row) for row in rows), set(rows[0])
     assert result.stdout.count("step 1/3 episode=16") == 1                # no bar: each logged step printed as a line
-    plot = goose("plot", str(out))
+    plot = goose_here("plot", str(out))
     assert plot.returncode == 0, plot.stderr
     assert (out / "curves.png").stat().st_size > 10_000
 
@@ -80,16 +83,16 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def test_own_data_never_mixes_in_the_task(policy_dir, tmp_path):
+def test_own_data_never_mixes_in_the_task(policy_dir, tmp_path, goose_here):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"q": "The film", "chosen": " was good.", "rejected": " was bad."}] * 8)
-    rm = goose("rm", "--model", str(policy_dir), "--dataset", pairs, "--columns", "q:prompt", "--output_dir", str(tmp_path / "rm"),
+    rm = goose_here("rm", "--model", str(policy_dir), "--dataset", pairs, "--columns", "q:prompt", "--output_dir", str(tmp_path / "rm"),
                "--per_device_train_batch_size", "4", "--max_steps", "2", "--disable_tqdm")
     assert rm.returncode == 0, rm.stderr[-3000:]
     assert "held-out pairs for eval_accuracy: none (your own --dataset" in rm.stdout
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "The film"}] * 16)
     (tmp_path / "my_rewards.py").write_text("def length(prompts, completions): return [len(c) / 10 for c in completions]\n"
                                             "def one(prompts, completions): return [1.0] * len(completions)\n")
-    ppo = goose("ppo", "--policy", str(policy_dir), "--dataset", prompts, "--reward_funcs", "my_rewards:length,my_rewards:one",
+    ppo = goose_here("ppo", "--policy", str(policy_dir), "--dataset", prompts, "--reward_funcs", "my_rewards:length,my_rewards:one",
                 "--reward_weights", "1,0.5", "--ptx_coef", "0.5", "--output_dir", str(tmp_path / "ppo"), "--total_episodes", "16",
                 "--per_device_train_batch_size", "8",
                 "--response_length", "4", "--num_sample_generations", "0", "--disable_tqdm", cwd=tmp_path)
@@ -139,20 +142,24 @@ def test_mistakes_end_in_one_line(policy_dir, tmp_path):
     assert json.loads((tmp_path / "s3" / "checkpoint-1" / "training_config.json").read_text())["learning_rate"] == 0.001
 
 
-def test_version_and_bare_flags():
-    result = goose("--version")
+def test_version_and_bare_flags(goose_here):
+    result = goose_here("--version")
     assert result.returncode == 0 and result.stdout.startswith("goose (instruct_goose) ")
+    bare = goose_here()                                    # no command: the usage, every command named
+    assert bare.returncode == 0 and all(command in bare.stdout for command in ("sft", "rm", "ppo", "rloo", "grpo", "dpo", "eval"))
 
 
-def test_tiny_models_get_one_torch_thread(tmp_path):
-    code = ("import os, torch; os.environ.pop('OMP_NUM_THREADS', None); torch.set_num_threads(2); "
-            "from instruct_goose.cli import set_threads; from instruct_goose import tiny_causal_lm, task_tokenizer; "
-            "print(set_threads(tiny_causal_lm(task_tokenizer())))")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip() == "1"
-    env["OMP_NUM_THREADS"] = "2"
-    code = code.replace("os.environ.pop('OMP_NUM_THREADS', None); ", "")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip() == "2"
+def test_tiny_models_get_one_torch_thread(monkeypatch):
+    from instruct_goose.cli import set_threads
+    tiny, threads = tiny_causal_lm(task_tokenizer()), torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        assert set_threads(tiny) == 1                      # not set: one thread for a model under 50 M parameters
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        assert set_threads(tiny) == 2                      # set: the user's count stands
+    finally: torch.set_num_threads(threads)
 
 
 # --- one set of defaults: the CLI and the Python API (issue 27, item 7) --------------------------------------------
@@ -262,12 +269,12 @@ def pair_rows():
     return [{**row, "topic": ["plot", "cast", "music"][i % 3]} for i, row in enumerate(pairs)]
 
 
-def test_eval_reports_a_reward_model_on_local_pairs(tmp_path, rm_dirs, pair_rows):
+def test_eval_reports_a_reward_model_on_local_pairs(tmp_path, rm_dirs, pair_rows, goose_here):
     "goose eval on a JSONL of pairs: the same numbers as `evaluate_reward_model` in Python, in metrics.jsonl, with the plot."
     from instruct_goose.reward_eval import evaluate_reward_model
     from instruct_goose.toy import gold_score
     pairs, out = write_jsonl(tmp_path / "pairs.jsonl", pair_rows), tmp_path / "report"
-    result = goose("eval", "--reward_model", rm_dirs[0], "--dataset", pairs, "--category_column", "topic", "--gold", "vader",
+    result = goose_here("eval", "--reward_model", rm_dirs[0], "--dataset", pairs, "--category_column", "topic", "--gold", "vader",
                    "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "reward model report" in result.stdout and "accuracy (95% Wilson)" in result.stdout

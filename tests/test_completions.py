@@ -12,9 +12,6 @@ logged reward means, their advantages against the group formula, resume without 
 """
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -67,14 +64,13 @@ def test_resume_neither_doubles_nor_loses_rows(grpo_run, policy_dir, tmp_path):
     assert [r["completion"] for r in again] == [r["completion"] for r in before]
 
 
-def test_goose_completions_shows_the_last(grpo_run):
+def test_goose_completions_shows_the_last(grpo_run, goose_here):
     out, _ = grpo_run
-    goose = str(Path(sys.executable).parent / "goose")
-    shown = subprocess.run([goose, "completions", str(out), "--last", "3"], capture_output=True, text=True, timeout=120)
+    shown = goose_here("completions", str(out), "--last", "3")
     assert shown.returncode == 0, shown.stderr
     last = read_completions(out, last=3)
     assert "the last 3 completions" in shown.stdout and all(r["prompt"][:10] in shown.stdout for r in last)
-    missing = subprocess.run([goose, "completions", str(out / "nothing")], capture_output=True, text=True, timeout=120)
+    missing = goose_here("completions", str(out / "nothing"))
     assert missing.returncode == 2 and "log_completions=True" in missing.stderr
 
 

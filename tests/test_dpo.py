@@ -93,18 +93,12 @@ def test_killed_run_resumes_to_the_same_result(script, policy_dir, tmp_path):
     _same(*straight, *resumed, eps=1e-6)
 
 
-def _goose(*args, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(cwd / "cache")}
-    return subprocess.run([str(Path(sys.executable).parent / "goose"), *map(str, args)], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=cwd)
-
-
-def test_goose_dpo_on_own_pairs_with_implicit_prompts(policy_dir, tmp_path):
+def test_goose_dpo_on_own_pairs_with_implicit_prompts(policy_dir, tmp_path, goose_here):
     "goose dpo on a JSONL of chosen/rejected texts: trains, logs TRL's names, saves a model plain 🤗 classes load."
     rows = [{"chosen": f"Review: film {i} was great fun.", "rejected": f"Review: film {i} was dull."} for i in range(16)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = _goose("dpo", "--model", policy_dir, "--dataset", "pairs.jsonl", "--max_steps", 3, "--warmup_steps", 0,
-                    "--per_device_train_batch_size", 4, "--output_dir", "out", "--disable_tqdm", cwd=tmp_path)
+    result = goose_here("dpo", "--model", str(policy_dir), "--dataset", "pairs.jsonl", "--max_steps", "3", "--warmup_steps", "0",
+                        "--per_device_train_batch_size", "4", "--output_dir", "out", "--disable_tqdm", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in history] == [1, 2, 3] and set(COMPARED) <= set(history[0])
@@ -114,9 +108,9 @@ def test_goose_dpo_on_own_pairs_with_implicit_prompts(policy_dir, tmp_path):
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(policy_dir).config.vocab_size
 
 
-def test_goose_dpo_refuses_rows_without_pairs(policy_dir, tmp_path):
+def test_goose_dpo_refuses_rows_without_pairs(policy_dir, tmp_path, goose_here):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
-    result = _goose("dpo", "--model", policy_dir, "--dataset", "bad.jsonl", "--output_dir", "out", cwd=tmp_path)
+    result = goose_here("dpo", "--model", str(policy_dir), "--dataset", "bad.jsonl", "--output_dir", "out", cwd=tmp_path)
     assert result.returncode == 2 and "needs the columns" in result.stderr, result.stderr[-2000:]
 
 
@@ -163,10 +157,10 @@ def test_callbacks_hear_each_log_and_can_stop_the_run(policy_dir, tmp_path):
     assert StopAfter2.logs[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
 
 
-def test_goose_pipeline_with_dpo(tmp_path):
+def test_goose_pipeline_with_dpo(tmp_path, goose_here):
     "goose pipeline --algo dpo: SFT -> DPO -> eval (gold judge for both columns, no reward model), with its plot and summary."
-    result = _goose("pipeline", "--algo", "dpo", "--output_dir", "run", "--sft_steps", 3, "--dpo_steps", 2, "--disable_tqdm",
-                    cwd=tmp_path)
+    result = goose_here("pipeline", "--algo", "dpo", "--output_dir", "run", "--sft_steps", "3", "--dpo_steps", "2", "--disable_tqdm",
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     run = tmp_path / "run"
     assert not (run / "rm").exists() and (run / "dpo_curves.png").is_file()
