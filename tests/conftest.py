@@ -1,5 +1,8 @@
 "Fixtures shared by the test files."
+import runpy
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +31,12 @@ def goose_here(capsys, monkeypatch):
         out = capsys.readouterr()
         return subprocess.CompletedProcess(["goose", *args], code, out.out, out.err)
     return run
+
+
+def run_example(script: Path, *args) -> int:
+    "Run a script as `python script args` would, in this process (its folder first on `sys.path`, `sys.argv` its own); returns its exit code."
+    argv, path = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = [str(script), *map(str, args)], [str(script.parent)]
+    try: runpy.run_path(str(script), run_name="__main__"); return 0
+    except SystemExit as e: return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally: sys.argv, sys.path[:] = argv, path

@@ -1,8 +1,6 @@
 """LoRA policies (peft) in PPO and RLOO: only adapters (and PPO's value head) train, the reference is the base model
 with the adapter off (no second copy), and what is saved loads back."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -81,13 +79,12 @@ def test_lora_rloo_trains_adapters_only(base_dir, tmp_path):
     assert kl[0] == pytest.approx(0.0, abs=1e-5) and kl[-1] > 1e-4            # KL to the adapter-off base: 0, then grows
 
 
-def test_goose_rloo_with_lora(base_dir, tmp_path):
+def test_goose_rloo_with_lora(base_dir, tmp_path, goose_here):
     out = tmp_path / "rloo"
-    command = [str(Path(sys.executable).parent / "goose"), "rloo", "--policy", str(base_dir), "--reward_model", "gold",
-               "--lora_r", "4", "--lora_target_modules", "c_attn,c_fc", "--total_episodes", "16",
-               "--per_device_train_batch_size", "8", "--num_mini_batches", "1", "--response_length", "6",
-               "--num_sample_generations", "0", "--disable_tqdm", "true", "--output_dir", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = goose_here("rloo", "--policy", str(base_dir), "--reward_model", "gold",
+                        "--lora_r", "4", "--lora_target_modules", "c_attn,c_fc", "--total_episodes", "16",
+                        "--per_device_train_batch_size", "8", "--num_mini_batches", "1", "--response_length", "6",
+                        "--num_sample_generations", "0", "--disable_tqdm", "true", "--output_dir", str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["c_attn", "c_fc"]

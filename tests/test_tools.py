@@ -16,6 +16,8 @@ from instruct_goose import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, tas
 from instruct_goose.data import encode_prompts
 from instruct_goose.tools import generate_with_tools, with_tool_template
 
+from conftest import run_example
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -178,10 +180,8 @@ def test_trl_tool_calling_example_runs_with_the_import_changed(tok, tmp_path):
     "examples/trl_style/grpo_tools.py: TRL's agent-training example (tools=[multiply]) on a tiny model whose chat template renders tools."
     tok.save_pretrained(tmp_path / "model")
     tiny_causal_lm(tok, max_positions=320).save_pretrained(tmp_path / "model")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, str(ROOT / "examples/trl_style/grpo_tools.py"), "--model_name_or_path", str(tmp_path / "model"),
-                             "--output_dir", str(tmp_path / "out"), "--max_steps", "2"], capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert run_example(ROOT / "examples/trl_style/grpo_tools.py", "--model_name_or_path", tmp_path / "model",
+                       "--output_dir", tmp_path / "out", "--max_steps", 2) == 0
     assert (tmp_path / "out" / "model.safetensors").exists()
     script = (ROOT / "examples/trl_style/grpo_tools.py").read_text()
     assert "from instruct_goose import GRPOConfig, GRPOTrainer   # TRL: from trl import GRPOConfig, GRPOTrainer" in script

@@ -1,16 +1,15 @@
 """A script written the TRL way runs unchanged (issue 17): examples/trl_style/*.py, each TRL's own script with only the
-import line changed, run as a subprocess on tiny settings. Each must exit 0, leave a model 🤗 `from_pretrained` reads,
+import line changed, run as `python script.py` would run it (in the test's process) on tiny settings. Each must exit 0, leave a model 🤗 `from_pretrained` reads,
 and a metrics.jsonl with the metric names a TRL user charts.
 """
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from conftest import run_example
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "examples" / "trl_style"
@@ -29,12 +28,9 @@ def tiny(tmp_path_factory):
 
 
 def run_script(name: str, out: Path, *args) -> Path:
-    "Run examples/trl_style/`name` with `--output_dir out`; fail with the end of its stderr if it does not exit 0."
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, str(SCRIPTS / name), "--output_dir", str(out), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode:
-        pytest.fail(f"{name} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    "Run examples/trl_style/`name` with `--output_dir out` as `python name ...` would (in this process: no start-up); fail if it does not exit 0."
+    code = run_example(SCRIPTS / name, "--output_dir", out, *args)
+    if code: pytest.fail(f"{name} exited {code}")
     return out
 
 
