@@ -414,6 +414,7 @@ def fire(
     s = self.trainer_state
     s.global_step, s.log_history = self.state.step, self.state.history
     if self.steps_per_epoch: s.epoch = self.state.step / self.steps_per_epoch
+    if not self.callbacks: return self.control          # the usual case: nothing to call, nothing to unwrap (Accelerate's unwrap looks packages up at each call)
     model = None if self.prepared is None else self.accelerator.unwrap_model(self.prepared)
     for cb in self.callbacks:
         if (method := getattr(cb, event, None)) is None: continue
