@@ -59,7 +59,7 @@ def test_short_pipeline_trains_evaluates_and_reports(tmp_path, algo):
 
 def test_ppo_metrics_jsonl_holds_every_metric_of_every_logged_step(policy_dir, tmp_path, goose_here):
     out = tmp_path / "ppo"
-    result = goose("ppo", "--policy", str(policy_dir), "--reward_model", "gold", "--output_dir", str(out),
+    result = goose_here("ppo", "--policy", str(policy_dir), "--reward_model", "gold", "--output_dir", str(out),
                    "--per_device_train_batch_size", "8", "--num_mini_batches", "2", "--total_episodes", "48",
                    "--response_length", "8", "--logging_steps", "1", "--num_sample_generations", "0", "--disable_tqdm")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -103,10 +103,10 @@ def test_own_data_never_mixes_in_the_task(policy_dir, tmp_path, goose_here):
     assert (recorded["reward_weights"], recorded["reward_funcs"], recorded["dataset"]) == ([1.0, 0.5], ["my_rewards:length", "my_rewards:one"], prompts)
 
 
-def test_same_command_same_reward_model(policy_dir, tmp_path):
-    "config.seed seeds the fresh reward head: two runs of the same command give the same weights."
+def test_same_command_same_reward_model(policy_dir, tmp_path, goose_here):
+    "config.seed seeds the fresh reward head: two runs of the same command give the same weights (one after the other in this process: the random state the first run left does not matter)."
     for name in ("a", "b"):
-        result = goose("rm", "--model", str(policy_dir), "--output_dir", str(tmp_path / name), "--max_steps", "1",
+        result = goose_here("rm", "--model", str(policy_dir), "--output_dir", str(tmp_path / name), "--max_steps", "1",
                        "--eval_dataset", "none", "--disable_tqdm")
         assert result.returncode == 0, result.stderr[-3000:]
     a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("a", "b"))
@@ -121,23 +121,23 @@ def one_line_error(result, *words):
     assert all(w in result.stderr for w in words), result.stderr
 
 
-@pytest.mark.slow   # ~80 s of goose start-ups; the in-process checks of tests/test_bad_inputs.py run by default
-def test_mistakes_end_in_one_line(policy_dir, tmp_path):
+def test_mistakes_end_in_one_line(policy_dir, tmp_path, goose_here):
+    "Each mistake ends in one line on stderr and exit 2 (in-process: an exception the CLI does not turn into that line fails the test)."
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "The film"}] * 4)
     (tmp_path / "lr.yaml").write_text("learning_rate: 1e-3\nmax_steps: 1\n")
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "checkpoint-5").mkdir()
     sft = ["sft", "--model", str(policy_dir), "--disable_tqdm", "--max_length", "64"]   # within the tiny model's context: no warning before the error
-    one_line_error(goose("trian"), "unknown command 'trian'")
-    one_line_error(goose("sft", "--dataset", str(tmp_path / "missing.jsonl")), "--dataset", "missing.jsonl' does not exist")
-    one_line_error(goose("ppo", "--policy", str(tmp_path / "nothing"), "--reward_model", "gold"), "--policy", "nothing")
-    one_line_error(goose("ppo", "--policy", str(policy_dir), "--reward_model", str(tmp_path / "no_rm")), "--reward_model")
-    one_line_error(goose(*sft, "--dataset", bad, "--output_dir", str(tmp_path / "s1")), "`train_dataset` needs the columns")
-    one_line_error(goose(*sft, "--resume_from_checkpoint", "latest", "--output_dir", str(tmp_path / "s2")), "names no checkpoint")
-    one_line_error(goose(*sft, "--output_dir", str(tmp_path / "old")), "holds another run's checkpoints (checkpoint-5)")
-    one_line_error(goose("sft", "--learning_rate", "fast"), "--learning_rate", "invalid float value")
-    one_line_error(goose("ppo", "--reward_funcs", "nomodule:f", "--policy", str(policy_dir)), "--reward_funcs", "nomodule")
-    ok = goose(*sft, "--config", str(tmp_path / "lr.yaml"), "--output_dir", str(tmp_path / "s3"))
+    one_line_error(goose_here("trian"), "unknown command 'trian'")
+    one_line_error(goose_here("sft", "--dataset", str(tmp_path / "missing.jsonl")), "--dataset", "missing.jsonl' does not exist")
+    one_line_error(goose_here("ppo", "--policy", str(tmp_path / "nothing"), "--reward_model", "gold"), "--policy", "nothing")
+    one_line_error(goose_here("ppo", "--policy", str(policy_dir), "--reward_model", str(tmp_path / "no_rm")), "--reward_model")
+    one_line_error(goose_here(*sft, "--dataset", bad, "--output_dir", str(tmp_path / "s1")), "`train_dataset` needs the columns")
+    one_line_error(goose_here(*sft, "--resume_from_checkpoint", "latest", "--output_dir", str(tmp_path / "s2")), "names no checkpoint")
+    one_line_error(goose_here(*sft, "--output_dir", str(tmp_path / "old")), "holds another run's checkpoints (checkpoint-5)")
+    one_line_error(goose_here("sft", "--learning_rate", "fast"), "--learning_rate", "invalid float value")
+    one_line_error(goose_here("ppo", "--reward_funcs", "nomodule:f", "--policy", str(policy_dir)), "--reward_funcs", "nomodule")
+    ok = goose_here(*sft, "--config", str(tmp_path / "lr.yaml"), "--output_dir", str(tmp_path / "s3"))
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert json.loads((tmp_path / "s3" / "checkpoint-1" / "training_config.json").read_text())["learning_rate"] == 0.001
 
@@ -287,13 +287,12 @@ def test_eval_reports_a_reward_model_on_local_pairs(tmp_path, rm_dirs, pair_rows
     assert (out / "report.png").stat().st_size > 10_000
 
 
-@pytest.mark.slow   # ~30 s: a goose start-up and three reports in process
-def test_eval_ensembles_several_reward_models_from_parquet(tmp_path, rm_dirs, pair_rows):
+def test_eval_ensembles_several_reward_models_from_parquet(tmp_path, rm_dirs, pair_rows, goose_here):
     "Two --reward_model paths and --ensemble_aggregation min: the report of `RewardEnsemble(..., 'min')`, not of either member."
     from datasets import Dataset
     from instruct_goose.reward_eval import RewardEnsemble, evaluate_reward_model
     Dataset.from_list(pair_rows).to_parquet(tmp_path / "pairs.parquet")
-    result = goose("eval", "--reward_model", *rm_dirs, "--ensemble_aggregation", "min", "--dataset", str(tmp_path / "pairs.parquet"),
+    result = goose_here("eval", "--reward_model", *rm_dirs, "--ensemble_aggregation", "min", "--dataset", str(tmp_path / "pairs.parquet"),
                    "--output", str(tmp_path / "report.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "report.json").read_text())["metrics"]
