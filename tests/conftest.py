@@ -19,6 +19,11 @@ def policy_dir(tmp_path_factory):
     return path
 
 
+def exit_code(stop: SystemExit) -> int:
+    "The status a process would exit with after `stop`: its code, 0 for None, 1 for a message (as `sys.exit('text')`)."
+    return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+
+
 @pytest.fixture
 def goose_here(capsys, monkeypatch):
     "`goose` run in this process through `main`, as a `CompletedProcess` (returncode, stdout, stderr): the same command without ~10 s of start-up."
@@ -27,7 +32,7 @@ def goose_here(capsys, monkeypatch):
         if cwd is not None: monkeypatch.chdir(cwd)
         capsys.readouterr()
         try: main(list(args)); code = 0
-        except SystemExit as e: code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except SystemExit as stop: code = exit_code(stop)
         out = capsys.readouterr()
         return subprocess.CompletedProcess(["goose", *args], code, out.out, out.err)
     return run
@@ -38,5 +43,5 @@ def run_example(script: Path, *args) -> int:
     argv, path = sys.argv, list(sys.path)
     sys.argv, sys.path[:0] = [str(script), *map(str, args)], [str(script.parent)]
     try: runpy.run_path(str(script), run_name="__main__"); return 0
-    except SystemExit as e: return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except SystemExit as stop: return exit_code(stop)
     finally: sys.argv, sys.path[:] = argv, path

@@ -10,7 +10,6 @@ logged reward means, their advantages against the group formula, resume without 
 - `test_rloo_syncs_its_reference` (slow): RLOO's TR-DPO sync after step 2: π_ref = α·θ₂ + (1 − α)·π₀.
 - `test_adaptive_entropy_coefficient_survives_resume` (slow): GRPO's entropy controller, applied 0 then c₁ = 0.03, is checkpointed.
 """
-import json
 import shutil
 
 import pytest
