@@ -21,7 +21,7 @@ py_versions = '3.10 3.11 3.12 3.13'.split()
 def reqs(key): return shlex.split(cfg.get(key, '').strip())
 
 requirements = reqs('requirements')
-extras = {name: reqs(f'{name}_requirements') for name in ('dev', 'task', 'lora', 'plot', 'tracking', 'bench', 'docs')}
+extras = {name: reqs(f'{name}_requirements') for name in ('dev', 'task', 'lora', 'optim8bit', 'plot', 'tracking', 'bench', 'docs')}
 min_python = cfg['min_python']
 lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 

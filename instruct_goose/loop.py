@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TakesTrainingArguments', 'check_hf_settings', 'TrainingConfig', 'coerce_numbers', 'check_tracker', 'batch_indices',
            'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop', 'as_callbacks', 'trainer_state',
-           'read_metrics', 'save_trained', 'TrainingInterrupted', 'Trainer', 'trainer_arguments']
+           'make_optimizer', 'read_metrics', 'save_trained', 'TrainingInterrupted', 'Trainer', 'trainer_arguments']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
 import inspect, json, logging, math, os, re, shutil, signal, sys, threading, warnings
@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, TrainerControl, TrainerState, get_scheduler
+from transformers import Trainer as HFTrainer
+from transformers.training_args import OptimizerNames
 
 from .core import check_number, quiet_progress
 from .levers import _check_policy, _deepspeed_gathered, enable_gradient_checkpointing, fuse_activations
@@ -60,8 +62,7 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {   # 🤗 TrainingArguments field 
     "torch_compile": (False, "not run here: compile the model yourself before passing it"), "torch_compile_backend": (None, "not run here"),
     "torch_compile_mode": (None, "not run here"), "use_liger_kernel": (False, "not run here (no Liger kernels)"),
     "liger_kernel_config": (None, "not run here (no Liger kernels)"), "tf32": (None, "set torch.backends.cuda.matmul.allow_tf32 yourself"),
-    "optim_args": (None, "AdamW's settings here are `adam_beta1`, `adam_beta2`, `adam_epsilon`, `weight_decay`"),
-    "optim_target_modules": (None, "only AdamW runs here, over every trainable parameter"),
+    "optim_target_modules": (None, "GaLore and APOLLO, the optimizers that read it, are not run here"),
     "label_smoothing_factor": (0.0, "not run here (DPO has its own `label_smoothing`)"), "neftune_noise_alpha": (None, "not run here (no NEFTune)"),
     "use_cache": (False, "the KV cache is used in generation and never in training here"),
     "torch_empty_cache_steps": (None, "not run here"), "auto_find_batch_size": (False, "not run here: set `per_device_train_batch_size`"),
@@ -104,10 +105,20 @@ class TakesTrainingArguments(type):
         return inspect.signature(cls.__init__).replace(parameters=list(inspect.signature(cls.__init__).parameters.values())[1:])
 
 # %% ../nbs/05_loop.ipynb #e4b3f7da
+_LOOP_OF_THEIR_OWN = "schedule-free optimizers switch between training and evaluation weights, which this loop does not do"
+_OPTIM_REFUSED = {   # 🤗 optimizer names that need a training loop other than this one -> why
+    **dict.fromkeys(("lomo", "adalomo"), "LOMO fuses its step into the backward pass, which this loop does not run"),
+    **{n.value: "GaLore and APOLLO project the gradients of `optim_target_modules`, which this loop does not run"
+       for n in OptimizerNames if n.value.startswith(("galore", "apollo"))},
+    **{n.value: _LOOP_OF_THEIR_OWN for n in OptimizerNames if n.value.startswith("schedule_free")},
+    "adamw_torch_xla": "it runs on TPUs (torch_xla)", "adamw_torch_npu_fused": "it runs on Ascend NPUs (torch_npu)",
+}
+
 def check_hf_settings(config) -> None:
     "Check the 🤗 `TrainingArguments` fields a config runs: the optimizer name, the strategies, the columns, 🤗's list form of `report_to`."
-    if config.optim not in ("adamw_torch_fused", "adamw_torch"):
-        raise ValueError(f"`optim`={config.optim!r} is not supported: only AdamW runs here (adamw_torch_fused or adamw_torch)")
+    if config.optim not in {n.value for n in OptimizerNames}:
+        raise ValueError(f"`optim`={config.optim!r} is not one of 🤗's optimizer names (transformers' `OptimizerNames`: adamw_torch_fused, adamw_torch, adafactor, sgd, adamw_8bit, ...)")
+    if config.optim in _OPTIM_REFUSED: raise ValueError(f"`optim`={config.optim!r} is not supported: {_OPTIM_REFUSED[config.optim]}")
     if config.logging_strategy != "steps":
         raise ValueError(f"`logging_strategy`={config.logging_strategy!r} is not supported: metrics are logged every `logging_steps` (and at the last step)")
     for name in ("eval_strategy", "save_strategy"):
@@ -132,9 +143,10 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     "Fields shared by every trainer: where to write, how to optimise, when to log and save."
     output_dir: str = "outputs"                   # checkpoints, metrics.jsonl and the final model go here
     seed: int = 0                                 # seeds torch, numpy, Python, the data order and fresh heads
-    learning_rate: float = 1e-5                   # peak learning rate of AdamW
-    weight_decay: float = 0.0                     # AdamW weight decay
-    optim: str = "adamw_torch_fused"              # 🤗's optimizer name: adamw_torch_fused (one fused kernel where torch has one) or adamw_torch; others are refused
+    learning_rate: float = 1e-5                   # peak learning rate of the optimizer
+    weight_decay: float = 0.0                     # decoupled weight decay, on every trainable parameter but biases and norm layers' weights (🤗's groups)
+    optim: str = "adamw_torch_fused"              # 🤗's optimizer name, made as 🤗's Trainer makes it (`make_optimizer`): adamw_torch_fused, adamw_torch, adafactor, sgd, adamw_8bit (bitsandbytes), ...
+    optim_args: str | None = None                 # the optimizer's further arguments, 🤗's "key=value,..." form, e.g. "momentum=0.9,nesterov=True" for sgd
     adam_beta1: float = 0.9                       # AdamW's β₁
     adam_beta2: float = 0.999                     # AdamW's β₂
     adam_epsilon: float = 1e-8                    # AdamW's ε
@@ -498,20 +510,36 @@ def _register_forward_methods(model: nn.Module):
     from torch.distributed.fsdp import register_fsdp_forward_method   # a no-op on a model that is not sharded
     for name in getattr(model, "fsdp_forward_methods", ()): register_fsdp_forward_method(model, name)
 
+# %% ../nbs/05_loop.ipynb #59ff8252
+def make_optimizer(
+    config,                   # a `TrainingConfig`: `optim`, `optim_args`, `learning_rate`, `adam_beta1/2`, `adam_epsilon`, `weight_decay`
+    model: nn.Module,         # its trainable parameters are optimised
+    deepspeed: bool = False,  # DeepSpeed runs the step: no fused kernel
+) -> torch.optim.Optimizer:
+    "The optimizer 🤗's Trainer makes for `config` (class and arguments from `Trainer.get_optimizer_cls_and_kwargs`), over 🤗's two groups: weight decay on the trainable parameters but biases and norm layers' weights."
+    decay = set(HFTrainer.get_decay_parameter_names(None, model))   # 🤗's rule (the method reads nothing of its trainer)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": config.weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    cls, kwargs = HFTrainer.get_optimizer_cls_and_kwargs(config, model)
+    if deepspeed: kwargs.pop("fused", None)                      # DeepSpeed wraps the optimizer and steps it itself
+    optimizer = cls(groups, **kwargs)
+    if cls.__module__.startswith("bitsandbytes") and kwargs.get("optim_bits") == 8:   # as 🤗: embeddings keep 32-bit moments
+        from bitsandbytes.optim import GlobalOptimManager
+        for m in model.modules():
+            if isinstance(m, nn.Embedding): GlobalOptimManager.get_instance().register_module_override(m, "weight", {"optim_bits": 32})
+    return optimizer
+
 # %% ../nbs/05_loop.ipynb #921d40f2
 @patch
 def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) -> nn.Module:
-    "AdamW over `model`'s trainable parameters with the configured schedule (`model`'s written-out GELUs fused first); returns the prepared model."
+    "The configured optimizer over `model`'s trainable parameters (`make_optimizer`) with the configured schedule (`model`'s written-out GELUs fused first); returns the prepared model."
     c = self.config
     fuse_activations(model)
     if c.gradient_checkpointing: enable_gradient_checkpointing(model, c.gradient_checkpointing_kwargs, c.gradient_checkpointing_policy)
     if self.accelerator.state.deepspeed_plugin is not None:   # DeepSpeed reads its micro-batch from a dataloader, else from here
         self.accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = c.per_device_train_batch_size
-    params = [p for p in model.parameters() if p.requires_grad]
-    # one fused kernel for the whole update (🤗/TRL's default `adamw_torch_fused` since torch 2.8); DeepSpeed brings its own step
-    fused = c.optim == "adamw_torch_fused" and self.accelerator.device.type in ("cuda", "cpu") and self.accelerator.state.deepspeed_plugin is None
-    optimizer = torch.optim.AdamW(params, lr=c.learning_rate, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_epsilon,
-                                  weight_decay=c.weight_decay, fused=fused or None)
+    optimizer = make_optimizer(c, model, deepspeed=self.accelerator.state.deepspeed_plugin is not None)
     warmup = c.warmup_steps or math.ceil(c.warmup_ratio * num_training_steps)
     scheduler = get_scheduler(c.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=num_training_steps, scheduler_specific_kwargs=c.lr_scheduler_kwargs)

@@ -70,7 +70,7 @@ def test_defaults_of_hf_fields_are_accepted():
 
 
 def test_honoured_fields_change_the_run(tmp_path):
-    "optim, the Adam settings, the schedule's kwargs, save_strategy and eval_strategy 'no', data_seed: each seen in the run."
+    "optim (AdamW, and 🤗's SGD with optim_args), weight decay's groups, the Adam settings, the schedule's kwargs, save_strategy and eval_strategy 'no', data_seed: each seen in the run."
     from instruct_goose import SFTTrainer, load_task, task_tokenizer, tiny_causal_lm
     tok = task_tokenizer()
     def run(out, **kw):
@@ -87,6 +87,11 @@ def test_honoured_fields_change_the_run(tmp_path):
     assert math.isclose(a.loop.state.history[-1]["learning_rate"], 1e-4)           # the cosine ends at min_lr
     assert not list((tmp_path / "a").glob("checkpoint-*"))                           # save_strategy="no": no checkpoint
     assert not any("eval_loss" in row for row in a.loop.state.history)               # eval_strategy="no": no evaluation
+    d = run("d", optim="sgd", optim_args="momentum=0.9", weight_decay=0.1, save_strategy="no", eval_strategy="no")
+    opt = d.loop.optimizer.optimizer                                                 # 🤗's SGD, 🤗's two weight-decay groups
+    assert type(opt).__name__ == "SGD" and [(g["momentum"], g["weight_decay"]) for g in opt.param_groups] == [(0.9, 0.1), (0.9, 0.0)]
+    no_decay = {id(p) for p in opt.param_groups[1]["params"]}
+    assert all((id(p) in no_decay) == (n.endswith("bias") or ".ln_" in n) for n, p in d.loop.prepared.named_parameters())
     b, c = run("b", data_seed=1), run("c", data_seed=2)
     assert b.loop.state.history[0]["loss"] != c.loop.state.history[0]["loss"]        # another data order, same weights
     assert "eval_loss" in b.loop.state.history[-1] and list((tmp_path / "b").glob("checkpoint-*"))
