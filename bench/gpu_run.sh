@@ -12,6 +12,8 @@
 #   ppo          0.5B, 512 tokens, PPO shared and separate critic vs TRL 1.12's PPO (not reached 2026-11-26)
 #   compiled     GRPO, ours alone, `--lever compiled_decoder` (the step through inductor inside the graph)
 #   maxbatch     1.5B, GRPO, the largest batch for full fine-tuning, ours vs TRL (doubling only)
+#   maxbatch8    the same with `--optim adamw_8bit` on both sides (bitsandbytes: carry its wheel in .whl/bnb, 43 MB;
+#                the image has none): 2 bytes of optimizer moments a parameter instead of 8, ~9 GB less at 1.5B
 # 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). Next: tests selective decode ppo
 # compiled, then grpo_rloo (the memory lever of 1f91bf3, without selective) and maxbatch.
 set -u
@@ -38,6 +40,8 @@ for stage in "$@"; do
     ppo) $B --algos ppo_shared ppo_separate --epochs 4 --deadline_s $(deadline 130) --json $OUT/real_size_gpu_0.5b_r512_ppo.json ;;
     compiled) $B --algos grpo --sides ours --lever compiled_decoder --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_compiled.json ;;
     maxbatch) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full.json ;;
+    maxbatch8) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/bnb/*.whl &&
+      python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 --optim adamw_8bit --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full_8bit.json ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -203,7 +203,7 @@ def run_ours(algo, a, tok, out, clock):
                   learning_rate=LR, kl_coef=KL_COEF, seed=0, total_episodes=a.batch * steps, num_sample_generations=0,
                   disable_tqdm=True, mixed_precision="bf16" if a.dtype == "bf16" else "no", temperature=1.0,
                   max_prompt_length=MAX_PROMPT, save_steps=0, gradient_checkpointing=a.checkpointing != "none",
-                  gradient_checkpointing_policy="selective" if a.checkpointing == "selective" else "full")
+                  gradient_checkpointing_policy="selective" if a.checkpointing == "selective" else "full", optim=a.optim)
     rm = RewardModel(reward, tokenizer=tok)
     if algo.startswith("ppo"):
         # TRL's PPO does not clip gradients: max_grad_norm=0 (no clipping) here too
@@ -272,7 +272,7 @@ def run_trl(algo, a, tok, out, clock):
                         num_mini_batches=1, num_ppo_epochs=a.epochs, response_length=a.response_length,
                         total_episodes=a.batch * steps, learning_rate=LR, kl_coef=KL_COEF, kl_estimator="k1",
                         cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, temperature=1.0,
-                        whiten_rewards=False, stop_token="eos", missing_eos_penalty=None, num_sample_generations=0,
+                        whiten_rewards=False, stop_token="eos", missing_eos_penalty=None, num_sample_generations=0, optim=a.optim,
                         local_rollout_forward_batch_size=64, report_to="none", save_strategy="no", seed=0,
                         use_cpu=not cuda, bf16=a.dtype == "bf16", logging_steps=1, disable_tqdm=True,
                         dataloader_num_workers=0, lr_scheduler_type="linear")
@@ -312,7 +312,7 @@ def run_trl(algo, a, tok, out, clock):
                       steps_per_generation=1, num_iterations=1, max_completion_length=a.response_length,
                       learning_rate=LR, beta=KL_COEF, seed=0, max_steps=steps, logging_steps=1, report_to="none",
                       save_strategy="no", use_cpu=not cuda, bf16=a.dtype == "bf16", temperature=1.0, top_p=1.0,
-                      top_k=0, disable_dropout=True, epsilon=0.2, max_grad_norm=1.0,
+                      top_k=0, disable_dropout=True, epsilon=0.2, max_grad_norm=1.0, optim=a.optim,
                       lr_scheduler_type="linear", disable_tqdm=True, dataloader_num_workers=0,
                       gradient_checkpointing=a.checkpointing == "full")   # TRL 1.x's default is True; off unless --checkpointing full (TRL has no selective)
         if algo == "rloo": cfg, Trainer = RLOOConfig(**shared, normalize_advantages=False), RLOOTrainer
@@ -509,7 +509,7 @@ def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None,
     cmd = [sys.executable, __file__, "--child", side, "--algo", algo, "--tok_dir", a.tok_dir,
            "--model-shape", a.model_shape, "--device", a.device, "--dtype", a.dtype, "--batch", str(batch),
            "--response_length", str(a.response_length), "--epochs", str(a.epochs), "--steps", str(steps),
-           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing] + (["--live_bytes"] if a.live_bytes else []) + sum((["--lever", l] for l in a.lever or []), [])
+           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing, "--optim", a.optim] + (["--live_bytes"] if a.live_bytes else []) + sum((["--lever", l] for l in a.lever or []), [])
     if lora: cmd.append("--lora")
     if a.mem_limit_mib: cmd += ["--mem_limit_mib", str(a.mem_limit_mib)]
     env = {**os.environ, **(extra_env or {})}
@@ -782,6 +782,7 @@ def main():
     p.add_argument("--checkpointing", default="none", choices=["none", "full", "selective"],
                    help="gradient checkpointing: none on either side (default); full on both (TRL 1.x's default; TRL 1.12's PPO never turns it on); "
                         "selective on ours (gradient_checkpointing_policy='selective': matmul outputs kept), none on TRL's, which has no such policy")
+    p.add_argument("--optim", default="adamw_torch_fused", help="🤗's optimizer name on both sides, e.g. adamw_8bit (bitsandbytes: 2 bytes of moments a parameter instead of 8)")
     p.add_argument("--live_bytes", action="store_true",
                    help="count the training's tensor bytes with LiveBytes (a CPU stand-in for torch.cuda.max_memory_allocated, less the weights built before training; slows the run: memory only)")
     p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
