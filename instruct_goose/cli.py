@@ -150,7 +150,7 @@ class SFTCommand(SFTConfig):
     learning_rate: float = 3e-3              # peak learning rate of AdamW
     per_device_train_batch_size: int = 32    # examples per micro-batch
     max_steps: int = 300                     # optimizer steps in all; 0: from `num_train_epochs`
-    warmup_steps: int = 20                   # optimizer steps of linear warm-up
+    warmup_steps: float = 20                 # linear warm-up: optimizer steps, or a fraction in (0, 1) of them all
 
 # %% ../nbs/10_cli.ipynb #e20b4ecd
 @dataclass
@@ -230,7 +230,7 @@ class DPOCommand(DPOConfig):
     learning_rate: float = 1e-3              # peak learning rate of AdamW
     per_device_train_batch_size: int = 32    # pairs per micro-batch
     max_steps: int = 60                      # optimizer steps in all; 0: from `num_train_epochs`
-    warmup_steps: int = 5                    # optimizer steps of linear warm-up
+    warmup_steps: float = 5                  # linear warm-up: optimizer steps, or a fraction in (0, 1) of them all
 
 # %% ../nbs/10_cli.ipynb #76f82999
 @dataclass

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['TakesTrainingArguments', 'check_hf_settings', 'TrainingConfig', 'coerce_numbers', 'check_tracker', 'batch_indices',
            'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop', 'as_callbacks', 'trainer_state',
-           'make_optimizer', 'read_metrics', 'save_trained', 'TrainingInterrupted', 'Trainer', 'trainer_arguments']
+           'make_optimizer', 'warmup_steps_for', 'read_metrics', 'save_trained', 'TrainingInterrupted', 'Trainer',
+           'trainer_arguments']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
 import inspect, json, logging, math, os, re, shutil, signal, sys, threading, warnings
@@ -152,14 +153,14 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     adam_epsilon: float = 1e-8                    # AdamW's ε
     lr_scheduler_kwargs: dict | None = None       # further arguments of the schedule (`transformers.get_scheduler`'s `scheduler_specific_kwargs`)
     lr_scheduler_type: str = "linear"             # any `transformers.get_scheduler` name: linear, cosine, constant, ...
-    warmup_steps: int = 0                         # optimizer steps of linear warm-up
+    warmup_steps: float = 0                       # linear warm-up: a whole number of optimizer steps, or a fraction in (0, 1) of them all (transformers 5's rule)
     max_grad_norm: float = 1.0                    # clip the gradient norm to this (0: no clipping)
     per_device_train_batch_size: int = 8          # examples (prompts for RL) per step and process
     gradient_accumulation_steps: int = 1          # micro-batches whose gradients make one optimizer step
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # autocast precision, through Accelerate (a memory lever); None: from `bf16`/`fp16`, else "no"
     bf16: bool | None = None                      # 🤗/TRL's switch for `mixed_precision="bf16"`; None: on when a bf16-capable GPU is present and neither `mixed_precision` nor `fp16` is given (TRL 1.16 says True, which fails on a CPU)
     fp16: bool = False                            # 🤗/TRL's switch for `mixed_precision="fp16"`
-    warmup_ratio: float = 0.0                     # warm-up as a fraction of the optimizer steps (🤗's; `warmup_steps` wins when both are set)
+    warmup_ratio: float = 0.0                     # warm-up as a fraction of the optimizer steps (transformers 4's name; `warmup_steps` wins when both are set)
     gradient_checkpointing: bool = False          # recompute activations in the backward pass instead of keeping them (a memory lever); transformers 5's `activation_checkpointing` is taken as this
     gradient_checkpointing_kwargs: dict | None = None  # passed to 🤗's `gradient_checkpointing_enable` (default here: {"use_reentrant": False}); 🤗's `every_n_layers`, `offload` too
     gradient_checkpointing_policy: Literal["full", "selective"] = "full"  # with `gradient_checkpointing`: recompute each block ("full", 🤗's) or only what lies between its matmuls ("selective": no matmul twice, about half the activations kept)
@@ -205,6 +206,8 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
             raise ValueError(f"`mixed_precision`={self.mixed_precision!r} and {', '.join(f'`{p}`=True' for p in switched)} disagree: give one")
         self.mixed_precision = switched[0] if switched else self.mixed_precision or "no"
         check_number("warmup_ratio", self.warmup_ratio, high=1)
+        if self.warmup_steps >= 1 and not float(self.warmup_steps).is_integer():
+            raise ValueError(f"`warmup_steps` must be a whole number of steps or a fraction in [0, 1) of them all, got {self.warmup_steps!r}")
         check_hf_settings(self)
         check_tracker(self.report_to)
 
@@ -221,9 +224,13 @@ def _number_types(annotation) -> set:
 
 # %% ../nbs/05_loop.ipynb #140586d5
 def coerce_numbers(config) -> None:
-    "Turn text given for a dataclass's int or float fields (`'1e-3'`, `'8'`) into numbers, in place; refuse other text by name."
+    "Turn text given for a dataclass's int or float fields (`'1e-3'`, `'8'`) into numbers, and a whole float given for an int field (`8.0`) into an int, in place; refuse other text, and a fraction for an int field, by name."
     for f in fields(config):
         value, kinds = getattr(config, f.name), _number_types(f.type)
+        if isinstance(value, float) and kinds == {int}:   # 8.0 is 8; 2.5 steps or rows is no setting at all
+            fraction = " (🤗's fraction of all steps is not taken here: give the number of steps)" if f.name.endswith("_steps") and 0 < value < 1 else ""
+            if not value.is_integer(): raise ValueError(f"`{f.name}` must be a whole number, got {value!r}{fraction}")
+            setattr(config, f.name, int(value)); continue
         if not isinstance(value, str) or not kinds or (type(None) in get_args(f.type) and value.lower() == "none"): continue
         try: number = float(value)
         except ValueError: raise ValueError(f"`{f.name}` must be a number, got {value!r}") from None
@@ -540,13 +547,22 @@ def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) 
     if self.accelerator.state.deepspeed_plugin is not None:   # DeepSpeed reads its micro-batch from a dataloader, else from here
         self.accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = c.per_device_train_batch_size
     optimizer = make_optimizer(c, model, deepspeed=self.accelerator.state.deepspeed_plugin is not None)
-    warmup = c.warmup_steps or math.ceil(c.warmup_ratio * num_training_steps)
+    warmup = warmup_steps_for(c, num_training_steps)
     scheduler = get_scheduler(c.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=num_training_steps, scheduler_specific_kwargs=c.lr_scheduler_kwargs)
     model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
     self.prepared = model
     _register_forward_methods(model)
     return model
+
+# %% ../nbs/05_loop.ipynb #0b195100
+def warmup_steps_for(
+    config,                   # a `TrainingConfig`: `warmup_steps`, `warmup_ratio`
+    num_training_steps: int,  # optimizer steps in all
+) -> int:                     # optimizer steps of linear warm-up
+    "transformers 5's rule (`TrainingArguments.get_warmup_steps`): `warmup_steps` ≥ 1 is a number of steps, one in (0, 1) that fraction of all steps rounded up; 0: transformers 4's `warmup_ratio` the same way."
+    w = config.warmup_steps
+    return int(w) if w >= 1 else math.ceil(num_training_steps * (w or config.warmup_ratio))
 
 # %% ../nbs/05_loop.ipynb #8eba0be7
 @patch
