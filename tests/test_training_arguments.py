@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 from transformers import TrainingArguments
 
 from instruct_goose import DPOConfig, GRPOConfig, RewardConfig, RLHFConfig, RLOOConfig, SFTConfig
@@ -92,6 +93,10 @@ def test_honoured_fields_change_the_run(tmp_path):
     assert type(opt).__name__ == "SGD" and [(g["momentum"], g["weight_decay"]) for g in opt.param_groups] == [(0.9, 0.1), (0.9, 0.0)]
     no_decay = {id(p) for p in opt.param_groups[1]["params"]}
     assert all((id(p) in no_decay) == (n.endswith("bias") or ".ln_" in n) for n, p in d.loop.prepared.named_parameters())
+    e = run("e", optim="adamw_8bit", save_strategy="no", eval_strategy="no")         # bitsandbytes: one-byte moments, 32-bit for embeddings
+    opt, model = e.loop.optimizer.optimizer, e.loop.prepared
+    assert type(opt).__module__.startswith("bitsandbytes") and e.loop.state.step == 2
+    assert [opt.state[w]["state1"].dtype for w in (model.transformer.h[0].mlp.c_fc.weight, model.transformer.wte.weight)] == [torch.uint8, torch.float32]
     b, c = run("b", data_seed=1), run("c", data_seed=2)
     assert b.loop.state.history[0]["loss"] != c.loop.state.history[0]["loss"]        # another data order, same weights
     assert "eval_loss" in b.loop.state.history[-1] and list((tmp_path / "b").glob("checkpoint-*"))
