@@ -13,7 +13,7 @@
 #   compiled     GRPO, ours alone, `--lever compiled_decoder` (the step through inductor inside the graph)
 #   maxbatch     1.5B, GRPO, the largest batch for full fine-tuning, ours vs TRL (doubling only)
 #   maxbatch8    the same with `--optim adamw_8bit` on both sides (bitsandbytes: carry its wheel in .whl/bnb, 43 MB;
-#                the image has none): 2 bytes of optimizer moments a parameter instead of 8, ~9 GB less at 1.5B
+#                the image has none): 2 bytes of optimizer moments a parameter instead of 8 (embeddings excepted), ~7.9 GB less at 1.5B
 # 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). Next: tests selective decode ppo
 # compiled, then grpo_rloo (the memory lever of 1f91bf3, without selective) and maxbatch.
 set -u
