@@ -16,10 +16,11 @@ BNB    := $(VENV)/bnb
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# bitsandbytes (the 8-bit optimizers' tests) goes apart from the venv, in $(BNB): peft imports it whenever it is
+# installed, 2 s more for every process; tests/test_training_arguments.py puts it on the path of the process that needs it.
 $(STAMP): $(BIN)/python setup.py settings.ini
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	# bitsandbytes (the 8-bit optimizers' tests) apart from the venv: peft imports it whenever it is installed, +2 s to every start
 	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(BNB) bitsandbytes==0.50.2
 	touch $(STAMP)
 
