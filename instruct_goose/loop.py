@@ -547,6 +547,9 @@ def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) 
     if self.accelerator.state.deepspeed_plugin is not None:   # DeepSpeed reads its micro-batch from a dataloader, else from here
         self.accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = c.per_device_train_batch_size
     optimizer = make_optimizer(c, model, deepspeed=self.accelerator.state.deepspeed_plugin is not None)
+    if self.accelerator.distributed_type == DistributedType.FSDP and type(optimizer).__module__.startswith("bitsandbytes"):
+        raise ValueError(f"`optim`={c.optim!r} is a bitsandbytes optimizer, whose step cannot update FSDP2's sharded parameters: "
+                         "under FSDP use one of torch's (adamw_torch_fused, adamw_torch, sgd, ...)")
     warmup = warmup_steps_for(c, num_training_steps)
     scheduler = get_scheduler(c.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                               num_training_steps=num_training_steps, scheduler_specific_kwargs=c.lr_scheduler_kwargs)

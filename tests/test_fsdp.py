@@ -39,6 +39,8 @@ elif algo == "rm":
     for m in reward_model.modules():
         if isinstance(m, torch.nn.Dropout): m.p = 0.0
     trainer = RewardTrainer(reward_model, RewardConfig(max_length=32, normalize=False, **common), load_task("preferences").select(range(64)))
+elif algo == "sft_8bit":   # bitsandbytes' 8-bit AdamW: its step cannot update DTensors, so the run must refuse it in one line
+    trainer = SFTTrainer(model, args=SFTConfig(max_length=32, optim="adamw_8bit", **common), train_dataset=load_task("sft").select(range(64)), processing_class=tokenizer)
 elif algo == "dpo":   # the frozen reference (a copy, not prepared) is replicated in every process beside the sharded policy
     trainer = DPOTrainer(model, args=DPOConfig(**common), train_dataset=load_task("preferences").select(range(64)), processing_class=tokenizer)
 trainer.train()
@@ -149,6 +151,16 @@ def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
     shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     resumed = _run(setup_dir, tmp_path / "resumed", algo, processes=2, accumulation=1, resume="latest", fsdp=True)
     _assert_same(two, resumed, f"{algo}: FSDP2 run vs its checkpoint resumed under FSDP2", EPS[algo])
+
+
+@pytest.mark.slow
+def test_fsdp2_refuses_a_bitsandbytes_optimizer_in_one_line(setup_dir, tmp_path, monkeypatch):
+    "bitsandbytes' optimizers have no sharding rule for FSDP2's DTensors (its step raised NotImplementedError at the first update): refused before training, naming `optim`."
+    bnb = Path(__file__).resolve().parents[1] / ".venv" / "bnb"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(bnb), os.environ.get("PYTHONPATH")])))
+    result = _run(setup_dir, tmp_path / "eight", "sft_8bit", processes=2, accumulation=1, fsdp=True, check=False)
+    assert result.returncode != 0 and "ValueError: `optim`='adamw_8bit' is a bitsandbytes optimizer, whose step cannot update FSDP2's sharded parameters" in result.stderr, result.stderr[-3000:]
+    assert not list((tmp_path / "eight").glob("checkpoint-*"))
 
 
 @pytest.mark.slow
