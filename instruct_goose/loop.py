@@ -479,7 +479,11 @@ def checkpoint_to_resume(self: TrainLoop) -> Path | None:
 def maybe_resume(self: TrainLoop) -> bool:
     "Restore everything from the checkpoint found by `checkpoint_to_resume`, if any; returns whether it did."
     if self.resume_path is None: return False
-    self.accelerator.load_state(str(self.resume_path))
+    try: self.accelerator.load_state(str(self.resume_path))
+    except ValueError as e:                         # torch's optimizer: "... a different number of parameter groups" / "... a parameter group that doesn't match ..."
+        if "parameter group" not in str(e): raise
+        raise ValueError(f"`resume_from_checkpoint` {str(self.resume_path)!r}: its optimizer state has other parameter groups than this run's "
+                         "optimizer (written before weight decay took 🤗's two groups, 2026-11-27?): start a new run from its weights") from None
     if self.accelerator.is_main_process:           # metrics.jsonl = the restored history: no rows of steps to be redone
         self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.state.history))
     return True
