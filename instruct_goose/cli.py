@@ -147,7 +147,7 @@ class SFTCommand(SFTConfig):
     dataset: str = "task"                    # "task" (the built-in demonstrations), a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a Hub name
     columns: str | None = None               # rename the dataset's columns, e.g. "question:prompt,answer:completion"
     output_dir: str = "runs/sft"             # where the model, tokenizer and checkpoints go
-    learning_rate: float = 3e-3              # peak learning rate of AdamW
+    learning_rate: float = 3e-3              # peak learning rate of the optimizer
     per_device_train_batch_size: int = 32    # examples per micro-batch
     max_steps: int = 300                     # optimizer steps in all; 0: from `num_train_epochs`
     warmup_steps: float = 20                 # linear warm-up: optimizer steps, or a fraction in (0, 1) of them all
@@ -161,7 +161,7 @@ class RMCommand(RewardConfig):
     columns: str | None = None               # rename the dataset's columns, e.g. "question:prompt,good:chosen,bad:rejected"
     eval_dataset: str = "auto"               # held-out pairs: a file/folder/Hub name, "task", "none", or "auto" (the task's when --dataset is task, else none)
     output_dir: str = "runs/rm"              # where the reward model, its tokenizer and checkpoints go
-    learning_rate: float = 1e-3              # peak learning rate of AdamW
+    learning_rate: float = 1e-3              # peak learning rate of the optimizer
     per_device_train_batch_size: int = 32    # pairs per micro-batch
     max_steps: int = 100                     # optimizer steps in all; 0: from `num_train_epochs`
 
@@ -176,7 +176,7 @@ class OnPolicyCommand(OnPolicyConfig):
     reward_funcs: list[str] | None = None    # instead of --reward_model: module:function rewards f(prompts, completions) -> scores, weighted by --reward_weights
     dataset: str = "task"                    # prompts: "task", or a file/folder/Hub name with a "prompt" column
     columns: str | None = None               # rename the dataset's columns, e.g. "question:prompt"
-    learning_rate: float = 5e-4              # peak learning rate of AdamW
+    learning_rate: float = 5e-4              # peak learning rate of the optimizer
     per_device_train_batch_size: int = 16    # rollout rows per micro-batch
     response_length: int = 16                # tokens sampled per response
     num_sample_generations: int = 4          # how many times to print a table of samples during training (0: never)
@@ -227,7 +227,7 @@ class DPOCommand(DPOConfig):
     columns: str | None = None               # rename the dataset's columns, e.g. "question:prompt,good:chosen,bad:rejected"
     eval_dataset: str = "auto"               # held-out pairs: a file/folder/Hub name, "task", "none", or "auto" (the task's when --dataset is task, else none)
     output_dir: str = "runs/dpo"             # where the policy, tokenizer and checkpoints go
-    learning_rate: float = 1e-3              # peak learning rate of AdamW
+    learning_rate: float = 1e-3              # peak learning rate of the optimizer
     per_device_train_batch_size: int = 32    # pairs per micro-batch
     max_steps: int = 60                      # optimizer steps in all; 0: from `num_train_epochs`
     warmup_steps: float = 5                  # linear warm-up: optimizer steps, or a fraction in (0, 1) of them all

@@ -124,7 +124,7 @@ def dpo_loss(
 @dataclass
 class DPOConfig(StageConfig):
     "DPO and TRL 1.16's 14 other preference losses, alone or mixed; field names, meanings and defaults of TRL 1.16's `DPOConfig` (except `max_prompt_length`, TRL 0.19's, None by default); `bf16` follows the device (see `TrainingConfig`)."
-    learning_rate: float = 1e-6                   # peak learning rate of AdamW (TRL's default)
+    learning_rate: float = 1e-6                   # peak learning rate of the optimizer (TRL's default)
     beta: float = 0.1                             # β: the KL weight of the objective DPO solves; the implicit reward is β·log π/π_ref
     loss_type: str | list[str] = "sigmoid"        # one of TRL 1.16's 15 loss types, or several (a list, or "a,b") summed with `loss_weights`
     loss_weights: list[float] | None = None       # the weight of each loss type (None: 1 each), e.g. MPO's [0.8, 0.2, 1.0] for sigmoid, bco_pair, sft

@@ -33,7 +33,7 @@ _LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "ves
 @dataclass
 class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
     "GRPO's knobs under TRL's `GRPOConfig` names and defaults (TRL 1.16), each kept equal to its shared on-policy field (`merge_names`)."
-    learning_rate: float = 1e-6            # peak learning rate of AdamW (TRL 1.16's default; the tiny models of the tutorials want ~1e-4)
+    learning_rate: float = 1e-6            # peak learning rate of the optimizer (TRL 1.16's default; the tiny models of the tutorials want ~1e-4)
     num_generations: int = 8               # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL 1.16's default)
     max_completion_length: int = 512       # tokens sampled per completion (sets `response_length`; TRL 1.16's default)
     beta: float = 0.0                      # weight of the k3 KL term in the loss; 0: no reference model is loaded

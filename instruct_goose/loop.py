@@ -106,12 +106,12 @@ class TakesTrainingArguments(type):
         return inspect.signature(cls.__init__).replace(parameters=list(inspect.signature(cls.__init__).parameters.values())[1:])
 
 # %% ../nbs/05_loop.ipynb #e4b3f7da
-_LOOP_OF_THEIR_OWN = "schedule-free optimizers switch between training and evaluation weights, which this loop does not do"
 _OPTIM_REFUSED = {   # 🤗 optimizer names that need a training loop other than this one -> why
     **dict.fromkeys(("lomo", "adalomo"), "LOMO fuses its step into the backward pass, which this loop does not run"),
     **{n.value: "GaLore and APOLLO project the gradients of `optim_target_modules`, which this loop does not run"
        for n in OptimizerNames if n.value.startswith(("galore", "apollo"))},
-    **{n.value: _LOOP_OF_THEIR_OWN for n in OptimizerNames if n.value.startswith("schedule_free")},
+    **{n.value: "schedule-free optimizers switch between training and evaluation weights, which this loop does not do"
+       for n in OptimizerNames if n.value.startswith("schedule_free")},
     "adamw_torch_xla": "it runs on TPUs (torch_xla)", "adamw_torch_npu_fused": "it runs on Ascend NPUs (torch_npu)",
 }
 

@@ -93,7 +93,7 @@ def refuse_unsupported(config) -> None:
 @dataclass
 class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
     "RLOO (REINFORCE leave-one-out) with the Reinforce++ options, under TRL's `RLOOConfig` names: current TRL's (≥ 0.22) or, as aliases, TRL ≤ 0.21's (`merge_names`)."
-    learning_rate: float = 1e-6              # peak learning rate of AdamW (TRL 1.16's default)
+    learning_rate: float = 1e-6              # peak learning rate of the optimizer (TRL 1.16's default)
     num_generations: int = 2                 # k: responses sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL ≤ 0.21: `rloo_k`)
     beta: float = 0.05                       # β: weight of the KL penalty (TRL ≤ 0.21 and PPO: `kl_coef`)
     max_completion_length: int = 512         # tokens sampled per response (TRL ≤ 0.21 and PPO: `response_length`; TRL 1.16's default)

@@ -50,13 +50,13 @@ class StageConfig(TrainingConfig):
 @dataclass
 class SFTConfig(StageConfig):
     "Supervised fine-tuning."
-    learning_rate: float = 2e-5     # peak learning rate of AdamW
+    learning_rate: float = 2e-5     # peak learning rate of the optimizer
 
 # %% ../nbs/06_sft.ipynb #d44bf8a5
 @dataclass
 class RewardConfig(StageConfig):
     "Reward-model training on preference pairs."
-    learning_rate: float = 1e-4     # peak learning rate of AdamW (TRL 1.16's default)
+    learning_rate: float = 1e-4     # peak learning rate of the optimizer (TRL 1.16's default)
     normalize: bool = True          # afterwards, scale the head so the training pairs score std 1 (and mean 0, if the head has a bias)
 
 # %% ../nbs/06_sft.ipynb #1d135c0d
