@@ -782,7 +782,7 @@ def main():
     p.add_argument("--checkpointing", default="none", choices=["none", "full", "selective"],
                    help="gradient checkpointing: none on either side (default); full on both (TRL 1.x's default; TRL 1.12's PPO never turns it on); "
                         "selective on ours (gradient_checkpointing_policy='selective': matmul outputs kept), none on TRL's, which has no such policy")
-    p.add_argument("--optim", default="adamw_torch_fused", help="🤗's optimizer name on both sides, e.g. adamw_8bit (bitsandbytes: 2 bytes of moments a parameter instead of 8)")
+    p.add_argument("--optim", default="adamw_torch_fused", help="🤗's optimizer name on both sides, e.g. adamw_8bit (bitsandbytes: 2 bytes of moments a parameter instead of 8); the phase tables time only AdamW's step as 'optimizer' (TRL's PPO windows too): for memory and --max_batch")
     p.add_argument("--live_bytes", action="store_true",
                    help="count the training's tensor bytes with LiveBytes (a CPU stand-in for torch.cuda.max_memory_allocated, less the weights built before training; slows the run: memory only)")
     p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")

@@ -1,4 +1,5 @@
 "Fixtures shared by the test files."
+import os
 import runpy
 import subprocess
 import sys
@@ -17,6 +18,13 @@ def policy_dir(tmp_path_factory):
     tiny_causal_lm(tokenizer, seed=0).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def with_bitsandbytes(env: dict) -> dict:
+    "`env` with bitsandbytes on `PYTHONPATH`: `make install` keeps it apart from the venv, in .venv/bnb (peft imports it whenever it is installed, 2 s more for every process)."
+    bnb = Path(__file__).resolve().parents[1] / ".venv" / "bnb"
+    assert (bnb / "bitsandbytes").is_dir(), f"{bnb} has no bitsandbytes: run `make install` (it installs bitsandbytes==0.50.2 there)"
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(bnb), env.get("PYTHONPATH")]))}
 
 
 def exit_code(stop: SystemExit) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import with_bitsandbytes
 from test_multiprocess import _assert_same as _same_runs   # tests/: the 1-vs-2-process comparison
 
 SCRIPT = '''
@@ -156,8 +157,7 @@ def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
 @pytest.mark.slow
 def test_fsdp2_refuses_a_bitsandbytes_optimizer_in_one_line(setup_dir, tmp_path, monkeypatch):
     "bitsandbytes' optimizers have no sharding rule for FSDP2's DTensors (its step raised NotImplementedError at the first update): refused before training, naming `optim`."
-    bnb = Path(__file__).resolve().parents[1] / ".venv" / "bnb"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(bnb), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", with_bitsandbytes(dict(os.environ))["PYTHONPATH"])
     result = _run(setup_dir, tmp_path / "eight", "sft_8bit", processes=2, accumulation=1, fsdp=True, check=False)
     assert result.returncode != 0 and "ValueError: `optim`='adamw_8bit' is a bitsandbytes optimizer, whose step cannot update FSDP2's sharded parameters" in result.stderr, result.stderr[-3000:]
     assert not list((tmp_path / "eight").glob("checkpoint-*"))

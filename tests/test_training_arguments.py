@@ -7,13 +7,14 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from transformers import TrainingArguments
 
 from instruct_goose import DPOConfig, GRPOConfig, RewardConfig, RLHFConfig, RLOOConfig, SFTConfig
 from instruct_goose.loop import _HF_NOT_RUN as HF_NOT_RUN, _HF_RENAMED as HF_RENAMED
+
+from conftest import with_bitsandbytes
 
 CONFIGS = {SFTConfig: {}, RewardConfig: {}, RLHFConfig: {}, RLOOConfig: {}, GRPOConfig: {"num_generations": 2}, DPOConfig: {}}
 CHOICES = {"lr_scheduler_type": "cosine", "optim": "adamw_torch", "eval_strategy": "epoch", "save_strategy": "epoch",
@@ -121,8 +122,5 @@ print("8-bit ok")
 
 def test_adamw_8bit_runs_with_one_byte_moments():
     "optim='adamw_8bit' (bitsandbytes): an SFT run steps with one-byte moments, 32-bit for the embedding. bitsandbytes lives apart from the venv (`make install` puts it in .venv/bnb: peft imports it whenever it is installed, +2 s a process), so this runs in its own process with it on the path."
-    bnb = Path(__file__).resolve().parents[1] / ".venv" / "bnb"
-    assert (bnb / "bitsandbytes").is_dir(), f"{bnb} has no bitsandbytes: run `make install` (it installs bitsandbytes==0.50.2 there)"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(bnb), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", EIGHT_BIT], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-c", EIGHT_BIT], capture_output=True, text=True, env=with_bitsandbytes(dict(os.environ)), timeout=600)
     assert out.returncode == 0 and "8-bit ok" in out.stdout, out.stderr[-3000:]
