@@ -180,7 +180,7 @@ class OnPolicyCommand(OnPolicyConfig):
     per_device_train_batch_size: int = 16    # rollout rows per micro-batch
     response_length: int = 16                # tokens sampled per response
     num_sample_generations: int = 4          # how many times to print a table of samples during training (0: never)
-    logging_steps: int = 4                   # log metrics every this many steps
+    logging_steps: float = 4                 # log metrics every this many steps, or 🤗's fraction in (0, 1) of all steps
     lora_r: int = 0                          # LoRA rank: train peft adapters, the reference being the policy with them off (0: train every weight)
     lora_alpha: float = 16.0                 # LoRA scaling numerator (the update is scaled by alpha / r)
     lora_target_modules: str = "all-linear"  # modules that get adapters: "all-linear" or comma-separated names, e.g. "c_attn,c_fc"

@@ -358,9 +358,11 @@ class DPOTrainer(Trainer):
         eval_dataset=None,                           # the same columns, for `eval_loss` and `eval_rewards/*`
         peft_config=None,                            # a peft config (e.g. `LoraConfig`): train adapters only (TRL's `peft_config`)
         callbacks: list | None = None,               # 🤗 `TrainerCallback`s, called by the loop as 🤗's `Trainer` calls them
+        optimizers=(None, None),                     # 🤗's: (your optimizer over the policy's trainable parameters, its lr_scheduler or None) (`check_optimizers`)
         **renamed,                                   # the old names `config` and `tokenizer` (see `trainer_arguments`)
     ):
         a = trainer_arguments(DPOTrainer, dict(args=args, processing_class=processing_class), renamed)
+        self.take_optimizers(optimizers)
         self.args, self.callbacks = a["args"], callbacks
         self.processing_class = _load_tokenizer(a["processing_class"], model, self.args)
         if self.processing_class is None: raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a path")
@@ -524,7 +526,7 @@ def train(
     if a.sync_ref_model:
         if hasattr(self.model, "peft_config"): raise ValueError("`sync_ref_model` with LoRA: the reference is the adapter-off base, there is no copy to sync")
         callbacks.append(SyncRefModelCallback(self.ref_model, a.ref_model_mixup_alpha, a.ref_model_sync_steps))
-    self.loop = loop = TrainLoop(a, self.processing_class, callbacks=callbacks)
+    self.loop = loop = self.make_loop(a, self.processing_class, callbacks)
     loop.progress_keys = ("loss", "rewards/accuracies", "rewards/margins")
     steps = a.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
     self.model.to(loop.device)

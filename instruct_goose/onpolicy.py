@@ -100,7 +100,7 @@ class OnPolicyConfig(TrainingConfig):
     local_rollout_forward_batch_size: int = 64  # rows per forward pass when sampling and scoring a rollout (a memory lever)
     offload_models: bool = False           # keep the reference and reward models on the CPU, moving each to the accelerator only while it runs
     num_sample_generations: int = 10       # how many times to print a table of samples during training (0: never)
-    eval_steps: int = 0                    # evaluate on `eval_dataset` every this many steps (0: only at the end)
+    eval_steps: float = 0                  # evaluate on `eval_dataset` every this many steps, or 🤗's fraction in (0, 1) of all steps (0: only at the end)
     eval_temperature: float | None = None  # sampling temperature of the evaluation (None: `temperature`; 0: greedy)
     reward_weights: list[float] | None = None  # weights of several `reward_funcs` (TRL's name, GRPOConfig ≥ 0.14); None: 1 each
     top_p: float = 1.0                     # TRL 1.16: sample from the nucleus of probability top_p (1: all tokens); π_old is still the full softmax at T (generation chapter)
@@ -137,7 +137,7 @@ class OnPolicyConfig(TrainingConfig):
         for name in ("response_length", "num_ppo_epochs", "num_mini_batches", "total_episodes", "local_rollout_forward_batch_size"):
             check_number(setting_name(self, name), getattr(self, name), low=1)
         if self.max_prompt_length is not None: check_number("max_prompt_length", self.max_prompt_length, low=1)
-        for name in ("num_sample_generations", "max_steps", "eval_steps"): check_number(name, getattr(self, name))
+        for name in ("num_sample_generations", "max_steps"): check_number(name, getattr(self, name))
         if self.eval_temperature is not None: check_number("eval_temperature", self.eval_temperature)
         if self.num_train_epochs is not None: check_number("num_train_epochs", self.num_train_epochs, low_open=True)
         if self.per_device_eval_batch_size != 8:
@@ -234,9 +234,11 @@ class OnPolicyTrainer(Trainer):
         tools=None,                   # Python functions the model may call while it samples (RLOO, GRPO; see the tools chapter)
         rollout_func=None,            # TRL's `rollout_func`: refused, see `trainer_tools`
         environment_factory=None,     # TRL's `environment_factory`: refused, see `trainer_tools`
+        optimizers=(None, None),      # 🤗's: (your optimizer over the policy's trainable parameters, its lr_scheduler or None) (`check_optimizers`)
         **renamed,                    # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
     ):
         a = trl_arguments(type(self), model, ref_model, dict(args=args, processing_class=processing_class, reward_funcs=reward_funcs), renamed)
+        self.take_optimizers(optimizers)
         self.args, self.processing_class = a["args"], _load_tokenizer(a["processing_class"], model, a["args"])
         self.reward_model = None if a["reward_funcs"] is None else reward_from(a["reward_funcs"], self.args.reward_weights, self.processing_class)
         self.train_dataset, self.eval_dataset = (None if d is None else as_dataset(_prompts_from_ids(d, self.processing_class), name, [("prompt",)])
@@ -409,7 +411,7 @@ def log_completions(
 ):
     "At every logging step (and the last) with `log_completions`: all processes' `completion_rows`, printed (`num_completions_to_print` rows), appended to completions.jsonl, sent to table trackers."
     c, acc, step = self.args, loop.accelerator, loop.state.step
-    if not (isinstance(c, TRLOptions) and c.log_completions) or (step % c.logging_steps and step != steps): return
+    if not (isinstance(c, TRLOptions) and c.log_completions) or (step % loop.steps_of(c.logging_steps) and step != steps): return
     rows = completion_rows(step, samples.prompts, samples.completions, self.reward_model.names, samples.reward_scores, rollout.advantages)
     if acc.num_processes > 1: rows = gather_object(rows)
     if c.log_unique_prompts: rows = first_per_prompt(rows)
@@ -556,7 +558,7 @@ def train(
     self.resume_setting(resume_from_checkpoint)
     c = self.args
     self.check_ready()
-    self.loop = loop = TrainLoop(c, self.processing_class, self.callbacks)
+    self.loop = loop = self.make_loop(c, self.processing_class, self.callbacks)
     procs, rank = loop.accelerator.num_processes, loop.accelerator.process_index
     steps = self.training_steps(procs)
     if steps == 0: raise ValueError(f"`total_episodes`={c.total_episodes} is less than one rollout ({c.rollout_size * procs} responses)")
@@ -650,7 +652,7 @@ def report(
 ):
     "Log the step's metrics every `logging_steps` (and at the last step, and with evaluation metrics); print a table of samples `num_sample_generations` times."
     c, last = self.args, loop.state.step == steps
-    if loop.state.step % c.logging_steps == 0 or last or any(k.startswith("eval/") for k in stats):
+    if loop.state.step % loop.steps_of(c.logging_steps) == 0 or last or any(k.startswith("eval/") for k in stats):
         eos = loop.accelerator.reduce(((samples.response_ids == self.stop_token_id) & samples.response_mask).sum(), "sum")
         episode = loop.state.step * c.rollout_size * loop.accelerator.num_processes
         loop.log(trl_metric_names({**stats, "val/num_eos_tokens": eos, "eps": eps, "lr": loop.lr, "episode": episode,

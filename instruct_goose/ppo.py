@@ -92,9 +92,10 @@ class RLHFTrainer(OnPolicyTrainer):
         callbacks=None,               # 🤗 `TrainerCallback`s
         pretrain_dataset=None,        # texts for the PPO-ptx term: a "text" column (for `train` with `ptx_coef` > 0)
         value_model=None,             # TRL's separate critic (a 🤗 model, e.g. a sequence classifier): its trunk learns the values; None: a head on the policy's trunk
+        optimizers=(None, None),      # 🤗's: (your optimizer over the `Agent`'s trainable parameters, its lr_scheduler or None): give `model` as an `Agent`
         **renamed,                    # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
     ):
-        super().__init__(model, ref_model, args, processing_class, train_dataset, eval_dataset, reward_funcs, peft_config, callbacks, **renamed)
+        super().__init__(model, ref_model, args, processing_class, train_dataset, eval_dataset, reward_funcs, peft_config, callbacks, optimizers=optimizers, **renamed)
         if value_model is not None:     # the given critic's trunk, its value head from a 1-label classifier's score head (else new), as `Agent(policy, value_model)` builds it
             if isinstance(model, Agent): raise ValueError("`model` is an Agent, which has its critic already: give `value_model` with a causal LM")
             self.model = Agent(self.model.model, value_model)

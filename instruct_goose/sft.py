@@ -31,13 +31,13 @@ class StageConfig(TrainingConfig):
     num_train_epochs: float = 1.0   # passes over the training set (ignored when `max_steps` > 0)
     max_steps: int = 0              # optimizer steps in all; 0: from `num_train_epochs`
     max_length: int = 1024          # longest tokenized sequence; longer ones are cut (TRL 1.16's default)
-    eval_steps: int = 0             # evaluate every this many steps (0: at the end only)
+    eval_steps: float = 0           # evaluate every this many steps, or 🤗's fraction in (0, 1) of all steps (0: at the end only)
     may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {"eval_steps", "num_train_epochs", "max_steps"}  # a resumed run may be extended
 
     def __post_init__(self):
         super().__post_init__()
         check_number("num_train_epochs", self.num_train_epochs, low_open=True)
-        for name in ("max_steps", "eval_steps"): check_number(name, getattr(self, name))
+        check_number("max_steps", self.max_steps)
         check_number("max_length", self.max_length, low=2)
 
     def training_steps(self, n_examples: int, num_processes: int = 1) -> int:
@@ -130,9 +130,12 @@ class SFTTrainer(Trainer):
         processing_class=None,           # the tokenizer (with a pad token); None: loaded from `model` when that is a name/path
         peft_config=None,                # a peft config (e.g. `LoraConfig`): train adapters only, merged into the model at the end
         callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
+        optimizers=(None, None),         # 🤗's: (your optimizer over the model's trainable parameters, its lr_scheduler or None) (`check_optimizers`)
+        optimizer_cls_and_kwargs=None,   # 🤗's: (optimizer class, its keyword arguments) instead of `args.optim`/`optim_args`
         **renamed,                       # the old names `config` and `tokenizer` (see `trainer_arguments`)
     ):
         a = trainer_arguments(SFTTrainer, dict(args=args, processing_class=processing_class), renamed)
+        self.take_optimizers(optimizers, optimizer_cls_and_kwargs)
         self.args, self.processing_class = a["args"], load_tokenizer(a["processing_class"], model)
         if self.processing_class is None: raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a name/path")
         self.model, self.callbacks = with_peft(model, peft_config), callbacks
@@ -194,7 +197,7 @@ def train(
     "Fine-tune, log 🤗's `loss` (and `eval_loss`), checkpoint, and save the model (LoRA adapters merged in) and tokenizer to `output_dir`."
     self.resume_setting(resume_from_checkpoint)
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
-    self.loop = loop = TrainLoop(self.args, self.processing_class, callbacks=self.callbacks)
+    self.loop = loop = self.make_loop(self.args, self.processing_class, self.callbacks)
     loop.progress_keys = ("loss", "eval_loss")
     steps = self.args.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
     encode = lambda indices: self.encode(self.train_dataset[indices])
@@ -242,9 +245,12 @@ class RewardTrainer(Trainer):
         processing_class=None,           # the tokenizer that reads the pairs; None: the `RewardModel`'s own, or loaded from a name/path
         peft_config=None,                # a peft config (e.g. `LoraConfig`): adapters on the trunk and the whole score head trained, merged in at the end
         callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
+        optimizers=(None, None),         # 🤗's: (your optimizer over the model's trainable parameters, its lr_scheduler or None) (`check_optimizers`)
+        optimizer_cls_and_kwargs=None,   # 🤗's: (optimizer class, its keyword arguments) instead of `args.optim`/`optim_args`
         **renamed,                       # the old names `config` and `tokenizer` (see `trainer_arguments`)
     ):
         a = trainer_arguments(RewardTrainer, dict(args=args, processing_class=processing_class), renamed)
+        self.take_optimizers(optimizers, optimizer_cls_and_kwargs)
         self.args = a["args"]
         self.reward_model = _reward_model(model, load_tokenizer(a["processing_class"], model), self.args.seed)
         self.processing_class = self.reward_model.tokenizer
@@ -325,7 +331,7 @@ def train(
     "Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir` (LoRA adapters merged in)."
     self.resume_setting(resume_from_checkpoint)
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
-    self.loop = loop = TrainLoop(self.args, callbacks=self.callbacks)
+    self.loop = loop = self.make_loop(self.args, callbacks=self.callbacks)
     loop.progress_keys = ("loss", "accuracy", "eval_accuracy")
     steps = self.args.training_steps(len(self.train_dataset), loop.accelerator.num_processes)
     encode = lambda indices: (self.train_dataset[indices], len(indices))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import TrainingArguments
 
 from instruct_goose import DPOConfig, GRPOConfig, RewardConfig, RLHFConfig, RLOOConfig, SFTConfig
@@ -124,3 +125,73 @@ def test_adamw_8bit_runs_with_one_byte_moments():
     "optim='adamw_8bit' (bitsandbytes): an SFT run steps with one-byte moments, 32-bit for the embedding. bitsandbytes lives apart from the venv (`make install` puts it in .venv/bnb: peft imports it whenever it is installed, +2 s a process), so this runs in its own process with it on the path."
     out = subprocess.run([sys.executable, "-c", EIGHT_BIT], capture_output=True, text=True, env=with_bitsandbytes(dict(os.environ)), timeout=600)
     assert out.returncode == 0 and "8-bit ok" in out.stdout, out.stderr[-3000:]
+
+
+def _halving(params, lr=1e-3):
+    "A torch AdamW and a schedule that halves its learning rate after each optimizer step, as a user would give them (🤗's `optimizers`)."
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def _steps_given(trainer, optimizer, steps):
+    "The run stepped the given optimizer `steps` times on the given schedule, over every trainable parameter."
+    assert trainer.loop.optimizer.optimizer is optimizer
+    trainable = [p for p in trainer.loop.prepared.parameters() if p.requires_grad]
+    assert len(optimizer.state) == len(trainable) and all(optimizer.state[p]["step"] == steps for p in trainable)
+    assert math.isclose(trainer.loop.scheduler.get_last_lr()[0], 1e-3 * 0.5 ** steps)
+
+
+def test_every_trainer_steps_the_optimizer_it_is_given(tmp_path):
+    "🤗's `optimizers=(optimizer, lr_scheduler)` on SFT, reward, DPO, GRPO, RLOO and PPO (given an `Agent`), and `optimizer_cls_and_kwargs` on SFT and reward (TRL 1.16's signatures): the run steps them; an optimizer that leaves PPO's value head out stops in one line."
+    from instruct_goose import (Agent, DPOTrainer, GRPOTrainer, RewardModel, RewardTrainer, RLHFTrainer, RLOOTrainer, SFTTrainer,
+                                load_task, task_tokenizer, tiny_causal_lm)
+    tok = task_tokenizer()
+    small = dict(max_steps=2, per_device_train_batch_size=4, disable_tqdm=True, save_strategy="no")
+    rl = dict(per_device_train_batch_size=4, total_episodes=8, response_length=4, max_prompt_length=16, disable_tqdm=True,
+              num_sample_generations=0, save_strategy="no")
+    reward = lambda prompts, completions: [len(c) / 10 for c in completions]
+
+    model = tiny_causal_lm(tok, seed=0)
+    optimizer, schedule = _halving(model.parameters())
+    trainer = SFTTrainer(model, SFTConfig(output_dir=str(tmp_path / "sft"), max_length=64, **small), load_task("sft").select(range(16)),
+                         processing_class=tok, optimizers=(optimizer, schedule))
+    trainer.train()
+    _steps_given(trainer, optimizer, 2)
+    trainer = SFTTrainer(tiny_causal_lm(tok, seed=0), SFTConfig(output_dir=str(tmp_path / "sft2"), max_length=64, weight_decay=0.1, **small),
+                         load_task("sft").select(range(16)), processing_class=tok, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}))
+    trainer.train()
+    sgd = trainer.loop.optimizer.optimizer                                  # the given class and arguments over 🤗's weight-decay groups
+    assert type(sgd) is torch.optim.SGD and [(g["momentum"], g["weight_decay"]) for g in sgd.param_groups] == [(0.9, 0.1), (0.9, 0.0)]
+
+    rm = RewardModel(tiny_causal_lm(tok, seed=0), tokenizer=tok)
+    trainer = RewardTrainer(rm, RewardConfig(output_dir=str(tmp_path / "rm"), max_length=64, **small), load_task("preferences").select(range(16)),
+                            optimizer_cls_and_kwargs=(torch.optim.RMSprop, {"lr": 1e-3}))
+    trainer.train()
+    assert type(trainer.loop.optimizer.optimizer) is torch.optim.RMSprop and trainer.loop.state.step == 2
+
+    model = tiny_causal_lm(tok, seed=0)
+    optimizer, schedule = _halving(model.parameters())
+    trainer = DPOTrainer(model, args=DPOConfig(output_dir=str(tmp_path / "dpo"), max_length=64, **small), processing_class=tok,
+                         train_dataset=load_task("preferences").select(range(16)), optimizers=(optimizer, schedule))
+    trainer.train()
+    _steps_given(trainer, optimizer, 2)
+
+    for name, cls, config in (("grpo", GRPOTrainer, GRPOConfig(num_generations=2, **rl)), ("rloo", RLOOTrainer, RLOOConfig(num_generations=2, **rl))):
+        model = tiny_causal_lm(tok, seed=0)
+        optimizer, schedule = _halving(model.parameters())
+        config.output_dir = str(tmp_path / name)
+        trainer = cls(model, args=config, processing_class=tok, reward_funcs=reward, train_dataset=load_task("prompts"), optimizers=(optimizer, schedule))
+        trainer.train()
+        _steps_given(trainer, optimizer, trainer.loop.state.step * config.num_ppo_epochs * config.num_mini_batches)
+
+    agent = Agent(tiny_causal_lm(tok, seed=0))
+    optimizer, schedule = _halving(agent.parameters())
+    trainer = RLHFTrainer(agent, args=RLHFConfig(output_dir=str(tmp_path / "ppo"), num_ppo_epochs=1, **rl), processing_class=tok,
+                          reward_funcs=reward, train_dataset=load_task("prompts"), optimizers=(optimizer, schedule))
+    trainer.train()
+    _steps_given(trainer, optimizer, trainer.loop.state.step)
+    policy = tiny_causal_lm(tok, seed=0)                                   # a causal LM: the trainer makes the value head, which the optimizer cannot hold
+    trainer = RLHFTrainer(policy, args=RLHFConfig(output_dir=str(tmp_path / "ppo2"), **rl), processing_class=tok, reward_funcs=reward,
+                          train_dataset=load_task("prompts"), optimizers=_halving(policy.parameters()))
+    with pytest.raises(ValueError, match=r"leaves out 2 of the model's \d+ trainable parameters \(value_head.weight, ...\).*PPO: build the `Agent`"):
+        trainer.train()
