@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['TakesTrainingArguments', 'check_hf_settings', 'TrainingConfig', 'coerce_numbers', 'steps_or_fraction',
-           'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState', 'check_optimizers', 'fresh_accelerator',
-           'TrainLoop', 'as_callbacks', 'trainer_state', 'make_optimizer', 'warmup_steps_for', 'read_metrics',
-           'save_trained', 'TrainingInterrupted', 'Trainer', 'trainer_arguments']
+           'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState', 'check_optimizers', 'set_tf32',
+           'fresh_accelerator', 'TrainLoop', 'as_callbacks', 'trainer_state', 'make_optimizer', 'warmup_steps_for',
+           'read_metrics', 'save_trained', 'TrainingInterrupted', 'Trainer', 'trainer_arguments']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
 import inspect, json, logging, math, os, re, shutil, signal, sys, threading, warnings
@@ -21,6 +21,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import DistributedType, set_seed
+from accelerate.utils.memory import clear_device_cache
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor, nn
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, TrainerControl, TrainerState, get_scheduler
 from transformers import Trainer as HFTrainer
 from transformers.trainer_optimizer import is_optimizer_factory
+from transformers.utils.import_utils import enable_tf32, is_torch_tf32_available
 from transformers.training_args import OptimizerNames
 
 from .core import check_number, quiet_progress
@@ -63,11 +65,11 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {   # 🤗 TrainingArguments field 
     "greater_is_better": (None, "no best-checkpoint selection here: the last step's model is saved"),
     "torch_compile": (False, "not run here: compile the model yourself before passing it"), "torch_compile_backend": (None, "not run here"),
     "torch_compile_mode": (None, "not run here"), "use_liger_kernel": (False, "not run here (no Liger kernels)"),
-    "liger_kernel_config": (None, "not run here (no Liger kernels)"), "tf32": (None, "set torch.backends.cuda.matmul.allow_tf32 yourself"),
+    "liger_kernel_config": (None, "not run here (no Liger kernels)"),
     "optim_target_modules": (None, "GaLore and APOLLO, the optimizers that read it, are not run here"),
     "label_smoothing_factor": (0.0, "not run here (DPO has its own `label_smoothing`)"), "neftune_noise_alpha": (None, "not run here (no NEFTune)"),
     "use_cache": (False, "the KV cache is used in generation and never in training here"),
-    "torch_empty_cache_steps": (None, "not run here"), "auto_find_batch_size": (False, "not run here: set `per_device_train_batch_size`"),
+    "auto_find_batch_size": (False, "not run here: set `per_device_train_batch_size`"),
     "logging_first_step": (False, "metrics are logged every `logging_steps` and at the last step"),
     "logging_nan_inf_filter": (True, "a non-finite loss stops the run here (or its step is skipped with `skip_nonfinite`), so none is logged"),
     "include_num_input_tokens_seen": ("no", "not counted here"), "log_level": ("passive", "not run here: set Python's logging levels"),
@@ -182,6 +184,8 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     remove_unused_columns: bool | None = None     # 🤗's: None takes the trainer's own way (on-policy trainers keep a row's columns for the rewards, as TRL's GRPO; supervised ones read theirs only); the other value is refused
     disable_tqdm: bool = False                    # hide the progress bar (each logged step is then printed as a line)
     skip_nonfinite: bool = False                  # skip an optimizer step whose gradient is NaN/inf (default: stop with an error)
+    tf32: bool | None = None                      # 🤗's: TensorFloat-32 float32 matmuls on an Ampere-or-newer GPU (True), IEEE float32 (False), torch's setting as it is (None)
+    torch_empty_cache_steps: int | None = None    # 🤗's: empty the accelerator's memory cache every this many steps (less fragmentation, a little slower); None: never
     may_change_on_resume: ClassVar[frozenset] = frozenset({   # where and how often to log and save: a resumed run may change these
         "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "save_steps", "save_total_limit",
         "save_only_model", "report_to", "disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs", "eval_strategy",
@@ -209,6 +213,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
             raise ValueError(f"`mixed_precision`={self.mixed_precision!r} and {', '.join(f'`{p}`=True' for p in switched)} disagree: give one")
         self.mixed_precision = switched[0] if switched else self.mixed_precision or "no"
         check_number("warmup_ratio", self.warmup_ratio, high=1)
+        if self.torch_empty_cache_steps is not None: check_number("torch_empty_cache_steps", self.torch_empty_cache_steps, low=1)
         if self.warmup_steps >= 1 and not float(self.warmup_steps).is_integer():
             raise ValueError(f"`warmup_steps` must be a whole number of steps or a fraction in [0, 1) of them all, got {self.warmup_steps!r}")
         check_hf_settings(self)
@@ -372,6 +377,15 @@ def check_optimizers(
             raise TypeError(f"`optimizer_cls_and_kwargs` must be (an optimizer class, a dict of its keyword arguments); got {optimizer_cls_and_kwargs!r}")
     return optimizer, scheduler, optimizer_cls_and_kwargs
 
+# %% ../nbs/05_loop.ipynb #aef049c2
+def set_tf32(
+    enable: bool,   # True: TensorFloat-32 matmuls and convolutions; False: IEEE float32
+):
+    "🤗's `tf32` setting (transformers' `enable_tf32`, a process-wide torch setting); True needs an Ampere-or-newer NVIDIA GPU."
+    if enable and not is_torch_tf32_available():
+        raise ValueError("`tf32`=True needs an Ampere or newer NVIDIA GPU (TensorFloat-32 matmuls): leave it None or False here")
+    if is_torch_tf32_available(): enable_tf32(enable)
+
 # %% ../nbs/05_loop.ipynb #cae84347
 def fresh_accelerator(**kwargs) -> Accelerator:
     "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several); FSDP2 runs on the CPU too."
@@ -398,6 +412,7 @@ class TrainLoop:
     ):
         self.config, self.tokenizer, self.callbacks = config, tokenizer, as_callbacks(callbacks)
         self.optimizers = check_optimizers(optimizers, optimizer_cls_and_kwargs)
+        if config.tf32 is not None: set_tf32(config.tf32)
         _check_writable(config.output_dir)
         self.accelerator = fresh_accelerator(
             mixed_precision=config.mixed_precision, project_dir=config.output_dir, cpu=config.use_cpu,
@@ -944,6 +959,7 @@ def end_step(
     self.control.should_training_stop = asked
     every = self.every(c.save_strategy, c.save_steps)
     if every and self.state.step % every == 0 and not (last or asked): self.save_checkpoint()
+    if c.torch_empty_cache_steps and self.state.step % c.torch_empty_cache_steps == 0: clear_device_cache()   # 🤗's
     return last or asked
 
 # %% ../nbs/05_loop.ipynb #4b5f2c8a

@@ -53,10 +53,19 @@ def kill_after_first_checkpoint(args, output_dir):
     return delay
 
 
+@pytest.fixture(scope="module")
+def straight_ppo(policy_dir, tmp_path_factory):
+    "One uninterrupted `goose ppo` run, the reference of both PPO resume tests (a process costs ~10 s of imports on 2 cores)."
+    straight = tmp_path_factory.mktemp("straight_ppo")
+    run(command("ppo", policy_dir, straight))
+    return straight
+
+
 @pytest.mark.parametrize("algo", ["ppo", pytest.param("rloo", marks=pytest.mark.slow)])   # rloo: the same loop, in the full set
-def test_killed_run_resumes_to_the_same_result(algo, policy_dir, tmp_path):
+def test_killed_run_resumes_to_the_same_result(algo, policy_dir, tmp_path, request):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run(command(algo, policy_dir, straight))
+    if algo == "ppo": straight = request.getfixturevalue("straight_ppo")
+    else: run(command(algo, policy_dir, straight))
     delay = kill_after_first_checkpoint(command(algo, policy_dir, killed), killed)
     done = sorted(int(p.name.split("-")[1]) for p in killed.glob("checkpoint-*"))
     assert done and done[-1] < STEPS, (delay, done)
@@ -117,9 +126,8 @@ def test_sft_stopped_by_a_signal_resumes_to_the_same_weights(sig, policy_dir, tm
         torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0)
 
 
-def test_ppo_ctrl_c_resumes_to_the_same_weights(policy_dir, tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    run(command("ppo", policy_dir, straight))
+def test_ppo_ctrl_c_resumes_to_the_same_weights(policy_dir, straight_ppo, tmp_path):
+    straight, stopped = straight_ppo, tmp_path / "stopped"
     code, stderr = interrupt_midway(command("ppo", policy_dir, stopped, "--save_steps", "0"), stopped, signal.SIGINT)
     assert code == 130, stderr[-3000:]
     assert latest_done(stopped) < STEPS and (stopped / "model.safetensors").is_file()
