@@ -92,7 +92,9 @@ def _assert_same(a, b, what, eps=1e-6, compared=COMPARED):
             if key in row_a: assert abs(row_a[key] - row_b[key]) <= eps * max(1, abs(row_a[key])), (what, row_a["step"], key, row_a[key], row_b[key])
 
 
-@pytest.mark.parametrize("algo", ["ppo", pytest.param("rloo", marks=pytest.mark.slow)])   # rloo (and grpo, dpo): in the full set
+# PPO runs in `make test` through chapter 14 (the same 1-vs-2-process comparison and the resume of a 2-process checkpoint
+# by 1 process); here both algorithms are in the full set
+@pytest.mark.parametrize("algo", [pytest.param("ppo", marks=pytest.mark.slow), pytest.param("rloo", marks=pytest.mark.slow)])
 def test_two_processes_equal_one(algo, setup_dir, tmp_path):
     one = _run(setup_dir, tmp_path / "one", algo, processes=1, accumulation=2)
     two = _run(setup_dir, tmp_path / "two", algo, processes=2, accumulation=1)
