@@ -70,7 +70,6 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {   # 🤗 TrainingArguments field 
     "label_smoothing_factor": (0.0, "not run here (DPO has its own `label_smoothing`)"), "neftune_noise_alpha": (None, "not run here (no NEFTune)"),
     "use_cache": (False, "the KV cache is used in generation and never in training here"),
     "auto_find_batch_size": (False, "not run here: set `per_device_train_batch_size`"),
-    "logging_first_step": (False, "metrics are logged every `logging_steps` and at the last step"),
     "logging_nan_inf_filter": (True, "a non-finite loss stops the run here (or its step is skipped with `skip_nonfinite`), so none is logged"),
     "include_num_input_tokens_seen": ("no", "not counted here"), "log_level": ("passive", "not run here: set Python's logging levels"),
     "log_level_replica": ("warning", "not run here: set Python's logging levels"),
@@ -169,6 +168,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     gradient_checkpointing_policy: Literal["full", "selective"] = "full"  # with `gradient_checkpointing`: recompute each block ("full", 🤗's) or only what lies between its matmuls ("selective": no matmul twice, about half the activations kept)
     logging_strategy: Literal["steps"] = "steps"  # 🤗's: metrics are logged every `logging_steps` ("no" and "epoch" are refused)
     logging_steps: float = 1                      # log metrics every this many steps, or 🤗's fraction in (0, 1) of all the run's steps (rounded up)
+    logging_first_step: bool = False              # 🤗's: log the first step too
     eval_strategy: Literal["no", "steps", "epoch"] = "steps"  # "steps": every `eval_steps` and at the end; "epoch": after each pass; "no": never (🤗's default is "no"; here a given eval set is evaluated)
     per_device_eval_batch_size: int = 8           # examples per forward pass when evaluating
     save_strategy: Literal["no", "steps", "epoch"] = "steps"  # "steps": every `save_steps` and at the end; "epoch": after each pass; "no": no checkpoints at all (the model is still saved)
@@ -519,6 +519,16 @@ def steps_of(
 ) -> int:                # in steps
     "`steps` in steps: a fraction of the run's `max_steps` (known from `begin`) rounded up, as 🤗's Trainer rounds it; a number as it is."
     return math.ceil(steps * self.trainer_state.max_steps) if 0 < steps < 1 else int(steps)
+
+# %% ../nbs/05_loop.ipynb #389be54c
+@patch
+def logs_at(
+    self: TrainLoop,
+    step: int,       # a finished step, from 1
+) -> bool:           # whether its metrics are logged
+    "🤗's logging steps: every `logging_steps` (`steps_of`), the first with `logging_first_step`, and the run's last."
+    c = self.config
+    return step % self.steps_of(c.logging_steps) == 0 or (c.logging_first_step and step == 1) or step == self.trainer_state.max_steps
 
 # %% ../nbs/05_loop.ipynb #09e3a4a6
 @patch
@@ -1042,7 +1052,7 @@ def fit(
             self.state.step += 1
             progress.update(1)
             done = self.state.step == num_training_steps
-            if self.state.step % self.steps_of(c.logging_steps) == 0 or done:
+            if self.logs_at(self.state.step):
                 every = self.every(c.eval_strategy, eval_steps)
                 evals = evaluate() if evaluate and every is not None and ((every and self.state.step % every == 0) or done) else {}
                 if evals: self.fire("on_evaluate", metrics=evals)

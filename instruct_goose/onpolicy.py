@@ -411,7 +411,7 @@ def log_completions(
 ):
     "At every logging step (and the last) with `log_completions`: all processes' `completion_rows`, printed (`num_completions_to_print` rows), appended to completions.jsonl, sent to table trackers."
     c, acc, step = self.args, loop.accelerator, loop.state.step
-    if not (isinstance(c, TRLOptions) and c.log_completions) or (step % loop.steps_of(c.logging_steps) and step != steps): return
+    if not (isinstance(c, TRLOptions) and c.log_completions) or not loop.logs_at(step): return
     rows = completion_rows(step, samples.prompts, samples.completions, self.reward_model.names, samples.reward_scores, rollout.advantages)
     if acc.num_processes > 1: rows = gather_object(rows)
     if c.log_unique_prompts: rows = first_per_prompt(rows)
@@ -652,7 +652,7 @@ def report(
 ):
     "Log the step's metrics every `logging_steps` (and at the last step, and with evaluation metrics); print a table of samples `num_sample_generations` times."
     c, last = self.args, loop.state.step == steps
-    if loop.state.step % loop.steps_of(c.logging_steps) == 0 or last or any(k.startswith("eval/") for k in stats):
+    if loop.logs_at(loop.state.step) or any(k.startswith("eval/") for k in stats):
         eos = loop.accelerator.reduce(((samples.response_ids == self.stop_token_id) & samples.response_mask).sum(), "sum")
         episode = loop.state.step * c.rollout_size * loop.accelerator.num_processes
         loop.log(trl_metric_names({**stats, "val/num_eos_tokens": eos, "eps": eps, "lr": loop.lr, "episode": episode,

@@ -116,7 +116,7 @@ def test_sft_lora_from_python_and_a_path(tmp_path):
 def test_trainers_take_trl_keywords_and_refuse_the_old_order(tmp_path):
     tok, rows = task_tokenizer(), [{"prompt": "Review: The film", "completion": " was good."}]
     model, config = tiny_causal_lm(tok), SFTConfig(output_dir=str(tmp_path))
-    with pytest.raises(TypeError, match=r"the arguments are SFTTrainer\(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks\)"):
+    with pytest.raises(TypeError, match=r"the arguments are SFTTrainer\(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks, optimizers, optimizer_cls_and_kwargs\)"):
         SFTTrainer(model, tok, config, rows)
     with pytest.raises(TypeError, match="`config` is the old name of `args`"):
         SFTTrainer(model, config, rows, processing_class=tok, config=config)

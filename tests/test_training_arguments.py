@@ -198,13 +198,13 @@ def test_every_trainer_steps_the_optimizer_it_is_given(tmp_path):
 
 
 def test_fractional_intervals_in_an_on_policy_run(tmp_path):
-    "🤗's fraction form of `logging_steps`/`save_steps` in a GRPO run of 4 steps: 0.5 is every 2 steps (rows and checkpoints at 2 and 4)."
+    "🤗's fraction form of `logging_steps`/`save_steps` in a GRPO run of 4 steps: 0.5 is every 2 steps (rows and checkpoints at 2 and 4); `logging_first_step` adds a row at step 1."
     from instruct_goose import GRPOTrainer, load_task, task_tokenizer, tiny_causal_lm
     tok = task_tokenizer()
     config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=4, response_length=4,
-                        disable_tqdm=True, num_sample_generations=0, logging_steps=0.5, save_steps="0.5")
+                        disable_tqdm=True, num_sample_generations=0, logging_steps=0.5, save_steps="0.5", logging_first_step=True)
     trainer = GRPOTrainer(tiny_causal_lm(tok, seed=0), args=config, processing_class=tok, train_dataset=load_task("prompts"),
                           reward_funcs=lambda prompts, completions: [len(c) / 10 for c in completions])
     trainer.train()
-    assert [row["step"] for row in trainer.loop.state.history] == [2, 4]
+    assert [row["step"] for row in trainer.loop.state.history] == [1, 2, 4]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
