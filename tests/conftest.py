@@ -46,6 +46,17 @@ def goose_here(capsys, monkeypatch):
     return run
 
 
+def run_here(script: Path, *args, env: dict | None = None) -> int:
+    "A training script run in this process as its subprocess twin would run it (`env` added to the environment, one intra-op thread as the subprocesses get with OMP_NUM_THREADS=1), for the reference run a subprocess run is compared with: no second interpreter to start (~10 s of imports on 2 cores)."
+    import torch
+    from unittest import mock
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with mock.patch.dict(os.environ, env or {}): return run_example(script, *args)
+    finally: torch.set_num_threads(threads)
+
+
 def run_example(script: Path, *args) -> int:
     "Run a script as `python script args` would, in this process (its folder first on `sys.path`, `sys.argv` its own); returns its exit code."
     argv, path = sys.argv, list(sys.path)

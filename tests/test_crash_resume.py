@@ -31,6 +31,15 @@ def run(args):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def goose_here(args):
+    "A `goose` command in this process, for the uninterrupted reference runs: no second interpreter to start (~10 s of imports on 2 cores); one intra-op thread, as the subprocesses have."
+    from instruct_goose.cli import main
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try: main(args[1:])
+    finally: torch.set_num_threads(threads)
+
+
 def final_state(output_dir):
     "(weights, logged history) at the end of a run."
     history = torch.load(Path(output_dir) / f"checkpoint-{STEPS}" / "custom_checkpoint_0.pkl", weights_only=False)["history"]
@@ -57,7 +66,7 @@ def kill_after_first_checkpoint(args, output_dir):
 def straight_ppo(policy_dir, tmp_path_factory):
     "One uninterrupted `goose ppo` run, the reference of both PPO resume tests (a process costs ~10 s of imports on 2 cores)."
     straight = tmp_path_factory.mktemp("straight_ppo")
-    run(command("ppo", policy_dir, straight))
+    goose_here(command("ppo", policy_dir, straight))
     return straight
 
 
@@ -65,7 +74,7 @@ def straight_ppo(policy_dir, tmp_path_factory):
 def test_killed_run_resumes_to_the_same_result(algo, policy_dir, tmp_path, request):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     if algo == "ppo": straight = request.getfixturevalue("straight_ppo")
-    else: run(command(algo, policy_dir, straight))
+    else: goose_here(command(algo, policy_dir, straight))
     delay = kill_after_first_checkpoint(command(algo, policy_dir, killed), killed)
     done = sorted(int(p.name.split("-")[1]) for p in killed.glob("checkpoint-*"))
     assert done and done[-1] < STEPS, (delay, done)
@@ -112,7 +121,7 @@ def sft_command(policy_dir, output_dir, *extra):
 @pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])   # SIGTERM: the same handler, in the full set
 def test_sft_stopped_by_a_signal_resumes_to_the_same_weights(sig, policy_dir, tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    run(sft_command(policy_dir, straight))
+    goose_here(sft_command(policy_dir, straight))
     code, stderr = interrupt_midway(sft_command(policy_dir, stopped), stopped, sig)
     assert code == 128 + sig, stderr[-3000:]
     (checkpoint,) = stopped.glob("checkpoint-*")

@@ -15,6 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import run_here
+
 SCRIPT = '''
 import json, os, sys, torch
 from instruct_goose.toy import load_task
@@ -52,6 +54,12 @@ def _run(command, out):
     return torch.load(out / "weights0.pt"), json.loads((out / "history0.json").read_text())
 
 
+def _run_here(command, out):
+    "A 1-process command's script in this process (`run_here`)."
+    assert run_here(Path(command[1]), *command[2:], env={"ACCELERATE_USE_CPU": "true"}) == 0
+    return torch.load(out / "weights0.pt"), json.loads((out / "history0.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def script(tmp_path_factory):
     path = tmp_path_factory.mktemp("dpo") / "train_dpo.py"
@@ -69,7 +77,7 @@ def _same(weights_a, history_a, weights_b, history_b, eps=1e-5):
 @pytest.mark.parametrize("precompute", [False, pytest.param(True, marks=pytest.mark.slow)])   # precomputed reference: in the full set
 def test_one_and_two_processes_train_alike(script, policy_dir, tmp_path, precompute):
     "2 processes x 1 micro-batch = 1 process x 2 micro-batches of 4 pairs: the same weights and statistics, to 1e-5."
-    one = _run(_command(script, policy_dir, tmp_path / "one", 1, 2, precompute), tmp_path / "one")
+    one = _run_here(_command(script, policy_dir, tmp_path / "one", 1, 2, precompute), tmp_path / "one")
     two = _run(_command(script, policy_dir, tmp_path / "two", 2, 1, precompute), tmp_path / "two")
     assert len(one[1]) == 6 and set(COMPARED) <= set(one[1][-1])
     _same(*one, *two)

@@ -23,6 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from instruct_goose import GRPOConfig, GRPOTrainer, load_task
 
+from conftest import run_here
+
 SCRIPT = '''
 import json, os, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,6 +73,13 @@ def _run(setup_dir, out, processes=1, accumulation=2, resume=None, check=True, *
     return torch.load(out / "weights0.pt"), json.loads((out / "history0.json").read_text())
 
 
+def _run_here(setup_dir, out, accumulation=2, **env):
+    "The uninterrupted reference run, in this process (`run_here`)."
+    env = {"ACCELERATE_USE_CPU": "true", **{k: str(v) for k, v in env.items()}}
+    assert run_here(setup_dir / "train.py", setup_dir, out, accumulation, "-", env=env) == 0
+    return torch.load(out / "weights0.pt"), json.loads((out / "history0.json").read_text())
+
+
 def _assert_same(a, b, what, steps=4, eps=1e-6):
     "Weights to `eps`, and every logged metric but wall-clock speed to `eps` relative."
     (weights_a, history_a), (weights_b, history_b) = a, b
@@ -98,7 +107,7 @@ def test_two_processes_equal_one(setup_dir, tmp_path):
 
 def test_killed_run_resumes_to_the_same_result(setup_dir, tmp_path):
     env = dict(STEPS=4, SAVE_STEPS=1)
-    straight = _run(setup_dir, tmp_path / "straight", **env)
+    straight = _run_here(setup_dir, tmp_path / "straight", **env)
     killed = _run(setup_dir, tmp_path / "killed", check=False, CRASH_AT_CALL=3, **env)     # dies sampling step 3
     assert killed.returncode == 3, killed.stderr[-4000:]
     assert sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
