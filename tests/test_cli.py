@@ -37,9 +37,9 @@ def test_bad_value_is_refused_before_any_work(tmp_path, goose_here):
 
 
 @pytest.mark.parametrize("algo", ["ppo", pytest.param("rloo", marks=pytest.mark.slow), pytest.param("grpo", marks=pytest.mark.slow)])
-def test_short_pipeline_trains_evaluates_and_reports(tmp_path, algo):
+def test_short_pipeline_trains_evaluates_and_reports(tmp_path, algo, goose_here):
     out = tmp_path / "run"
-    result = goose("pipeline", "--output_dir", str(out), "--algo", algo, "--sft_steps", "40", "--rm_steps", "10",
+    result = goose_here("pipeline", "--output_dir", str(out), "--algo", algo, "--sft_steps", "40", "--rm_steps", "10",
                    "--rl_episodes", "64", "--response_length", "8", "--disable_tqdm", "true")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
