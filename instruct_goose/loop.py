@@ -649,14 +649,14 @@ def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) 
     if self.accelerator.state.deepspeed_plugin is not None:   # DeepSpeed reads its micro-batch from a dataloader, else from here
         self.accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = c.per_device_train_batch_size
     if given is not None: _check_holds(given, model)
-    optimizer = given or make_optimizer(c, model, self.accelerator.state.deepspeed_plugin is not None, cls_and_kwargs)
+    optimizer = given if given is not None else make_optimizer(c, model, self.accelerator.state.deepspeed_plugin is not None, cls_and_kwargs)
     if fsdp and type(optimizer).__module__.startswith("bitsandbytes"):
         what = f"`optim`={c.optim!r}" if cls_and_kwargs is None else f"`optimizer_cls_and_kwargs`' {type(optimizer).__name__}"
         raise ValueError(f"{what} is a bitsandbytes optimizer, whose step cannot update FSDP2's sharded parameters: "
                          "under FSDP use one of torch's (adamw_torch_fused, adamw_torch, sgd, ...)")
-    scheduler = schedule or get_scheduler(c.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps_for(c, num_training_steps),
-                                          num_training_steps=num_training_steps, scheduler_specific_kwargs=c.lr_scheduler_kwargs)
-    model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+    if schedule is None: schedule = get_scheduler(c.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps_for(c, num_training_steps),
+                                                  num_training_steps=num_training_steps, scheduler_specific_kwargs=c.lr_scheduler_kwargs)
+    model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, schedule)
     self.prepared = model
     _register_forward_methods(model)
     return model

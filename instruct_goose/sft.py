@@ -16,6 +16,7 @@ from datasets import Dataset
 from fastcore.basics import patch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
+from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
 from .agent import eval_mode, load_tokenizer, token_logprobs, with_peft
 from .core import check_number, masked_sum
@@ -51,6 +52,11 @@ class StageConfig(TrainingConfig):
 class SFTConfig(StageConfig):
     "Supervised fine-tuning."
     learning_rate: float = 2e-5     # peak learning rate of the optimizer
+    neftune_noise_alpha: float | None = None  # 🤗's NEFTune: uniform noise of half-width α/√(L·d) added to the input embeddings while training (None: off)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.neftune_noise_alpha is not None: check_number("neftune_noise_alpha", self.neftune_noise_alpha)
 
 # %% ../nbs/06_sft.ipynb #d44bf8a5
 @dataclass
@@ -203,8 +209,12 @@ def train(
     encode = lambda indices: self.encode(self.train_dataset[indices])
     loss_fn = lambda model, batch: (self.nll_sum(model, batch), {})
     evaluate = self.evaluate if self.eval_dataset is not None else None
-    self.model = _merged(loop.fit(self.model, len(self.train_dataset), steps, encode, loss_fn, evaluate, self.args.eval_steps,
-                                  "sft", loss_name="loss"))
+    alpha = self.args.neftune_noise_alpha      # NEFTune: 🤗's own hook on the input embeddings, in training mode only, removed after
+    noise = None if alpha is None else activate_neftune(self.model, alpha)
+    try: trained = loop.fit(self.model, len(self.train_dataset), steps, encode, loss_fn, evaluate, self.args.eval_steps, "sft", loss_name="loss")
+    finally:
+        if noise is not None: deactivate_neftune(self.model, noise)
+    self.model = _merged(trained)
     loop.save_model(self.model)
     loop.end()
     return self.model
