@@ -1,5 +1,5 @@
 # The two commands of the README, each doing its own set-up on a fresh machine:
-#   make test   every notebook (nbdev_test), pytest, and a check that the library matches the notebooks
+#   make test   every notebook (nbdev's runner, slowest first: tools/test_notebooks.py), pytest, and a check that the library matches the notebooks
 #   make demo   SFT -> reward model -> PPO-ptx -> eval on the built-in task (about a minute on 2 CPU cores)
 # README.md is written from nbs/index.ipynb by `make readme` (nbdev_readme needs Quarto).
 # torch is installed before the project so pip takes the CPU build from this machine's disk
@@ -41,8 +41,8 @@ readme: $(STAMP)
 # pytest runs on both cores (pytest-xdist, a file per worker; torchrun tests pick a free port with --standalone).
 test: export OMP_NUM_THREADS := 1
 test: check-export
-	@echo "== nbdev_test: every notebook"
-	$(BIN)/nbdev_test --n_workers 2
+	@echo "== every notebook, as nbdev_test runs them, the slowest first"
+	$(BIN)/python tools/test_notebooks.py --n_workers 2 --timing
 	@echo "== pytest"
 	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile --durations=10
 
