@@ -57,7 +57,7 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {   # 🤗 TrainingArguments field 
     "dataloader_in_order": (True, _NO_LOADER), "train_sampling_strategy": ("random", _NO_LOADER + "; the order is a seeded permutation"),
     "length_column_name": ("length", _NO_LOADER), "label_names": (None, "the trainers build their own labels"),
     "average_tokens_across_devices": (True, "losses here are always token means over every process's tokens"),
-    "eval_delay": (0, _EVAL), "prediction_loss_only": (False, _EVAL), "eval_on_start": (False, _EVAL), "eval_do_concat_batches": (True, _EVAL),
+    "eval_delay": (0, _EVAL), "prediction_loss_only": (False, _EVAL), "eval_do_concat_batches": (True, _EVAL),
     "eval_use_gather_object": (False, _EVAL), "eval_accumulation_steps": (None, _EVAL), "include_for_metrics": ([], _EVAL),
     "batch_eval_metrics": (False, _EVAL), "bf16_full_eval": (False, _EVAL), "fp16_full_eval": (False, _EVAL),
     **{name: (False, "no best-checkpoint selection here: the last step's model is saved") for name in ("load_best_model_at_end",)},
@@ -171,6 +171,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     logging_first_step: bool = False              # 🤗's: log the first step too
     eval_strategy: Literal["no", "steps", "epoch"] = "steps"  # "steps": every `eval_steps` and at the end; "epoch": after each pass; "no": never (🤗's default is "no"; here a given eval set is evaluated)
     per_device_eval_batch_size: int = 8           # examples per forward pass when evaluating
+    eval_on_start: bool = False                   # 🤗's: evaluate once before the first step, a baseline row at step 0 (not again when a run resumes)
     save_strategy: Literal["no", "steps", "epoch"] = "steps"  # "steps": every `save_steps` and at the end; "epoch": after each pass; "no": no checkpoints at all (the model is still saved)
     save_steps: float = 0                         # write a checkpoint every this many steps, or 🤗's fraction in (0, 1) of all steps (0: only at the end)
     save_total_limit: int = 0                     # keep at most this many checkpoints (0: keep all)
@@ -189,7 +190,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     may_change_on_resume: ClassVar[frozenset] = frozenset({   # where and how often to log and save: a resumed run may change these
         "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "save_steps", "save_total_limit",
         "save_only_model", "report_to", "disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs", "eval_strategy",
-        "gradient_checkpointing_policy",
+        "gradient_checkpointing_policy", "eval_on_start",
         "per_device_eval_batch_size", "save_strategy", "run_name"})
     keeps_columns: ClassVar[bool] = False         # whether a row's unused columns reach the trainer (`remove_unused_columns`=False)
 
@@ -529,6 +530,20 @@ def logs_at(
     "🤗's logging steps: every `logging_steps` (`steps_of`), the first with `logging_first_step`, and the run's last."
     c = self.config
     return step % self.steps_of(c.logging_steps) == 0 or (c.logging_first_step and step == 1) or step == self.trainer_state.max_steps
+
+# %% ../nbs/05_loop.ipynb #ee30f954
+@patch
+def evaluate_on_start(
+    self: TrainLoop,
+    evaluate,                # () -> {name: number}, the trainer's evaluation; None when it has no eval set
+    progress=None,           # the progress bar
+):
+    "🤗's `eval_on_start`: before the first step (not on resuming), evaluate and log a row at step 0, the baseline the run's evaluations are compared with."
+    if not self.config.eval_on_start or self.state.step > 0: return
+    if evaluate is None: raise ValueError("`eval_on_start`=True needs an `eval_dataset` to evaluate")
+    evals = evaluate()
+    self.fire("on_evaluate", metrics=evals)
+    self.log(evals, progress)
 
 # %% ../nbs/05_loop.ipynb #09e3a4a6
 @patch
@@ -1045,6 +1060,7 @@ def fit(
     per_step = c.per_device_train_batch_size * c.gradient_accumulation_steps * acc.num_processes
     self.begin(num_training_steps, n_examples / per_step)
     try:
+        self.evaluate_on_start(evaluate, progress)
         while self.state.step < num_training_steps:
             self.fire("on_step_begin")
             rows = batch_indices(n_examples, per_step, self.state.step, c.order_seed, acc.process_index, acc.num_processes)

@@ -566,6 +566,7 @@ def train(
     progress = loop.progress_bar(steps, type(self).__name__.removesuffix("Trainer").lower())
     prompts_per_step = c.rollout_size // self.samples_per_prompt * procs
     try:
+        loop.evaluate_on_start(None if self.eval_dataset is None else lambda: self.evaluate(model, loop), progress)   # 🤗's `eval_on_start`
         while loop.state.step < steps:
             start = time.perf_counter()
             loop.fire("on_step_begin")

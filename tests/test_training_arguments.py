@@ -208,3 +208,21 @@ def test_fractional_intervals_in_an_on_policy_run(tmp_path):
     trainer.train()
     assert [row["step"] for row in trainer.loop.state.history] == [1, 2, 4]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_eval_on_start_in_an_on_policy_run(tmp_path):
+    "🤗's `eval_on_start` in GRPO: a row at step 0 with the held-out evaluation of the starting policy, then the run's rows; without an eval set, one line."
+    from instruct_goose import GRPOTrainer, load_task, task_tokenizer, tiny_causal_lm
+    tok = task_tokenizer()
+    def trainer(out, eval_dataset):
+        config = GRPOConfig(output_dir=str(tmp_path / out), per_device_train_batch_size=4, num_generations=2, max_steps=2, response_length=4,
+                            disable_tqdm=True, num_sample_generations=0, eval_on_start=True, eval_strategy="no")
+        return GRPOTrainer(tiny_causal_lm(tok, seed=0), args=config, processing_class=tok, train_dataset=load_task("prompts"),
+                           eval_dataset=eval_dataset, reward_funcs=lambda prompts, completions: [len(c) / 10 for c in completions])
+    run = trainer("a", load_task("prompts", "eval").select(range(8)))
+    run.train()
+    history = run.loop.state.history
+    assert [row["step"] for row in history] == [0, 1, 2] and any(k.startswith("eval/") for k in history[0])
+    assert not any(k.startswith("eval/") for k in history[2])                  # eval_strategy="no": the start only
+    with pytest.raises(ValueError, match=r"`eval_on_start`=True needs an `eval_dataset`"):
+        trainer("b", None).train()
