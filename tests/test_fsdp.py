@@ -42,6 +42,9 @@ elif algo == "rm":
     trainer = RewardTrainer(reward_model, RewardConfig(max_length=32, normalize=False, **common), load_task("preferences").select(range(64)))
 elif algo == "sft_8bit":   # bitsandbytes' 8-bit AdamW: its step cannot update DTensors, so the run must refuse it in one line
     trainer = SFTTrainer(model, args=SFTConfig(max_length=32, optim="adamw_8bit", **common), train_dataset=load_task("sft").select(range(64)), processing_class=tokenizer)
+elif algo == "sft_given":   # an optimizer made before the trainer (🤗's `optimizers`): under FSDP the optimizer belongs to the sharded model
+    trainer = SFTTrainer(model, args=SFTConfig(max_length=32, **common), train_dataset=load_task("sft").select(range(64)), processing_class=tokenizer,
+                         optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-3), None))
 elif algo == "dpo":   # the frozen reference (a copy, not prepared) is replicated in every process beside the sharded policy
     trainer = DPOTrainer(model, args=DPOConfig(**common), train_dataset=load_task("preferences").select(range(64)), processing_class=tokenizer)
 trainer.train()
@@ -161,6 +164,14 @@ def test_fsdp2_refuses_a_bitsandbytes_optimizer_in_one_line(setup_dir, tmp_path,
     result = _run(setup_dir, tmp_path / "eight", "sft_8bit", processes=2, accumulation=1, fsdp=True, check=False)
     assert result.returncode != 0 and "ValueError: `optim`='adamw_8bit' is a bitsandbytes optimizer, whose step cannot update FSDP2's sharded parameters" in result.stderr, result.stderr[-3000:]
     assert not list((tmp_path / "eight").glob("checkpoint-*"))
+
+
+@pytest.mark.slow
+def test_fsdp2_refuses_a_given_optimizer_in_one_line(setup_dir, tmp_path):
+    "An optimizer made before the trainer (`optimizers=`) holds the unsharded parameters: refused under FSDP before training, as 🤗's Trainer refuses it."
+    result = _run(setup_dir, tmp_path / "given", "sft_given", processes=2, accumulation=1, fsdp=True, check=False)
+    assert result.returncode != 0 and "ValueError: `optimizers` cannot be given under FSDP" in result.stderr, result.stderr[-3000:]
+    assert not list((tmp_path / "given").glob("checkpoint-*"))
 
 
 @pytest.mark.slow
