@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['TakesTrainingArguments', 'check_hf_settings', 'TrainingConfig', 'coerce_numbers', 'steps_or_fraction',
-           'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState', 'check_optimizers', 'set_tf32',
-           'fresh_accelerator', 'TrainLoop', 'as_callbacks', 'trainer_state', 'make_optimizer', 'warmup_steps_for',
+           'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop',
+           'check_optimizers', 'set_tf32', 'as_callbacks', 'trainer_state', 'make_optimizer', 'warmup_steps_for',
            'read_metrics', 'save_trained', 'TrainingInterrupted', 'Trainer', 'trainer_arguments']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
@@ -357,36 +357,6 @@ def _check_deepspeed_launch(accelerator: Accelerator):
     raise ValueError(f"the launch asks for DeepSpeed but Accelerate would train without it ({accelerator.distributed_type}; it never selects "
                      "DeepSpeed with use_cpu): launch DeepSpeed ZeRO on GPUs (configs/deepspeed_zero2.yaml), or shard on the CPU with FSDP2 (configs/fsdp2_cpu.yaml)")
 
-# %% ../nbs/05_loop.ipynb #bef48ca6
-def check_optimizers(
-    optimizers: tuple = (None, None),               # 🤗's `optimizers`: (optimizer, lr_scheduler), either None
-    optimizer_cls_and_kwargs: tuple | None = None,  # 🤗's `optimizer_cls_and_kwargs`: (class or factory, keyword arguments)
-) -> tuple:                                         # (optimizer, lr_scheduler, optimizer_cls_and_kwargs), checked
-    "🤗 Trainer's two ways to bring your own optimizer, checked before any work: a pair, a torch optimizer, a schedule made over the optimizer beside it, not both ways."
-    if not isinstance(optimizers, (tuple, list)) or len(optimizers) != 2:
-        raise TypeError(f"`optimizers` must be a pair (optimizer, lr_scheduler), either of them None; got {optimizers!r}")
-    optimizer, scheduler = optimizers
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"`optimizers`: the optimizer must be a torch.optim.Optimizer, got a {type(optimizer).__name__}")
-    if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
-        raise ValueError("`optimizers`: the lr_scheduler must be made over the optimizer given beside it"
-                         + (", and none was given (the trainer's own would not be the one it steps)" if optimizer is None else ""))
-    if optimizer_cls_and_kwargs is not None:
-        if optimizer is not None: raise ValueError("`optimizers` and `optimizer_cls_and_kwargs` both choose the optimizer: give one (as 🤗's Trainer)")
-        if not (isinstance(optimizer_cls_and_kwargs, (tuple, list)) and len(optimizer_cls_and_kwargs) == 2
-                and callable(optimizer_cls_and_kwargs[0]) and isinstance(optimizer_cls_and_kwargs[1], dict)):
-            raise TypeError(f"`optimizer_cls_and_kwargs` must be (an optimizer class, a dict of its keyword arguments); got {optimizer_cls_and_kwargs!r}")
-    return optimizer, scheduler, optimizer_cls_and_kwargs
-
-# %% ../nbs/05_loop.ipynb #aef049c2
-def set_tf32(
-    enable: bool,   # True: TensorFloat-32 matmuls and convolutions; False: IEEE float32
-):
-    "🤗's `tf32` setting (transformers' `enable_tf32`, a process-wide torch setting); True needs an Ampere-or-newer NVIDIA GPU."
-    if enable and not is_torch_tf32_available():
-        raise ValueError("`tf32`=True needs an Ampere or newer NVIDIA GPU (TensorFloat-32 matmuls): leave it None or False here")
-    if is_torch_tf32_available(): enable_tf32(enable)
-
 # %% ../nbs/05_loop.ipynb #cae84347
 def fresh_accelerator(**kwargs) -> Accelerator:
     "A new `Accelerator`, forgetting the settings of any earlier one in this process (notebooks make several); FSDP2 runs on the CPU too."
@@ -448,6 +418,36 @@ class TrainLoop:
     progress_keys: tuple = ()       # metrics shown on the progress bar
     stop_signal: str | None = None  # "SIGINT" or "SIGTERM" once one arrived (`stop_on_signals`)
     steps_per_epoch: float | None = None  # steps per pass over the training set, for `trainer_state.epoch` (`begin`)
+
+# %% ../nbs/05_loop.ipynb #bef48ca6
+def check_optimizers(
+    optimizers: tuple = (None, None),               # 🤗's `optimizers`: (optimizer, lr_scheduler), either None
+    optimizer_cls_and_kwargs: tuple | None = None,  # 🤗's `optimizer_cls_and_kwargs`: (class or factory, keyword arguments)
+) -> tuple:                                         # (optimizer, lr_scheduler, optimizer_cls_and_kwargs), checked
+    "🤗 Trainer's two ways to bring your own optimizer, checked before any work: a pair, a torch optimizer, a schedule made over the optimizer beside it, not both ways."
+    if not isinstance(optimizers, (tuple, list)) or len(optimizers) != 2:
+        raise TypeError(f"`optimizers` must be a pair (optimizer, lr_scheduler), either of them None; got {optimizers!r}")
+    optimizer, scheduler = optimizers
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"`optimizers`: the optimizer must be a torch.optim.Optimizer, got a {type(optimizer).__name__}")
+    if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
+        raise ValueError("`optimizers`: the lr_scheduler must be made over the optimizer given beside it"
+                         + (", and none was given (the trainer's own would not be the one it steps)" if optimizer is None else ""))
+    if optimizer_cls_and_kwargs is not None:
+        if optimizer is not None: raise ValueError("`optimizers` and `optimizer_cls_and_kwargs` both choose the optimizer: give one (as 🤗's Trainer)")
+        if not (isinstance(optimizer_cls_and_kwargs, (tuple, list)) and len(optimizer_cls_and_kwargs) == 2
+                and callable(optimizer_cls_and_kwargs[0]) and isinstance(optimizer_cls_and_kwargs[1], dict)):
+            raise TypeError(f"`optimizer_cls_and_kwargs` must be (an optimizer class, a dict of its keyword arguments); got {optimizer_cls_and_kwargs!r}")
+    return optimizer, scheduler, optimizer_cls_and_kwargs
+
+# %% ../nbs/05_loop.ipynb #aef049c2
+def set_tf32(
+    enable: bool,   # True: TensorFloat-32 matmuls and convolutions; False: IEEE float32
+):
+    "🤗's `tf32` setting (transformers' `enable_tf32`, a process-wide torch setting); True needs an Ampere-or-newer NVIDIA GPU."
+    if enable and not is_torch_tf32_available():
+        raise ValueError("`tf32`=True needs an Ampere or newer NVIDIA GPU (TensorFloat-32 matmuls): leave it None or False here")
+    if is_torch_tf32_available(): enable_tf32(enable)
 
 # %% ../nbs/05_loop.ipynb #5bb7eddf
 _EVENTS = ("on_init_end", "on_train_begin", "on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log",
