@@ -196,13 +196,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
 
     def __post_init__(self):
         coerce_numbers(self)
-        check_number("learning_rate", self.learning_rate, low_open=True)
-        for name in ("weight_decay", "max_grad_norm", "warmup_steps", "save_total_limit"):
-            check_number(name, getattr(self, name))
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            check_number(name, getattr(self, name), low=1)
-        for name in ("logging_steps", "save_steps", "eval_steps"):   # eval_steps: the stages' and on-policy configs'
-            if hasattr(self, name): setattr(self, name, steps_or_fraction(name, getattr(self, name), zero=name != "logging_steps"))
+        _check_numbers(self)
         if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ValueError(f"`mixed_precision` must be 'no', 'fp16' or 'bf16', got {self.mixed_precision!r}")
         _check_policy(self.gradient_checkpointing_policy)
@@ -213,10 +207,6 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
         if switched and self.mixed_precision not in (None, "no", *switched) or len(switched) > 1:
             raise ValueError(f"`mixed_precision`={self.mixed_precision!r} and {', '.join(f'`{p}`=True' for p in switched)} disagree: give one")
         self.mixed_precision = switched[0] if switched else self.mixed_precision or "no"
-        check_number("warmup_ratio", self.warmup_ratio, high=1)
-        if self.torch_empty_cache_steps is not None: check_number("torch_empty_cache_steps", self.torch_empty_cache_steps, low=1)
-        if self.warmup_steps >= 1 and not float(self.warmup_steps).is_integer():
-            raise ValueError(f"`warmup_steps` must be a whole number of steps or a fraction in [0, 1) of them all, got {self.warmup_steps!r}")
         check_hf_settings(self)
         check_tracker(self.report_to)
 
@@ -258,6 +248,19 @@ def steps_or_fraction(
     if value < 1: return value
     if not float(value).is_integer(): raise ValueError(f"`{name}` must be a whole number of steps or a fraction in (0, 1) of them all, got {value!r}")
     return int(value)
+
+# %% ../nbs/05_loop.ipynb #3d014996
+def _check_numbers(config):
+    "The ranges of `TrainingConfig`'s numbers (after `coerce_numbers`), each refused by name; the `*_steps` intervals as `steps_or_fraction` keeps them."
+    check_number("learning_rate", config.learning_rate, low_open=True)
+    for name in ("weight_decay", "max_grad_norm", "warmup_steps", "save_total_limit"): check_number(name, getattr(config, name))
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"): check_number(name, getattr(config, name), low=1)
+    for name in ("logging_steps", "save_steps", "eval_steps"):   # eval_steps: the stages' and on-policy configs'
+        if hasattr(config, name): setattr(config, name, steps_or_fraction(name, getattr(config, name), zero=name != "logging_steps"))
+    check_number("warmup_ratio", config.warmup_ratio, high=1)
+    if config.torch_empty_cache_steps is not None: check_number("torch_empty_cache_steps", config.torch_empty_cache_steps, low=1)
+    if config.warmup_steps >= 1 and not float(config.warmup_steps).is_integer():
+        raise ValueError(f"`warmup_steps` must be a whole number of steps or a fraction in [0, 1) of them all, got {config.warmup_steps!r}")
 
 # %% ../nbs/05_loop.ipynb #a1ea7ac2
 def check_tracker(
@@ -382,7 +385,7 @@ class TrainLoop:
         optimizer_cls_and_kwargs: tuple | None = None,  # 🤗's: (optimizer class or factory, its keyword arguments) instead of `optim`/`optim_args`
     ):
         self.config, self.tokenizer, self.callbacks = config, tokenizer, as_callbacks(callbacks)
-        self.optimizers = check_optimizers(optimizers, optimizer_cls_and_kwargs)
+        self.given_optimizer = check_optimizers(optimizers, optimizer_cls_and_kwargs)   # (optimizer, lr_scheduler, optimizer_cls_and_kwargs), each None unless given
         if config.tf32 is not None: set_tf32(config.tf32)
         _check_writable(config.output_dir)
         self.accelerator = fresh_accelerator(
@@ -655,7 +658,7 @@ def _check_holds(
 @patch
 def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) -> nn.Module:
     "The configured optimizer over `model`'s trainable parameters (`make_optimizer`), or the one given (`check_optimizers`), with the configured or given schedule (`model`'s written-out GELUs fused first); returns the prepared model."
-    (given, schedule, cls_and_kwargs), c = self.optimizers, self.config
+    (given, schedule, cls_and_kwargs), c = self.given_optimizer, self.config
     fsdp = self.accelerator.distributed_type == DistributedType.FSDP
     if fsdp and (given is not None or schedule is not None):
         raise ValueError("`optimizers` cannot be given under FSDP (nor to 🤗's Trainer): the optimizer is made over the sharded model; choose it with `optim`/`optim_args` or `optimizer_cls_and_kwargs`")

@@ -133,9 +133,8 @@ class RLHFTrainer(OnPolicyTrainer):
 
     def loss_units(self, part: Rollout, draw: int) -> dict[str, Tensor]:
         "PPO's terms are means over the response tokens; PPO-ptx's over the predicted tokens of its pretraining texts."
-        units = {"ppo": part.response_mask.sum()}
-        if self.args.ptx_coef > 0: units["ptx"] = self.ptx_batch(draw, part.response_ids.device)[2].sum()
-        return units
+        ptx = {"ptx": self.ptx_batch(draw, part.response_ids.device)[2].sum()} if self.args.ptx_coef > 0 else {}
+        return {"ppo": part.response_mask.sum(), **ptx}
 
     def policy_pass(self, agent: Agent, part) -> ResponseStats:
         "The agent's log-probabilities, values and entropy (with gradients when the loss has an entropy bonus) on a micro-batch."

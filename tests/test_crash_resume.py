@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import run_here
+
 
 GOOSE = str(Path(sys.executable).parent / "goose")
 STEPS = 10
@@ -32,12 +34,8 @@ def run(args):
 
 
 def goose_here(args):
-    "A `goose` command in this process, for the uninterrupted reference runs: no second interpreter to start (~10 s of imports on 2 cores); one intra-op thread, as the subprocesses have."
-    from instruct_goose.cli import main
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try: main(args[1:])
-    finally: torch.set_num_threads(threads)
+    "A `goose` command run in this process (`run_here`), for the uninterrupted reference runs."
+    assert run_here(Path(args[0]), *args[1:]) == 0
 
 
 def final_state(output_dir):
