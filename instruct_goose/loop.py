@@ -6,7 +6,7 @@
 __all__ = ['TakesTrainingArguments', 'check_hf_settings', 'TrainingConfig', 'coerce_numbers', 'steps_or_fraction',
            'check_tracker', 'batch_indices', 'latest_checkpoint', 'TrainState', 'fresh_accelerator', 'TrainLoop',
            'check_optimizers', 'set_tf32', 'as_callbacks', 'trainer_state', 'make_optimizer', 'warmup_steps_for',
-           'read_metrics', 'save_trained', 'TrainingInterrupted', 'Trainer', 'trainer_arguments']
+           'read_metrics', 'save_trained', 'TrainingInterrupted', 'best_metric_name', 'Trainer', 'trainer_arguments']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
 import inspect, json, logging, math, os, re, shutil, signal, sys, threading, warnings
@@ -28,7 +28,8 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, TrainerControl, TrainerState, get_scheduler
+from transformers import PreTrainedModel, TrainerControl, TrainerState, enable_full_determinism, get_scheduler
+from transformers.optimization import GreedyLR
 from transformers import Trainer as HFTrainer
 from transformers.trainer_optimizer import is_optimizer_factory
 from transformers.utils.import_utils import enable_tf32, is_torch_tf32_available
@@ -60,14 +61,11 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {   # 🤗 TrainingArguments field 
     "eval_delay": (0, _EVAL), "prediction_loss_only": (False, _EVAL), "eval_do_concat_batches": (True, _EVAL),
     "eval_use_gather_object": (False, _EVAL), "eval_accumulation_steps": (None, _EVAL), "include_for_metrics": ([], _EVAL),
     "batch_eval_metrics": (False, _EVAL), "bf16_full_eval": (False, _EVAL), "fp16_full_eval": (False, _EVAL),
-    **{name: (False, "no best-checkpoint selection here: the last step's model is saved") for name in ("load_best_model_at_end",)},
-    "metric_for_best_model": (None, "no best-checkpoint selection here: the last step's model is saved"),
-    "greater_is_better": (None, "no best-checkpoint selection here: the last step's model is saved"),
     "torch_compile": (False, "not run here: compile the model yourself before passing it"), "torch_compile_backend": (None, "not run here"),
     "torch_compile_mode": (None, "not run here"), "use_liger_kernel": (False, "not run here (no Liger kernels)"),
     "liger_kernel_config": (None, "not run here (no Liger kernels)"),
     "optim_target_modules": (None, "GaLore and APOLLO, the optimizers that read it, are not run here"),
-    "label_smoothing_factor": (0.0, "not run here (DPO has its own `label_smoothing`)"), "neftune_noise_alpha": (None, "not run here (no NEFTune)"),
+    "label_smoothing_factor": (0.0, "not run here (DPO has its own `label_smoothing`)"), "neftune_noise_alpha": (None, "NEFTune is an SFT method here (`SFTConfig`)"),
     "use_cache": (False, "the KV cache is used in generation and never in training here"),
     "auto_find_batch_size": (False, "not run here: set `per_device_train_batch_size`"),
     "logging_nan_inf_filter": (True, "a non-finite loss stops the run here (or its step is skipped with `skip_nonfinite`), so none is logged"),
@@ -77,7 +75,7 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {   # 🤗 TrainingArguments field 
     **{name: (None, "trackio's Space options are not run here") for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")},
     "enable_jit_checkpoint": (False, "not run here: SIGTERM/SIGINT always write a checkpoint and stop cleanly"),
     "ignore_data_skip": (False, "a resumed run always continues exactly where the checkpoint stopped"),
-    "restore_callback_states_from_checkpoint": (False, "not run here"), "full_determinism": (False, "not run here: runs are seeded by `seed`"),
+    "restore_callback_states_from_checkpoint": (False, "not run here"),
     "skip_memory_metrics": (True, "no memory metrics are logged here"), "debug": ("", "not run here"),
     **{name: (False, _SCRIPT) for name in ("do_train", "do_eval", "do_predict")},
 }
@@ -124,8 +122,9 @@ def check_hf_settings(config) -> None:
     if config.optim in _OPTIM_REFUSED: raise ValueError(f"`optim`={config.optim!r} is not supported: {_OPTIM_REFUSED[config.optim]}")
     if config.logging_strategy != "steps":
         raise ValueError(f"`logging_strategy`={config.logging_strategy!r} is not supported: metrics are logged every `logging_steps` (and at the last step)")
-    for name in ("eval_strategy", "save_strategy"):
-        if getattr(config, name) not in ("no", "steps", "epoch"): raise ValueError(f"`{name}` must be 'no', 'steps' or 'epoch'; got {getattr(config, name)!r}")
+    if config.eval_strategy not in ("no", "steps", "epoch"): raise ValueError(f"`eval_strategy` must be 'no', 'steps' or 'epoch'; got {config.eval_strategy!r}")
+    if config.save_strategy not in ("no", "steps", "epoch", "best"):
+        raise ValueError(f"`save_strategy` must be 'no', 'steps', 'epoch' or 'best'; got {config.save_strategy!r}")
     check_number("per_device_eval_batch_size", config.per_device_eval_batch_size, low=1)
     for name in ("adam_beta1", "adam_beta2"): check_number(name, getattr(config, name), high=1)
     check_number("adam_epsilon", config.adam_epsilon)
@@ -172,15 +171,19 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     eval_strategy: Literal["no", "steps", "epoch"] = "steps"  # "steps": every `eval_steps` and at the end; "epoch": after each pass; "no": never (🤗's default is "no"; here a given eval set is evaluated)
     per_device_eval_batch_size: int = 8           # examples per forward pass when evaluating
     eval_on_start: bool = False                   # 🤗's: evaluate once before the first step, a baseline row at step 0 (not again when a run resumes)
-    save_strategy: Literal["no", "steps", "epoch"] = "steps"  # "steps": every `save_steps` and at the end; "epoch": after each pass; "no": no checkpoints at all (the model is still saved)
+    save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"  # "steps": every `save_steps` and at the end; "epoch": after each pass; "best": at each new best evaluation (`metric_for_best_model`) and at the end; "no": no checkpoints at all (the model is still saved)
     save_steps: float = 0                         # write a checkpoint every this many steps, or 🤗's fraction in (0, 1) of all steps (0: only at the end)
     save_total_limit: int = 0                     # keep at most this many checkpoints (0: keep all)
     save_only_model: bool = False                 # checkpoints hold the model weights only: smaller, but a run cannot resume from them
+    load_best_model_at_end: bool = False          # 🤗's: when the run ends, the model takes the weights of the checkpoint whose evaluation was best (`load_best`); `save_total_limit` always keeps that checkpoint
+    metric_for_best_model: str | None = None      # 🤗's: the evaluation metric that ranks checkpoints: "loss" (eval_loss), "accuracy", on-policy "score" (eval/score), ...; None: "loss" when something reads it (`_check_best`)
+    greater_is_better: bool | None = None         # 🤗's: whether a larger `metric_for_best_model` is better; None: False for a name ending in "loss", else True
     resume_from_checkpoint: str | None = None     # a checkpoint directory, or "latest" in `output_dir`
     overwrite_output_dir: bool = False            # start afresh in an `output_dir` holding another run's checkpoints, deleting them
     report_to: Literal[_TRACKERS] = "none"        # experiment tracker, through Accelerate (metrics.jsonl is always written); 🤗's one-item list, e.g. ["wandb"], is taken too
     run_name: str | None = None                   # the run's name on the tracker (its project is the config's class name)
     data_seed: int | None = None                  # seeds the data order alone (None: `seed`)
+    full_determinism: bool = False                # 🤗's: deterministic algorithms only (transformers' `enable_full_determinism`): reproducible on a GPU too, slower; it stays on in the process, as in 🤗
     use_cpu: bool = False                         # train on the CPU even when an accelerator is present
     remove_unused_columns: bool | None = None     # 🤗's: None takes the trainer's own way (on-policy trainers keep a row's columns for the rewards, as TRL's GRPO; supervised ones read theirs only); the other value is refused
     disable_tqdm: bool = False                    # hide the progress bar (each logged step is then printed as a line)
@@ -190,7 +193,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     may_change_on_resume: ClassVar[frozenset] = frozenset({   # where and how often to log and save: a resumed run may change these
         "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "logging_steps", "save_steps", "save_total_limit",
         "save_only_model", "report_to", "disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs", "eval_strategy",
-        "gradient_checkpointing_policy", "eval_on_start",
+        "gradient_checkpointing_policy", "eval_on_start", "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "full_determinism",
         "per_device_eval_batch_size", "save_strategy", "run_name"})
     keeps_columns: ClassVar[bool] = False         # whether a row's unused columns reach the trainer (`remove_unused_columns`=False)
 
@@ -208,6 +211,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
             raise ValueError(f"`mixed_precision`={self.mixed_precision!r} and {', '.join(f'`{p}`=True' for p in switched)} disagree: give one")
         self.mixed_precision = switched[0] if switched else self.mixed_precision or "no"
         check_hf_settings(self)
+        _check_best(self)
         check_tracker(self.report_to)
 
     @property
@@ -262,6 +266,31 @@ def _check_numbers(config):
     if config.warmup_steps >= 1 and not float(config.warmup_steps).is_integer():
         raise ValueError(f"`warmup_steps` must be a whole number of steps or a fraction in [0, 1) of them all, got {config.warmup_steps!r}")
 
+# %% ../nbs/05_loop.ipynb #eb02c5dc
+_READS_METRIC = ("reduce_lr_on_plateau", "greedy")   # 🤗's schedules that step on an evaluation's metric, not at every optimizer step
+
+def _multiple(save: float, every: float) -> bool:
+    "Whether `save` steps is a multiple of `every` steps: both whole numbers, or both 🤗's fractions of the run (to a millionth, as 🤗 checks)."
+    if (save < 1) != (every < 1): return False
+    return round(save * 1_000_000) % round(every * 1_000_000) == 0
+
+def _check_best(config):
+    "🤗's rules for ranking checkpoints: `metric_for_best_model` is 'loss' when something reads it and none is given, `greater_is_better` False for a name ending in 'loss'; `load_best_model_at_end` needs a checkpoint written at the evaluations."
+    c = config
+    if c.metric_for_best_model is None and (c.load_best_model_at_end or c.save_strategy == "best" or c.lr_scheduler_type in _READS_METRIC):
+        c.metric_for_best_model = "loss"
+    if c.greater_is_better is None and c.metric_for_best_model is not None: c.greater_is_better = not c.metric_for_best_model.endswith("loss")
+    if not c.load_best_model_at_end or c.save_strategy == "best": return
+    if c.save_only_model:
+        raise ValueError("`load_best_model_at_end` reloads a checkpoint's whole state, which `save_only_model`=True checkpoints do not hold: set one of them")
+    if c.save_strategy != c.eval_strategy or c.save_strategy == "no":
+        raise ValueError(f"`load_best_model_at_end` needs checkpoints where the evaluations are: `save_strategy` ({c.save_strategy!r}) must be "
+                         f"`eval_strategy` ({c.eval_strategy!r}) and not 'no', or 'best'")
+    save, every = c.save_steps, getattr(c, "eval_steps", 0)
+    if c.save_strategy == "steps" and every and not (save and _multiple(save, every)):
+        raise ValueError(f"`load_best_model_at_end` with `eval_steps`={every} needs checkpoints there: `save_steps` ({save}) must be a multiple "
+                         "of it, both steps or both fractions (0 writes one only at the end)")
+
 # %% ../nbs/05_loop.ipynb #a1ea7ac2
 def check_tracker(
     name: str,   # a `report_to` value
@@ -306,10 +335,11 @@ def latest_checkpoint(
 
 # %% ../nbs/05_loop.ipynb #1c60b030
 class TrainState:
-    "The step and the history of logged metrics; saved with every checkpoint."
-    def __init__(self): self.step, self.history = 0, []
-    def state_dict(self) -> dict: return {"step": self.step, "history": self.history}
-    def load_state_dict(self, state: dict): self.step, self.history = state["step"], list(state["history"])
+    "The step, the history of logged metrics and the best evaluation so far (`note_evaluation`); saved with every checkpoint."
+    def __init__(self): self.step, self.history, self.best = 0, [], {}
+    def state_dict(self) -> dict: return {"step": self.step, "history": self.history, "best": self.best}
+    def load_state_dict(self, state: dict):   # checkpoints written before 2026-11-27 have no "best"
+        self.step, self.history, self.best = state["step"], list(state["history"]), dict(state.get("best", {}))
 
 # %% ../nbs/05_loop.ipynb #67abe1d8
 def _check_writable(output_dir: str | Path):
@@ -399,7 +429,7 @@ class TrainLoop:
             settings = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(config).items()}
             self.accelerator.init_trackers(type(config).__name__.lower(), config=settings,   # 🤗's `run_name`: the run's name where the tracker has one
                                            init_kwargs={"wandb": {"name": config.run_name}} if config.run_name else {})
-        set_seed(config.seed)
+        (enable_full_determinism if config.full_determinism else set_seed)(config.seed)   # 🤗's `full_determinism`: seeded, and deterministic kernels only
         self.state = TrainState()
         self.register(self.state)
         self.optimizer = self.scheduler = self.prepared = None
@@ -421,6 +451,14 @@ class TrainLoop:
     progress_keys: tuple = ()       # metrics shown on the progress bar
     stop_signal: str | None = None  # "SIGINT" or "SIGTERM" once one arrived (`stop_on_signals`)
     steps_per_epoch: float | None = None  # steps per pass over the training set, for `trainer_state.epoch` (`begin`)
+
+# %% ../nbs/05_loop.ipynb #41e316ca
+@patch(as_prop=True)
+def best_checkpoint(self: TrainLoop) -> Path | None:
+    "The checkpoint holding the best evaluated model so far (its step's, or the last best one's written), None before there is one or once it is gone."
+    step = self.state.best.get("checkpoint")
+    path = None if step is None else Path(self.config.output_dir) / f"checkpoint-{step}"
+    return path if path is not None and path.is_dir() else None
 
 # %% ../nbs/05_loop.ipynb #bef48ca6
 def check_optimizers(
@@ -490,6 +528,8 @@ def fire(
     s = self.trainer_state
     s.global_step, s.log_history = self.state.step, self.state.history
     if self.steps_per_epoch: s.epoch = self.state.step / self.steps_per_epoch
+    best = self.best_checkpoint
+    s.best_metric, s.best_global_step, s.best_model_checkpoint = self.state.best.get("value"), self.state.best.get("step"), best and str(best)
     if not self.callbacks: return self.control          # the usual case: nothing to call, nothing to unwrap (Accelerate's unwrap looks packages up at each call)
     model = None if self.prepared is None else self.accelerator.unwrap_model(self.prepared)
     for cb in self.callbacks:
@@ -778,7 +818,7 @@ def optimizer_step(self: TrainLoop, model: nn.Module, stats: dict | None = None)
     if hasattr(grad_norm, "full_tensor"): grad_norm = grad_norm.full_tensor()   # FSDP2: the norm is a DTensor over the shards
     if self.accelerator.distributed_type == DistributedType.DEEPSPEED:   # the engine clipped and stepped in `backward`
         self.fire("on_pre_optimizer_step"); self.fire("on_optimizer_step")
-        self.scheduler.step()   # ours (a LambdaLR DeepSpeed does not know) is not the engine's to step; its own kinds: a no-op wrapper
+        if not self.schedule_reads_metric: self.scheduler.step()   # ours (a LambdaLR DeepSpeed does not know) is not the engine's to step; its own kinds: a no-op wrapper
         return torch.as_tensor(math.nan if grad_norm is None else grad_norm, device=self.device)   # logged and all-reduced with the step's statistics (NCCL: no CPU tensors)
     if not torch.isfinite(grad_norm) and self.accelerator.scaler is None:  # one host sync per step; fp16's scaler skips such steps itself
         self.optimizer.zero_grad(set_to_none=True)
@@ -787,7 +827,7 @@ def optimizer_step(self: TrainLoop, model: nn.Module, stats: dict | None = None)
     self.fire("on_pre_optimizer_step")
     self.optimizer.step()
     self.fire("on_optimizer_step")
-    self.scheduler.step()
+    if not self.schedule_reads_metric: self.scheduler.step()    # reduce_lr_on_plateau and greedy step on evaluations (`note_evaluation`)
     self.optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
@@ -804,7 +844,14 @@ def _nonfinite(self: TrainLoop, grad_norm: Tensor, stats: dict):
 
 # %% ../nbs/05_loop.ipynb #cf6b1d72
 @patch(as_prop=True)
-def lr(self: TrainLoop) -> float: return self.scheduler.get_last_lr()[0]
+def schedule_reads_metric(self: TrainLoop) -> bool:
+    "Whether the schedule steps on an evaluation's metric (🤗's `reduce_lr_on_plateau`, `greedy`), not at every optimizer step."
+    return isinstance(getattr(self.scheduler, "scheduler", self.scheduler), (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR))
+
+@patch(as_prop=True)
+def lr(self: TrainLoop) -> float:
+    "The learning rate now (of the first parameter group)."
+    return self.optimizer.param_groups[0]["lr"] if self.schedule_reads_metric else self.scheduler.get_last_lr()[0]
 
 # %% ../nbs/05_loop.ipynb #562f04ee
 def _plain(value):
@@ -860,7 +907,8 @@ def _tied_weights_quiet():
 def save_checkpoint(self: TrainLoop) -> Path:
     "Write `checkpoint-<step>` atomically: save under a temporary name, then rename into place (`save_strategy`=\"no\": nothing)."
     if self.config.save_strategy == "no": return None
-    output_dir, acc = Path(self.config.output_dir), self.accelerator
+    output_dir, acc, best = Path(self.config.output_dir), self.accelerator, self.state.best
+    if best.get("step") == self.state.step: best.update(checkpoint=self.state.step, checkpoint_value=best["value"])   # the best model so far is this one
     final = output_dir / f"checkpoint-{self.state.step}"
     tmp = output_dir / f".checkpoint-{self.state.step}.tmp"
     acc.wait_for_everyone()
@@ -895,10 +943,13 @@ def _save_weights(self: TrainLoop, path: Path):
 # %% ../nbs/05_loop.ipynb #7c2e626f
 @patch
 def _prune_checkpoints(self: TrainLoop):
-    limit = self.config.save_total_limit
+    "Keep the newest `save_total_limit` checkpoints, and the best (`best_checkpoint`) besides the newest, as 🤗's rotation does."
+    limit, best = self.config.save_total_limit, self.best_checkpoint
     if not limit: return
     found = sorted((int(m[1]), p) for p in Path(self.config.output_dir).glob("checkpoint-*") if (m := _CHECKPOINT.match(p.name)))
-    for _, path in found[:-limit]: shutil.rmtree(path)
+    found = [p for _, p in found]
+    if best in found[:-1]: found.remove(best); found.insert(len(found) - 1, best); limit = max(limit, 2)
+    for path in found[:-limit]: shutil.rmtree(path)
 
 # %% ../nbs/05_loop.ipynb #efc23964
 def save_trained(
@@ -962,7 +1013,7 @@ def _restore_signals(self: TrainLoop):
 @patch
 def every(
     self: TrainLoop,
-    strategy: str,           # a 🤗 `*_strategy`: "no", "steps" or "epoch"
+    strategy: str,           # a 🤗 `*_strategy`: "no", "steps" or "epoch" (save_strategy "best": `end_step`)
     steps: float,            # the matching `*_steps` (0: only at the end; 🤗's fraction of all steps: `steps_of`)
 ) -> int | None:             # steps between events: None never, 0 only at the end
     "Steps between evaluations or checkpoints under 🤗's strategy: `steps`, one pass over the training set (`steps_per_epoch`), or never."
@@ -975,7 +1026,7 @@ def end_step(
     self: TrainLoop,
     last: bool = False,  # whether the step just done was the run's last (its checkpoint is written by the trainer)
 ) -> bool:               # whether the run ends here: the last step, or a callback set `control.should_training_stop`
-    "Call once a step is done: `on_step_end`; a checkpoint every `save_steps`; after a SIGINT/SIGTERM, a checkpoint and the model, then `TrainingInterrupted`."
+    "Call once a step is done: `on_step_end`; a checkpoint every `save_steps` (\"best\": at a new best evaluation); after a SIGINT/SIGTERM, a checkpoint and the model, then `TrainingInterrupted`."
     c = self.config
     self.fire("on_step_end")
     signalled, asked = self._stops_requested()
@@ -986,7 +1037,8 @@ def end_step(
         raise TrainingInterrupted(self.stop_signal or "a signal on another process", checkpoint)
     self.control.should_training_stop = asked
     every = self.every(c.save_strategy, c.save_steps)
-    if every and self.state.step % every == 0 and not (last or asked): self.save_checkpoint()
+    due = self.state.best.get("step") == self.state.step if c.save_strategy == "best" else every and self.state.step % every == 0
+    if due and not (last or asked): self.save_checkpoint()
     if c.torch_empty_cache_steps and self.state.step % c.torch_empty_cache_steps == 0: clear_device_cache()   # 🤗's
     return last or asked
 
@@ -1017,6 +1069,67 @@ def end(self: TrainLoop):
     self._restore_signals()
     self.fire("on_train_end")
     self.accelerator.end_training()
+
+# %% ../nbs/05_loop.ipynb #1c97251c
+def best_metric_name(
+    name: str,       # `metric_for_best_model`
+    evals: dict,     # an evaluation's metrics
+) -> str:            # the key of `evals` it names
+    "The metric `metric_for_best_model` names: itself, 🤗's form with `eval_` before it, or the on-policy trainers' `eval/` form; none of them is one line listing what there is."
+    for key in (name, f"eval_{name}", f"eval/{name}"):
+        if key in evals: return key
+    raise KeyError(f"`metric_for_best_model`={name!r} is not among the evaluation's metrics ({', '.join(evals)})")
+
+# %% ../nbs/05_loop.ipynb #92c1c427
+@patch
+def evaluate_if_due(
+    self: TrainLoop,
+    evaluate,                # () -> {name: number}, the trainer's evaluation; None when it has no eval set
+    eval_steps: float,       # evaluate every this many steps (0: only at the end; 🤗's fraction of all steps)
+    last: bool,              # whether the step just done is the run's last (always evaluated)
+) -> dict:                   # the evaluation's metrics, or {} when none is due
+    "Evaluate when 🤗's `eval_strategy` says (`every`; and at the last step), tell the callbacks (`on_evaluate`), then rank it (`note_evaluation`)."
+    every = self.every(self.config.eval_strategy, eval_steps)
+    if evaluate is None or every is None or not (last or (every and self.state.step % every == 0)): return {}
+    evals = evaluate()
+    self.fire("on_evaluate", metrics=evals)
+    self.note_evaluation(evals)
+    return evals
+
+# %% ../nbs/05_loop.ipynb #d4d7b2f8
+@patch
+def note_evaluation(
+    self: TrainLoop,
+    evals: dict,         # one evaluation's metrics
+) -> bool:               # whether it is the best so far by `metric_for_best_model`
+    "Step a schedule that reads the evaluation (`schedule_reads_metric`), and keep the best value of `metric_for_best_model` and its step in `state.best`, as 🤗's `_determine_best_metric`."
+    c, best = self.config, self.state.best
+    if c.metric_for_best_model is None: return False
+    name = best_metric_name(c.metric_for_best_model, evals)
+    value = float(evals[name])
+    if self.schedule_reads_metric: self.scheduler.step(value)
+    if (best.get("name"), best.get("greater")) != (name, c.greater_is_better):   # a run resumed to rank by another metric starts afresh
+        best.clear(); best.update(name=name, greater=c.greater_is_better)
+    better = "value" not in best or (value > best["value"] if c.greater_is_better else value < best["value"])
+    if better: best.update(value=value, step=self.state.step)
+    return better
+
+# %% ../nbs/05_loop.ipynb #83264280
+@patch
+def load_best(self: TrainLoop):
+    "🤗's `load_best_model_at_end`, after the run's last checkpoint: the model takes the weights of `best_checkpoint` (Accelerate's `load_state`; the run's step and history stay); with `save_total_limit`=1 only that checkpoint is kept, as in 🤗."
+    c, path, acc = self.config, self.best_checkpoint, self.accelerator
+    if not c.load_best_model_at_end or path is None: return
+    if path.name != f"checkpoint-{self.state.step}":
+        kept = self.state.state_dict()
+        with _tied_weights_quiet(): acc.load_state(str(path))
+        self.state.load_state_dict(kept)
+    if acc.is_main_process:
+        self.console.print(f"the best model: {path.name}, {self.state.best['name']} = {self.state.best['checkpoint_value']:.6g}")
+        if c.save_total_limit == 1:
+            for other in Path(c.output_dir).glob("checkpoint-*"):
+                if other != path and _CHECKPOINT.match(other.name): shutil.rmtree(other)
+    acc.wait_for_everyone()
 
 # %% ../nbs/05_loop.ipynb #4e9175d9
 @patch
@@ -1054,7 +1167,7 @@ def fit(
     desc: str = "train",         # progress bar label
     loss_name: str = "loss",     # the name of the logged minibatch mean loss
 ) -> nn.Module:                  # the trained model, unwrapped
-    "The supervised loop: seeded batches, token-mean losses over the minibatch, clipping, schedule, logs, evals, checkpoints, callbacks, Ctrl-C."
+    "The supervised loop: seeded batches, token-mean losses over the minibatch, clipping, schedule, logs, evals, checkpoints, the best model, callbacks, Ctrl-C."
     c, acc = self.config, self.accelerator
     model = self.setup_optimizer(model, num_training_steps)
     self.maybe_resume()
@@ -1071,15 +1184,14 @@ def fit(
             self.state.step += 1
             progress.update(1)
             done = self.state.step == num_training_steps
-            if self.logs_at(self.state.step):
-                every = self.every(c.eval_strategy, eval_steps)
-                evals = evaluate() if evaluate and every is not None and ((every and self.state.step % every == 0) or done) else {}
-                if evals: self.fire("on_evaluate", metrics=evals)
+            evals = self.evaluate_if_due(evaluate, eval_steps, done)
+            if evals or self.logs_at(self.state.step):
                 self.log({**stats, **evals, "learning_rate": self.lr, "epoch": self.state.step * per_step / n_examples}, progress)
             if self.end_step(done): break
     finally: self._restore_signals()
     progress.close()
     self.save_checkpoint()
+    self.load_best()
     return acc.unwrap_model(model)
 
 # %% ../nbs/05_loop.ipynb #81a9cbdd

@@ -565,8 +565,9 @@ def train(
     model = self.setup(loop, steps)
     progress = loop.progress_bar(steps, type(self).__name__.removesuffix("Trainer").lower())
     prompts_per_step = c.rollout_size // self.samples_per_prompt * procs
+    evaluate = None if self.eval_dataset is None else lambda: self.evaluate(model, loop)   # held-out prompts: eval/score, eval/win_rate, eval/kl
     try:
-        loop.evaluate_on_start(None if self.eval_dataset is None else lambda: self.evaluate(model, loop), progress)   # 🤗's `eval_on_start`
+        loop.evaluate_on_start(evaluate, progress)           # 🤗's `eval_on_start`
         while loop.state.step < steps:
             start = time.perf_counter()
             loop.fire("on_step_begin")
@@ -584,17 +585,14 @@ def train(
             if "objective/kl" in stats: self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
             loop.state.step += 1
             progress.update(1)
-            every = loop.every(c.eval_strategy, c.eval_steps)
-            if self.eval_dataset is not None and every is not None and ((every and loop.state.step % every == 0) or loop.state.step == steps):
-                evals = self.evaluate(model, loop)              # held-out prompts: eval/score, eval/win_rate, eval/kl
-                loop.fire("on_evaluate", metrics=evals)
-                stats.update(evals)
+            stats.update(loop.evaluate_if_due(evaluate, c.eval_steps, loop.state.step == steps))   # every `eval_steps`, ranked (`note_evaluation`)
             self.report(loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress)
             self.log_completions(loop, rollout, samples, steps)   # `log_completions`: the step's table (`TRLOptions`)
             if loop.end_step(loop.state.step == steps): break   # the last step, or a callback's `control.should_training_stop`
     finally: loop._restore_signals()      # an exception must not leave our Ctrl-C handler installed
     progress.close()
     loop.save_checkpoint()
+    loop.load_best()                      # 🤗's `load_best_model_at_end`: the best evaluated checkpoint's weights
     self.model = model
     loop.save_model(model)
     loop.end()

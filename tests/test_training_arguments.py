@@ -227,3 +227,33 @@ def test_eval_on_start_in_an_on_policy_run(tmp_path):
     assert not any(k.startswith("eval/") for k in history[2])                  # eval_strategy="no": the start only
     with pytest.raises(ValueError, match=r"`eval_on_start`=True needs an `eval_dataset`"):
         trainer("b", None).train()
+
+
+def test_the_best_model_is_the_one_saved(tmp_path):
+    "🤗's `load_best_model_at_end` on SFT (metric eval_loss) and GRPO (metric 'score': eval/score): the model trained, returned and saved to `output_dir` is the one whose evaluation was best, by evaluating it again, and its weights are those of that step's checkpoint."
+    from safetensors.torch import load_file
+    from instruct_goose import GRPOTrainer, SFTTrainer, load_task, task_tokenizer, tiny_causal_lm
+    tok = task_tokenizer()
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=6, per_device_train_batch_size=4, max_length=64, disable_tqdm=True,
+                     learning_rate=0.05, eval_steps=1, save_steps=1, save_total_limit=1, load_best_model_at_end=True)
+    sft = SFTTrainer(tiny_causal_lm(tok, seed=0), args=args, train_dataset=load_task("sft").select(range(24)),
+                     eval_dataset=load_task("sft").select(range(8)), processing_class=tok)
+    model = sft.train()
+    evals = [row["eval_loss"] for row in sft.loop.state.history]
+    best = sft.loop.state.best
+    assert (best["value"], best["step"]) == (min(evals), 1 + evals.index(min(evals))) and best["step"] < 6, evals   # the best is not the last here
+    assert math.isclose(sft.evaluate()["eval_loss"], best["value"], rel_tol=1e-6)
+    assert [p.name for p in (tmp_path / "sft").glob("checkpoint-*")] == [f"checkpoint-{best['step']}"]
+    saved = load_file(tmp_path / "sft" / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items() if k in saved)
+
+    config = GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=2, max_steps=4, response_length=4,
+                        learning_rate=0.05, disable_tqdm=True, num_sample_generations=0, eval_steps=1, save_steps=1,
+                        load_best_model_at_end=True, metric_for_best_model="score")
+    grpo = GRPOTrainer(tiny_causal_lm(tok, seed=0), args=config, processing_class=tok, train_dataset=load_task("prompts"),
+                       eval_dataset=load_task("prompts", "eval").select(range(8)), reward_funcs=lambda prompts, completions: [len(c) / 10 for c in completions])
+    grpo.train()
+    scores = [row["eval_score"] for row in grpo.loop.state.history]
+    best = grpo.loop.state.best
+    assert config.greater_is_better and (best["name"], best["value"]) == ("eval/score", max(scores)), scores
+    assert math.isclose(grpo.evaluate(grpo.model, grpo.loop)["eval/score"], best["value"], rel_tol=1e-6)
