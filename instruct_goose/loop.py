@@ -21,7 +21,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import DistributedType, set_seed
-from accelerate.utils.memory import clear_device_cache
+from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor, nn
@@ -67,7 +67,7 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {   # 🤗 TrainingArguments field 
     "optim_target_modules": (None, "GaLore and APOLLO, the optimizers that read it, are not run here"),
     "label_smoothing_factor": (0.0, "not run here (DPO has its own `label_smoothing`)"), "neftune_noise_alpha": (None, "NEFTune is an SFT method here (`SFTConfig`)"),
     "use_cache": (False, "the KV cache is used in generation and never in training here"),
-    "auto_find_batch_size": (False, "not run here: set `per_device_train_batch_size`"),
+    "auto_find_batch_size": (False, "the supervised stages run it (`StageConfig`: SFT, reward, DPO); on-policy, set `per_device_train_batch_size`"),
     "logging_nan_inf_filter": (True, "a non-finite loss stops the run here (or its step is skipped with `skip_nonfinite`), so none is logged"),
     "include_num_input_tokens_seen": ("no", "not counted here"), "log_level": ("passive", "not run here: set Python's logging levels"),
     "log_level_replica": ("warning", "not run here: set Python's logging levels"),
@@ -451,6 +451,7 @@ class TrainLoop:
     progress_keys: tuple = ()       # metrics shown on the progress bar
     stop_signal: str | None = None  # "SIGINT" or "SIGTERM" once one arrived (`stop_on_signals`)
     steps_per_epoch: float | None = None  # steps per pass over the training set, for `trainer_state.epoch` (`begin`)
+    micro_batch_size: int | None = None   # rows per micro-batch once `auto_find_batch_size` halved it (None: `per_device_train_batch_size`)
 
 # %% ../nbs/05_loop.ipynb #41e316ca
 @patch(as_prop=True)
@@ -1142,14 +1143,18 @@ def fit_step(
     loss_name: str,       # the name the minibatch's mean loss is logged under
 ) -> dict:                # the step's statistics, averaged over micro-batches and processes, and the gradient norm
     "One optimizer step on `rows`: each micro-batch's loss sum scaled to its share of the minibatch mean, accumulated, clipped."
-    c, acc = self.config, self.accelerator
-    micro = [encode(rows[i:i + c.per_device_train_batch_size]) for i in range(0, len(rows), c.per_device_train_batch_size)]
-    scale, totals = self.loss_scale([units for _, units in micro]), {}
-    for inputs, _ in micro:
-        with acc.autocast(): loss_sum, metrics = loss_fn(model, inputs)
-        loss = loss_sum * scale
-        self.backward(loss)
-        for k, v in {loss_name: loss.detach(), **metrics}.items(): totals[k] = totals.get(k, 0) + v / len(micro)
+    acc = self.accelerator
+    def accumulate():
+        micro = [encode(part) for part in self.micro_batches(rows)]
+        scale, totals = self.loss_scale([units for _, units in micro]), {}
+        for inputs, _ in micro:
+            with acc.autocast(): loss_sum, metrics = loss_fn(model, inputs)
+            loss = loss_sum * scale
+            self.backward(loss)
+            for k, v in metrics.items(): totals[k] = totals.get(k, 0) + v / len(micro)
+            totals[loss_name] = totals.get(loss_name, 0) + loss.detach() / acc.gradient_accumulation_steps   # summed: the minibatch's mean (`loss_scale` put G in)
+        return totals
+    totals = self.retry_on_oom(accumulate)              # `auto_find_batch_size`: smaller micro-batches, the same step
     if acc.num_processes > 1: totals = {k: acc.reduce(v, reduction="mean") for k, v in totals.items()}
     return {**totals, "grad_norm": self.optimizer_step(model, totals)}
 
@@ -1169,6 +1174,8 @@ def fit(
 ) -> nn.Module:                  # the trained model, unwrapped
     "The supervised loop: seeded batches, token-mean losses over the minibatch, clipping, schedule, logs, evals, checkpoints, the best model, callbacks, Ctrl-C."
     c, acc = self.config, self.accelerator
+    if getattr(c, "auto_find_batch_size", False) and (acc.num_processes > 1 or acc.distributed_type == DistributedType.DEEPSPEED):
+        raise ValueError("`auto_find_batch_size` runs on one process without DeepSpeed (an out-of-memory error on one process would leave the others waiting): set `per_device_train_batch_size`")
     model = self.setup_optimizer(model, num_training_steps)
     self.maybe_resume()
     model.train()
@@ -1193,6 +1200,38 @@ def fit(
     self.save_checkpoint()
     self.load_best()
     return acc.unwrap_model(model)
+
+# %% ../nbs/05_loop.ipynb #930ff981
+@patch
+def micro_batches(
+    self: TrainLoop,
+    rows: list,          # this process's rows of a step
+) -> list[list]:         # in micro-batches
+    "`rows` in micro-batches of `per_device_train_batch_size`, or of `micro_batch_size` once `auto_find_batch_size` halved it."
+    size = self.micro_batch_size or self.config.per_device_train_batch_size
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+# %% ../nbs/05_loop.ipynb #2119fafb
+@patch
+def retry_on_oom(
+    self: TrainLoop,
+    accumulate,          # () -> the step's statistics: every micro-batch's forward and backward (`micro_batches`)
+):
+    "🤗's `auto_find_batch_size`, keeping the step: on an out-of-memory error, drop the gradients, empty the cache, halve the micro-batches and run `accumulate` again from the same random state."
+    if not getattr(self.config, "auto_find_batch_size", False): return accumulate()
+    while True:
+        size = self.micro_batch_size or self.config.per_device_train_batch_size
+        cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try: return accumulate()
+        except RuntimeError as e:
+            if size == 1 or not should_reduce_batch_size(e): raise
+        getattr(self.optimizer, "optimizer", self.optimizer).zero_grad(set_to_none=True)   # past Accelerate's wrapper, which zeroes only at a step's end
+        self.accelerator.step = 0                          # Accelerate counts micro-batches to find the step's end
+        clear_device_cache(garbage_collection=True)        # outside the `except`: the failed pass's tensors are gone
+        self.micro_batch_size = size // 2
+        warnings.warn(f"step {self.state.step + 1}: out of memory with micro-batches of {size} rows; trying {size // 2} (`auto_find_batch_size`)")
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None: torch.cuda.set_rng_state_all(cuda_rng)
 
 # %% ../nbs/05_loop.ipynb #81a9cbdd
 class Trainer:

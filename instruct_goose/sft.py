@@ -33,7 +33,8 @@ class StageConfig(TrainingConfig):
     max_steps: int = 0              # optimizer steps in all; 0: from `num_train_epochs`
     max_length: int = 1024          # longest tokenized sequence; longer ones are cut (TRL 1.16's default)
     eval_steps: float = 0           # evaluate every this many steps, or 🤗's fraction in (0, 1) of all steps (0: at the end only)
-    may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {"eval_steps", "num_train_epochs", "max_steps"}  # a resumed run may be extended
+    auto_find_batch_size: bool = False  # 🤗's: on an out-of-memory error, the step again in micro-batches half as large (`TrainLoop.retry_on_oom`): the same minibatch and gradient (🤗 halves the batch instead)
+    may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {"eval_steps", "num_train_epochs", "max_steps", "auto_find_batch_size"}  # a resumed run may be extended
 
     def __post_init__(self):
         super().__post_init__()

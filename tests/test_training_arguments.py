@@ -257,3 +257,35 @@ def test_the_best_model_is_the_one_saved(tmp_path):
     best = grpo.loop.state.best
     assert config.greater_is_better and (best["name"], best["value"]) == ("eval/score", max(scores)), scores
     assert math.isclose(grpo.evaluate(grpo.model, grpo.loop)["eval/score"], best["value"], rel_tol=1e-6)
+
+
+def test_auto_find_batch_size_keeps_the_step(tmp_path):
+    "🤗's `auto_find_batch_size` on SFT and DPO: a policy that runs out of memory above a number of rows a forward trains in smaller micro-batches to the weights (to 1e-6) and losses of micro-batches that fit; GRPO refuses it in one line."
+    import warnings
+    from instruct_goose import DPOTrainer, SFTTrainer, load_task, task_tokenizer, tiny_causal_lm
+    tok = task_tokenizer()
+    def policy(most_rows):
+        model = tiny_causal_lm(tok, seed=0)
+        for m in model.modules():                          # dropout draws other masks for other micro-batch shapes: off, to compare
+            if isinstance(m, torch.nn.Dropout): m.p = 0.0
+        def out_of_memory(module, args):
+            if args[0].shape[0] > most_rows: raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        if most_rows: model.get_input_embeddings().register_forward_pre_hook(out_of_memory)
+        return model
+    small = dict(max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=64, disable_tqdm=True,
+                 learning_rate=0.1, optim="sgd", save_strategy="no", auto_find_batch_size=True)   # SGD: a step linear in the gradient (AdamW divides float noise by itself where a gradient is ~0)
+    runs = {}
+    for name, most_rows in (("fits", None), ("tight", 2)):
+        sft = SFTTrainer(policy(most_rows), SFTConfig(output_dir=str(tmp_path / f"sft-{name}"), **small), load_task("sft").select(range(24)), processing_class=tok)
+        dpo = DPOTrainer(policy(most_rows and 2 * most_rows), args=DPOConfig(output_dir=str(tmp_path / f"dpo-{name}"), **small),   # a pair is 2 rows
+                         processing_class=tok, train_dataset=load_task("preferences").select(range(24)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs[name] = [(t.train(), t.loop) for t in (sft, dpo)]
+        assert sum("out of memory with micro-batches of 4 rows; trying 2" in str(w.message) for w in caught) == (2 if most_rows else 0)
+    for (fits, fits_loop), (tight, tight_loop) in zip(runs["fits"], runs["tight"]):
+        assert (fits_loop.micro_batch_size, tight_loop.micro_batch_size) == (None, 2)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(fits.parameters(), tight.parameters()))
+        assert all(math.isclose(a["loss"], b["loss"], rel_tol=1e-5) for a, b in zip(fits_loop.state.history, tight_loop.state.history))
+    with pytest.raises(ValueError, match="`auto_find_batch_size`=True is not"):
+        GRPOConfig(num_generations=2, auto_find_batch_size=True)
