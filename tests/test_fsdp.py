@@ -45,11 +45,16 @@ elif algo == "sft_8bit":   # bitsandbytes' 8-bit AdamW: its step cannot update D
 elif algo == "sft_given":   # an optimizer made before the trainer (🤗's `optimizers`): under FSDP the optimizer belongs to the sharded model
     trainer = SFTTrainer(model, args=SFTConfig(max_length=32, **common), train_dataset=load_task("sft").select(range(64)), processing_class=tokenizer,
                          optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-3), None))
+elif algo == "sft_best":   # 🤗's load_best_model_at_end: every process loads the best step's sharded checkpoint at the end
+    trainer = SFTTrainer(model, args=SFTConfig(max_length=32, **{**common, "save_steps": 1}, eval_steps=1, load_best_model_at_end=True,
+                                               greater_is_better=True),   # the largest eval_loss: a step other than the last, as the loss falls
+                         train_dataset=load_task("sft").select(range(64)), eval_dataset=load_task("sft").select(range(8)), processing_class=tokenizer)
 elif algo == "dpo":   # the frozen reference (a copy, not prepared) is replicated in every process beside the sharded policy
     trainer = DPOTrainer(model, args=DPOConfig(**common), train_dataset=load_task("preferences").select(range(64)), processing_class=tokenizer)
 trainer.train()
 rank = os.environ.get("RANK", "0")
 json.dump(trainer.loop.state.history, open(f"{out}/history{rank}.json", "w"))
+if algo == "sft_best": json.dump(trainer.evaluate(), open(f"{out}/evaluated{rank}.json", "w"))   # the model the run ended with, evaluated again
 '''
 
 ONPOLICY = '''
@@ -155,6 +160,18 @@ def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
     shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     resumed = _run(setup_dir, tmp_path / "resumed", algo, processes=2, accumulation=1, resume="latest", fsdp=True)
     _assert_same(two, resumed, f"{algo}: FSDP2 run vs its checkpoint resumed under FSDP2", EPS[algo])
+
+
+@pytest.mark.slow
+def test_fsdp2_loads_the_best_checkpoint_as_one_process_does(setup_dir, tmp_path):
+    "`load_best_model_at_end` under FSDP2 over 2 processes: the best step (not the last) is the one process's, and the saved model is that step's, as in 1 process."
+    one = _run(setup_dir, tmp_path / "one", "sft_best", processes=1, accumulation=2)
+    two = _run(setup_dir, tmp_path / "two", "sft_best", processes=2, accumulation=1, fsdp=True)
+    losses = [row["eval_loss"] for row in two[1]]
+    assert losses.index(max(losses)) < 3, losses                                     # the "best" (greater_is_better) is not the last step
+    for rank in (0, 1):                                                              # and it is the model each process ended with
+        assert abs(json.loads((tmp_path / "two" / f"evaluated{rank}.json").read_text())["eval_loss"] - max(losses)) < 1e-6
+    _assert_same(one, two, "sft_best: 1 process x 2 micro-batches vs FSDP2 over 2 processes", EPS["sft"])
 
 
 @pytest.mark.slow
