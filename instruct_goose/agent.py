@@ -6,10 +6,10 @@
 __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'response_logits', 'response_logprobs', 'token_logprobs',
            'lm_nll', 'AgentOutput', 'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode', 'Agent',
            'AdapterOffReference', 'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms',
-           'AgentObjective']
+           'AgentObjective', 'pack_bins', 'pack_layout', 'packed_forward', 'loss_token_states', 'states_logps']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
-import copy, inspect, os
+import copy, inspect, itertools, os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -411,6 +411,23 @@ def load_tokenizer(
     if processing_class is not None or not isinstance(model, (str, os.PathLike)): return processing_class
     return AutoTokenizer.from_pretrained(model)
 
+# %% ../nbs/03_agent.ipynb #06e82979
+def _from_pretrained_kwargs(args) -> dict:
+    "`from_pretrained`'s keywords from TRL's `model_init_kwargs` and `trust_remote_code`."
+    return {**(args.model_init_kwargs or {}), "trust_remote_code": args.trust_remote_code}
+
+# %% ../nbs/03_agent.ipynb #9ff3c073
+def _load_model(model, args):
+    "`model` as it is, or loaded from a name/path with `model_init_kwargs` and `trust_remote_code` (TRL's)."
+    return AutoModelForCausalLM.from_pretrained(model, **_from_pretrained_kwargs(args)) if isinstance(model, (str, os.PathLike)) else model
+
+# %% ../nbs/03_agent.ipynb #2607a72c
+def _load_tokenizer(processing_class, model, args):
+    "The tokenizer given, or loaded from `model`'s name/path (at `model_init_kwargs`' revision, with `trust_remote_code`)."
+    if processing_class is not None or not isinstance(model, (str, os.PathLike)): return load_tokenizer(processing_class, model)
+    revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")   # PPO's config has neither field: 🤗's defaults
+    return AutoTokenizer.from_pretrained(model, trust_remote_code=getattr(args, "trust_remote_code", False), **({"revision": revision} if revision else {}))
+
 # %% ../nbs/03_agent.ipynb #85fa80f9
 class ObjectiveTerms(NamedTuple):
     "InstructGPT's eq. 2 and its three parts (batch means)."
@@ -467,3 +484,93 @@ def terms(self: AgentObjective, input_ids, attention_mask, response_mask=None, p
     score_function = ((scores - self.beta * kl).detach() * logp).mean()      # value 0 once the detached copy is subtracted
     objective = (scores - self.beta * kl).mean() + self.gamma * pretrain + score_function - score_function.detach()
     return ObjectiveTerms(objective, scores.mean(), kl.mean(), pretrain)
+
+# %% ../nbs/03_agent.ipynb #7c1e5a91
+def pack_bins(
+    lengths: list[int],      # tokens of each sequence
+    capacity: int,           # tokens a bin holds (at least the longest sequence)
+) -> list[list[int]]:        # the sequences (indices into `lengths`) in each bin, in the order they sit there
+    "First-fit decreasing: each sequence, longest first, into the first bin with room for it; a new bin when none has."
+    if lengths and max(lengths) > capacity:
+        raise ValueError(f"`capacity` is {capacity} tokens but the longest sequence has {max(lengths)}: give at least that")
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):   # a stable sort: equal lengths keep their order
+        b = next((b for b, r in enumerate(room) if r >= lengths[i]), len(bins))
+        if b == len(bins): bins.append([]); room.append(capacity)
+        bins[b].append(i); room[b] -= lengths[i]
+    return bins
+
+
+# %% ../nbs/03_agent.ipynb #7c1e5a94
+@typecheck
+def pack_layout(
+    attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens (contiguous in each row)
+    capacity: int | None = None,                  # tokens per bin; None: the longest row's
+) -> tuple[Int[Tensor, "tokens"], Int[Tensor, "bins cap"], Int[Tensor, "bins cap"]]:  # (slot, position ids, segment ids), on the CPU
+    "Where `pack_bins` puts each real token, row after row (its slot in the flattened bins); each slot's position in its sequence and its sequence's row (-1: a pad)."
+    keep = attention_mask.cpu().bool()
+    lengths = keep.sum(1)
+    capacity = int(lengths.max()) if capacity is None else capacity
+    sizes, first = lengths.tolist(), [0] * len(lengths)                # first: the slot of each row's first token
+    bins = pack_bins(sizes, capacity)
+    for b, rows in enumerate(bins):
+        for r, end in zip(rows, itertools.accumulate(sizes[r] for r in rows)): first[r] = b * capacity + end - sizes[r]
+    row, position = torch.repeat_interleave(torch.arange(len(lengths)), lengths), position_ids_from_mask(keep)[keep]
+    slot = torch.tensor(first)[row] + position
+    positions = torch.zeros(len(bins) * capacity, dtype=torch.long).index_put_((slot,), position)
+    segments = torch.full((len(bins) * capacity,), -1).index_put_((slot,), row)
+    return slot, positions.view(len(bins), capacity), segments.view(len(bins), capacity)
+
+
+# %% ../nbs/03_agent.ipynb #93f94c3b
+@typecheck
+def packed_forward(
+    model: nn.Module,                                # a 🤗 causal LM that takes `position_ids`
+    input_ids: Int[Tensor, "batch seq"],             # padded rows
+    attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens (contiguous in each row)
+    hidden: bool = False,                            # the last hidden state (what the output layer reads), not the logits
+    capacity: int | None = None,                     # tokens per bin; None: the longest row's (FlashAttention: all in one bin)
+) -> Float[Tensor, "tokens out"]:                    # the logits (or last hidden state) of the real tokens, row after row
+    "One forward pass of the rows' real tokens packed into bins (`pack_layout`): positions restart at each sequence and a block-diagonal causal mask keeps attention inside it; FlashAttention gets one bin and the positions alone."
+    if not _accepts(model, "position_ids"):
+        raise ValueError("`padding_free` needs a model that takes `position_ids` (they restart at each sequence); this one does not (ALiBi?): leave padding_free off")
+    flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
+    if flash and capacity is not None: raise ValueError("`capacity`: FlashAttention takes all rows in one bin; leave it None")
+    keep = attention_mask.bool()
+    slot, position, segment = (t.to(input_ids.device) for t in pack_layout(attention_mask, int(keep.sum()) if flash else capacity))
+    ids = input_ids.new_zeros(position.numel()).index_put_((slot,), input_ids[keep]).view_as(position)
+    mask = None if flash else ((segment[:, :, None] == segment[:, None]) & (position[:, :, None] >= position[:, None]))[:, None]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=False,
+                **(dict(output_hidden_states=True, logits_to_keep=1) if hidden else {}))
+    return (out.hidden_states[-1] if hidden else out.logits).flatten(0, 1)[slot]
+
+
+# %% ../nbs/03_agent.ipynb #836288b4
+@typecheck
+def loss_token_states(
+    model: nn.Module,                                # a 🤗 causal LM
+    input_ids: Int[Tensor, "batch seq"],             # whole sequences, padded on either side
+    attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],
+    loss_mask: Bool[Tensor, "batch seq"],            # the tokens to score (never position 0); on the CPU, no device sync
+    padding_free: bool = False,                      # one forward of the sequences packed in bins (`packed_forward`)
+    capacity: int | None = None,                     # with `padding_free`: tokens per bin (None: the longest row's)
+) -> tuple[Tensor, Tensor, Tensor, nn.Module | None]:  # (outputs, labels, each token's row, the output layer or None)
+    "What the output layer reads at each loss token, row after row (the last hidden state, or the logits where `_output_layer` is None), the token it predicts, its row, and that layer."
+    row, col = (i.to(input_ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))  # the output at col predicts token col + 1
+    labels, head = input_ids[row, col + 1], _output_layer(model)
+    if padding_free:                                                                       # (row, col) → its place among the real tokens
+        out = packed_forward(model, input_ids, attention_mask, hidden=head is not None, capacity=capacity)[
+            (attention_mask.flatten().long().cumsum(0) - 1).view_as(input_ids)[row, col]]
+    elif head is not None: out = _final_hidden(model, input_ids, attention_mask)[row, col]
+    else: out = model(input_ids=input_ids, attention_mask=attention_mask, **positions_for(model, attention_mask), use_cache=False).logits[row, col]
+    return out, labels, row, head
+
+# %% ../nbs/03_agent.ipynb #42f98bcb
+def states_logps(
+    out: Tensor,             # `loss_token_states`' outputs: (tokens, hidden) last hidden states, or (tokens, vocab) logits
+    labels: Tensor,          # the token each predicts
+    head: nn.Module | None,  # the output layer (None: `out` are logits)
+) -> Tensor:                 # log π(label) of each token, float32
+    "log-probabilities of the loss tokens from `loss_token_states`: the output layer applied in chunks, or the logits given."
+    if head is not None: return logprobs_from_hidden(out[None], head.weight, head.bias, labels[None])[0][0]
+    return logprobs_from_logits(out[None], labels[None])[0]

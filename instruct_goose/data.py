@@ -68,11 +68,12 @@ def encode_sft(
     prompts: list[str] | None,       # prompts, or None for plain text
     completions: list[str],          # completions (or the plain texts)
     max_length: int | None = None,   # keep at most this many tokens of prompt + completion + EOS
+    eos_token_id: int | None = None, # the id that ends each completion (TRL's `eos_token`); None: the tokenizer's EOS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (ids, mask, loss_mask), padded on the right
     "Prompt + completion + EOS, right-padded, with a loss mask on the completion and EOS only (every predicted token for plain text)."
     if prompts is not None and len(prompts) != len(completions):
         raise ValueError(f"`prompts` has {len(prompts)} items but `completions` has {len(completions)}")
-    eos = tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     heads = [[] for _ in completions] if prompts is None else tokenizer(prompts, add_special_tokens=False).input_ids
     tails = [t + [eos] for t in tokenizer(completions, add_special_tokens=False).input_ids]
     # the first token of a row is predicted by nothing: with no prompt (plain text, or an empty one) it is the context

@@ -4,11 +4,10 @@
 
 # %% auto #0
 __all__ = ['f_divergence_scores', 'dpo_loss', 'DPOConfig', 'tokenize_pairs', 'collate_pairs', 'encode_pairs', 'CompletionLogps',
-           'pack_bins', 'pack_layout', 'packed_forward', 'completion_logps', 'DPOTrainer', 'dpo_metrics', 'ld_weights',
-           'mixed_dpo_loss']
+           'completion_logps', 'DPOTrainer', 'dpo_metrics', 'ld_weights', 'mixed_dpo_loss']
 
 # %% ../nbs/09c_dpo.ipynb #eab44d0e
-import contextlib, itertools, math, os
+import contextlib, math, os
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
@@ -21,14 +20,14 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
-from .agent import (_accepts, _final_hidden, _output_layer, disable_dropout, eval_mode, load_tokenizer, position_ids_from_mask,
-                                  positions_for, with_peft)
+from .agent import (_load_model, _load_tokenizer, disable_dropout, eval_mode, load_tokenizer, loss_token_states, pack_bins,
+                                  packed_forward, positions_for, states_logps, with_peft)
 from .core import _LOGITS_PER_CHUNK, check_number, logprobs_from_hidden, logprobs_from_logits, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
 from .sft import StageConfig, drop_long_prompts, fit_to_context
-from .onpolicy import SyncRefModelCallback, _from_pretrained_kwargs, _load_model, _load_tokenizer, frozen_reference, mix_reference
+from .onpolicy import SyncRefModelCallback, frozen_reference, mix_reference
 
 # %% ../nbs/09c_dpo.ipynb #cb13c4eb
 _LossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
@@ -237,66 +236,6 @@ class CompletionLogps(NamedTuple):
     raw_logps: Tensor         # Σ_t log π(y_t|…), unweighted
     wpo_logps: Tensor | None  # Σ_t (log π(y_t|…) − log Σ_v π(v|…)²), no gradient (WPO), when asked for
 
-# %% ../nbs/09c_dpo.ipynb #7c1e5a91
-def pack_bins(
-    lengths: list[int],      # tokens of each sequence
-    capacity: int,           # tokens a bin holds (at least the longest sequence)
-) -> list[list[int]]:        # the sequences (indices into `lengths`) in each bin, in the order they sit there
-    "First-fit decreasing: each sequence, longest first, into the first bin with room for it; a new bin when none has."
-    if lengths and max(lengths) > capacity:
-        raise ValueError(f"`capacity` is {capacity} tokens but the longest sequence has {max(lengths)}: give at least that")
-    bins, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):   # a stable sort: equal lengths keep their order
-        b = next((b for b, r in enumerate(room) if r >= lengths[i]), len(bins))
-        if b == len(bins): bins.append([]); room.append(capacity)
-        bins[b].append(i); room[b] -= lengths[i]
-    return bins
-
-
-# %% ../nbs/09c_dpo.ipynb #7c1e5a94
-@typecheck
-def pack_layout(
-    attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens (contiguous in each row)
-    capacity: int | None = None,                  # tokens per bin; None: the longest row's
-) -> tuple[Int[Tensor, "tokens"], Int[Tensor, "bins cap"], Int[Tensor, "bins cap"]]:  # (slot, position ids, segment ids), on the CPU
-    "Where `pack_bins` puts each real token, row after row (its slot in the flattened bins); each slot's position in its sequence and its sequence's row (-1: a pad)."
-    keep = attention_mask.cpu().bool()
-    lengths = keep.sum(1)
-    capacity = int(lengths.max()) if capacity is None else capacity
-    sizes, first = lengths.tolist(), [0] * len(lengths)                # first: the slot of each row's first token
-    bins = pack_bins(sizes, capacity)
-    for b, rows in enumerate(bins):
-        for r, end in zip(rows, itertools.accumulate(sizes[r] for r in rows)): first[r] = b * capacity + end - sizes[r]
-    row, position = torch.repeat_interleave(torch.arange(len(lengths)), lengths), position_ids_from_mask(keep)[keep]
-    slot = torch.tensor(first)[row] + position
-    positions = torch.zeros(len(bins) * capacity, dtype=torch.long).index_put_((slot,), position)
-    segments = torch.full((len(bins) * capacity,), -1).index_put_((slot,), row)
-    return slot, positions.view(len(bins), capacity), segments.view(len(bins), capacity)
-
-
-# %% ../nbs/09c_dpo.ipynb #93f94c3b
-@typecheck
-def packed_forward(
-    model: nn.Module,                                # a 🤗 causal LM that takes `position_ids`
-    input_ids: Int[Tensor, "batch seq"],             # padded rows
-    attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens (contiguous in each row)
-    hidden: bool = False,                            # the last hidden state (what the output layer reads), not the logits
-    capacity: int | None = None,                     # tokens per bin; None: the longest row's (FlashAttention: all in one bin)
-) -> Float[Tensor, "tokens out"]:                    # the logits (or last hidden state) of the real tokens, row after row
-    "One forward pass of the rows' real tokens packed into bins (`pack_layout`): positions restart at each sequence and a block-diagonal causal mask keeps attention inside it; FlashAttention gets one bin and the positions alone."
-    if not _accepts(model, "position_ids"):
-        raise ValueError("`padding_free` needs a model that takes `position_ids` (they restart at each sequence); this one does not (ALiBi?): leave padding_free off")
-    flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
-    if flash and capacity is not None: raise ValueError("`capacity`: FlashAttention takes all rows in one bin; leave it None")
-    keep = attention_mask.bool()
-    slot, position, segment = (t.to(input_ids.device) for t in pack_layout(attention_mask, int(keep.sum()) if flash else capacity))
-    ids = input_ids.new_zeros(position.numel()).index_put_((slot,), input_ids[keep]).view_as(position)
-    mask = None if flash else ((segment[:, :, None] == segment[:, None]) & (position[:, :, None] >= position[:, None]))[:, None]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=False,
-                **(dict(output_hidden_states=True, logits_to_keep=1) if hidden else {}))
-    return (out.hidden_states[-1] if hidden else out.logits).flatten(0, 1)[slot]
-
-
 # %% ../nbs/09c_dpo.ipynb #d4f0c001
 def _mean_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     "The mean over the vocabulary of each position's logits h Wᵀ + b, without them: h · mean_v W_v + mean(b)."
@@ -322,22 +261,15 @@ def completion_logps(
     padding_free: bool = False,                      # one forward of the sequences packed in bins, no pad token in their attention (`packed_forward`)
 ) -> CompletionLogps:                                # per row, see `CompletionLogps`
     "Summed log-probability of each row's completion tokens (optionally weighted), and the statistics read from the same forward pass."
-    row, col = (i.to(input_ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))  # logits at col predict token col + 1
-    labels, head = input_ids[row, col + 1], _output_layer(model)
-    if padding_free:                                                                       # (row, col) → its place among the real tokens
-        out = packed_forward(model, input_ids, attention_mask, hidden=head is not None)[
-            (attention_mask.flatten().long().cumsum(0) - 1).view_as(input_ids)[row, col]]
-    elif head is not None: out = _final_hidden(model, input_ids, attention_mask)[row, col]
-    else: out = model(input_ids=input_ids, attention_mask=attention_mask, **positions_for(model, attention_mask), use_cache=False).logits[row, col]
+    out, labels, row, head = loss_token_states(model, input_ids, attention_mask, loss_mask, padding_free)
+    token_logps = states_logps(out, labels, head)
     if head is not None:                                                                   # out: (tokens, hidden); the head in chunks
-        token_logps = logprobs_from_hidden(out[None], head.weight, head.bias, labels[None])[0][0]
         mean_logits = _mean_logits(out.detach(), head.weight, head.bias)
         log_sum_sq = lambda: torch.cat([_log_sum_sq(F.linear(h, head.weight, head.bias)) for h in out.split(max(1, _LOGITS_PER_CHUNK // head.out_features))])
     else:                                                                                  # out: (tokens, vocab) logits
-        token_logps = logprobs_from_logits(out[None], labels[None])[0]
         mean_logits, log_sum_sq = out.detach().float().mean(-1), lambda: _log_sum_sq(out)
     per_row = lambda x: torch.zeros(len(input_ids), device=x.device).index_add(0, row, x)
-    weighted = token_logps if token_weights is None else token_logps * token_weights[:, 1:].to(token_logps)[row, col]
+    weighted = token_logps if token_weights is None else token_logps * token_weights[:, 1:][loss_mask[:, 1:].to(token_weights.device)].to(token_logps)   # (row, col) order
     aligned = None
     if wpo:
         with torch.no_grad(): aligned = per_row(token_logps - log_sum_sq())

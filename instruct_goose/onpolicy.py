@@ -19,7 +19,8 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from accelerate import Accelerator
 
-from .agent import Agent, _is_peft, context_length, create_reference_model, disable_dropout, eval_mode, load_tokenizer, response_logprobs, with_peft
+from .agent import (Agent, _is_peft, _load_model, _load_tokenizer, context_length, create_reference_model, disable_dropout, eval_mode,
+                                  load_tokenizer, response_logprobs, with_peft)
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from accelerate.utils import gather_object
 from .completions import append_completions, completion_rows, completions_table, completions_to_trackers, drop_completions_after, first_per_prompt
@@ -344,23 +345,6 @@ class TRLOptions:
         check_number("ref_model_mixup_alpha", self.ref_model_mixup_alpha, high=1.0)
         check_number("ref_model_sync_steps", self.ref_model_sync_steps, low=1)
         if self.num_completions_to_print is not None: check_number("num_completions_to_print", self.num_completions_to_print)
-
-# %% ../nbs/08_onpolicy.ipynb #06e82979
-def _from_pretrained_kwargs(args) -> dict:
-    "`from_pretrained`'s keywords from TRL's `model_init_kwargs` and `trust_remote_code`."
-    return {**(args.model_init_kwargs or {}), "trust_remote_code": args.trust_remote_code}
-
-# %% ../nbs/08_onpolicy.ipynb #9ff3c073
-def _load_model(model, args):
-    "`model` as it is, or loaded from a name/path with `model_init_kwargs` and `trust_remote_code` (TRL's)."
-    return AutoModelForCausalLM.from_pretrained(model, **_from_pretrained_kwargs(args)) if isinstance(model, (str, os.PathLike)) else model
-
-# %% ../nbs/08_onpolicy.ipynb #2607a72c
-def _load_tokenizer(processing_class, model, args):
-    "The tokenizer given, or loaded from `model`'s name/path (at `model_init_kwargs`' revision, with `trust_remote_code`)."
-    if processing_class is not None or not isinstance(model, (str, os.PathLike)): return load_tokenizer(processing_class, model)
-    revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")   # PPO's config has neither field: 🤗's defaults
-    return AutoTokenizer.from_pretrained(model, trust_remote_code=getattr(args, "trust_remote_code", False), **({"revision": revision} if revision else {}))
 
 # %% ../nbs/08_onpolicy.ipynb #b0a93b9f
 @torch.no_grad()

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from .agent import _accepts, _load, context_length, eval_mode, position_ids_from_mask
+from .agent import _accepts, _load, context_length, dropout_as_configured, eval_mode, position_ids_from_mask
 from .core import last_true_index, masked_mean, masked_sum, masked_var, pad_to_side, typecheck
 from .data import apply_chat, is_conversational, prompt_text
 
@@ -149,8 +149,8 @@ def normalize_(
 # %% ../nbs/04_reward.ipynb #8b9b25bd
 @patch
 def save_pretrained(self: RewardModel, save_directory: str | Path, **kwargs):
-    "Save the classifier in 🤗 format (`AutoModelForSequenceClassification` reads it) and the tokenizer, if any."
-    self.model.save_pretrained(save_directory, **kwargs)
+    "Save the classifier in 🤗 format (`AutoModelForSequenceClassification` reads it) and the tokenizer, if any; the config keeps the dropout rates `disable_dropout` zeroed."
+    with dropout_as_configured(self.model): self.model.save_pretrained(save_directory, **kwargs)
     if self.tokenizer is not None: self.tokenizer.save_pretrained(save_directory)
 
 # %% ../nbs/04_reward.ipynb #6821e49e

@@ -203,7 +203,8 @@ def test_padding_free_bins_give_the_padded_loss_and_gradient(family, tmp_path):
     from datasets import Dataset
     from _families import BY_NAME, build_causal
     from instruct_goose.toy import task_tokenizer
-    from instruct_goose.dpo import DPOConfig, DPOTrainer, pack_bins, pack_layout
+    from instruct_goose.agent import pack_bins, pack_layout
+    from instruct_goose.dpo import DPOConfig, DPOTrainer
     tok = task_tokenizer()
     policy, ref = build_causal(BY_NAME[family], tok, seed=0), build_causal(BY_NAME[family], tok, seed=1)
     trainer = DPOTrainer(policy, ref_model=ref, args=DPOConfig(output_dir=str(tmp_path), max_length=256), processing_class=tok,

@@ -1,0 +1,135 @@
+"""SFT and reward-model options against TRL 1.16 by number, and every field TRL's `SFTConfig` and `RewardConfig` add to
+🤗's `TrainingArguments` taken or refused by name.
+
+SFT: the same tiny GPT-2 on both sides (two copies of one set of weights), prompt-completion rows of different lengths.
+TRL's `SFTTrainer` collates the rows and its `compute_loss` runs as written; ours encodes the same rows and `nll_sum`
+sums the same loss. Each case sets the config fields both read (`loss_type`, `completion_only_loss`); the loss and the
+gradient of every parameter must agree to float32 error. Packing: `best_fit_bins` against TRL's own `pack_dataset`.
+"""
+import copy
+import dataclasses
+import logging
+
+import pytest
+import torch
+import transformers
+import trl
+from datasets import Dataset
+from trl import RewardConfig as TRLRewardConfig, SFTConfig as TRLSFTConfig, SFTTrainer as TRLSFTTrainer
+from trl.data_utils import pack_dataset
+
+from instruct_goose import RewardConfig, SFTConfig, SFTTrainer, task_tokenizer, tiny_causal_lm
+from instruct_goose.sft import best_fit_bins
+
+assert trl.__version__ == "1.16.0", trl.__version__
+
+ROWS = [{"prompt": "Review: it was", "completion": " a great film, warm and funny."},
+        {"prompt": "Review: the plot", "completion": " is fine."},
+        {"prompt": "Review: a", "completion": " lovely, moving story with a cast that looks happy to be there."},
+        {"prompt": "Review: this movie", "completion": " made me smile."}]
+
+
+def _sides(tmp_path, **options):
+    "TRL's trainer and ours on the same weights and rows, with the same options; TRL's collated batch and ours."
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    tok = task_tokenizer()
+    model = tiny_causal_lm(tok, seed=0)
+    for m in model.modules():                       # dropout would draw differently on the two sides
+        if isinstance(m, torch.nn.Dropout): m.p = 0.0
+    data = Dataset.from_list(ROWS)
+    args = TRLSFTConfig(output_dir=str(tmp_path), bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none",
+                        max_length=64, **options)
+    theirs = TRLSFTTrainer(copy.deepcopy(model), args=args, train_dataset=data, processing_class=tok)
+    ours = SFTTrainer(copy.deepcopy(model), SFTConfig(output_dir=str(tmp_path), max_length=64, **options), data, processing_class=tok)
+    inputs = theirs.data_collator([theirs.train_dataset[i] for i in range(len(ROWS))])
+    batch, n_tokens = ours.encode(ours.train_dataset[:])
+    return theirs, ours, inputs, batch, n_tokens
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("options", [{}, {"loss_type": "dft"}, {"completion_only_loss": False}, {"completion_only_loss": False, "loss_type": "dft"}],
+                         ids=["nll", "dft", "whole_sequence", "whole_sequence_dft"])
+def test_loss_and_gradient_equal_trl(tmp_path, options):
+    "TRL's `compute_loss` and our `nll_sum` / (its loss tokens) on the same rows: the same tokens, loss and gradient."
+    theirs, ours, inputs, batch, n_tokens = _sides(tmp_path, **options)
+    ids, mask, loss_mask = batch
+    assert torch.equal(inputs["input_ids"], ids) and torch.equal(inputs["attention_mask"], mask)
+    assert torch.equal(inputs["labels"][:, 1:] != -100, loss_mask[:, 1:]) and not loss_mask[:, 0].any()   # the tokens predicted (none predicts the first)
+    theirs.model.zero_grad()
+    trl_loss = theirs.compute_loss(theirs.model, inputs)
+    trl_loss.backward()
+    ours.model.zero_grad()
+    our_loss = ours.nll_sum(ours.model, batch) / n_tokens
+    our_loss.backward()
+    assert our_loss.item() == pytest.approx(trl_loss.item(), rel=1e-5), (options, our_loss.item(), trl_loss.item())
+    trl_grad, our_grad = _grads(theirs.model), _grads(ours.model)
+    scale = max(g.abs().max().item() for g in trl_grad.values())
+    worst = max((our_grad[n] - g).abs().max().item() for n, g in trl_grad.items())
+    assert worst <= 1e-5 * max(scale, 1.0), (options, worst, scale)
+
+
+def test_padding_free_gives_trl_padded_loss(tmp_path):
+    "`padding_free=True` (sequences end to end in bins, a block-diagonal mask) gives TRL's padded loss and gradient."
+    theirs, ours, inputs, batch, n_tokens = _sides(tmp_path)
+    trl_loss = theirs.compute_loss(theirs.model, inputs)
+    trl_loss.backward()
+    our_loss = ours.nll_sum(ours.model, batch, padding_free=True) / n_tokens
+    our_loss.backward()
+    assert our_loss.item() == pytest.approx(trl_loss.item(), rel=1e-5)
+    trl_grad, our_grad = _grads(theirs.model), _grads(ours.model)
+    assert max((our_grad[n] - g).abs().max().item() for n, g in trl_grad.items()) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_fit_bins_are_trls(seed):
+    "`best_fit_bins` groups sequences as TRL 1.16's `pack_dataset(strategy='bfd')` does: the same bins, in the same order."
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 48, (300,), generator=g).tolist() + [48, 48, 1, 1]     # ties, full bins and the smallest
+    data = Dataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(lengths)]})
+    packed = pack_dataset(data, seq_length=48, strategy="bfd", map_kwargs={"batch_size": len(lengths)})
+    theirs = [[row[0] for row in _split(ids, sizes)] for ids, sizes in zip(packed["input_ids"], packed["seq_lengths"])]
+    assert best_fit_bins(lengths, 48) == theirs
+
+
+def _split(ids, sizes):
+    out, start = [], 0
+    for n in sizes: out.append(ids[start:start + n]); start += n
+    return out
+
+
+def _walk(ours_class, theirs_class, non_default, refused):
+    fields = {f.name for f in dataclasses.fields(theirs_class)} - {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    assert fields == set(non_default), fields ^ set(non_default)
+    got = []
+    for name, value in non_default.items():
+        try: config = ours_class(**{name: value})
+        except ValueError as e:
+            assert f"`{name}`" in str(e) and "\n" not in str(e), (name, str(e))
+            got.append(name)
+            continue
+        assert getattr(config, name) == value, name
+    assert set(got) == refused, got
+
+
+def test_every_sft_field_trl_adds_is_taken_or_refused_by_name():
+    "Each field TRL 1.16's SFTConfig adds to TrainingArguments: our SFTConfig takes it, or refuses it in one line naming it."
+    _walk(SFTConfig, TRLSFTConfig, {
+        "model_init_kwargs": {"dtype": "float32"}, "trust_remote_code": True, "router_aux_loss_coef": 0.01, "chat_template_path": "chat.jinja",
+        "dataset_text_field": "content", "dataset_kwargs": {"skip_prepare_dataset": True}, "dataset_num_proc": 2, "eos_token": "<|im_end|>",
+        "max_length": 512, "truncation_mode": "keep_end", "shuffle_dataset": True, "packing": True, "packing_strategy": "wrapped",
+        "padding_free": True, "pad_to_multiple_of": 8, "eval_packing": False, "completion_only_loss": False, "assistant_only_loss": False,
+        "loss_type": "dft", "activation_offloading": True, "pad_token": "<pad>"},
+        {"router_aux_loss_coef", "dataset_num_proc", "truncation_mode", "packing_strategy", "pad_token"})
+
+
+def test_every_reward_field_trl_adds_is_taken_or_refused_by_name():
+    "Each field TRL 1.16's RewardConfig adds to TrainingArguments: our RewardConfig takes it, or refuses it in one line naming it."
+    _walk(RewardConfig, TRLRewardConfig, {
+        "model_init_kwargs": {"dtype": "float32"}, "trust_remote_code": True, "chat_template_path": "chat.jinja", "disable_dropout": False,
+        "dataset_num_proc": 2, "eos_token": "<eos>", "max_length": 512, "pad_to_multiple_of": 8, "center_rewards_coefficient": 0.01,
+        "activation_offloading": True, "pad_token": "<pad>"},
+        {"dataset_num_proc", "eos_token", "pad_token"})
