@@ -48,7 +48,7 @@ def setup(work: str):
     labels = length_loving_labels()
     def proxy(seed):
         args = RewardConfig(output_dir=f"{work}/rm{seed}", learning_rate=1e-3, per_device_train_batch_size=32, max_steps=90,
-                            disable_tqdm=True, seed=seed)
+                            disable_tqdm=True, seed=seed, disable_dropout=False)   # dropout on, as the saved sweep was run
         return RewardTrainer(RewardModel(copy.deepcopy(sft), tokenizer=tokenizer), args, labels.shuffle(seed=seed)).train()
     return tokenizer, sft, [proxy(seed) for seed in (0, 1, 2)], labels
 

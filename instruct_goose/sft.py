@@ -200,7 +200,7 @@ def _merged(model: nn.Module) -> nn.Module:
 
 # %% ../nbs/06_sft.ipynb #ec482df6
 def set_chat_template(
-    tokenizer,           # the tokenizer that renders the conversations (changed in place, as TRL changes it)
+    tokenizer,           # the tokenizer that renders the conversations, changed in place (the trainers give it a copy of theirs)
     path: str,           # a Jinja file, or a directory holding a saved tokenizer
 ):
     "TRL's `chat_template_path`: `tokenizer` renders conversations with the template of a Jinja file, or of the tokenizer saved in a directory (its special tokens must be in `tokenizer` already: TRL adds them and resizes the embeddings, here that is yours to do)."
@@ -271,7 +271,7 @@ class SFTTrainer(Trainer):
         self.take_optimizers(optimizers, optimizer_cls_and_kwargs)
         self.args, self.processing_class = a["args"], _load_tokenizer(a["processing_class"], model, a["args"])
         if self.processing_class is None: raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a name/path")
-        if self.args.chat_template_path is not None: set_chat_template(self.processing_class, self.args.chat_template_path)
+        if self.args.chat_template_path is not None: self.processing_class = set_chat_template(copy.deepcopy(self.processing_class), self.args.chat_template_path)
         if self.args.model_init_kwargs is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError("`model_init_kwargs` is read when `model` is a name or path; this `model` is made already: drop it")
         self.model, self.callbacks = with_peft(_load_model(model, self.args), peft_config), callbacks
@@ -435,7 +435,7 @@ class RewardTrainer(Trainer):
         self.reward_model = _reward_model(model, _load_tokenizer(a["processing_class"], model, c), c.seed, **(_from_pretrained_kwargs(c) if by_name else {}))
         if c.disable_dropout: disable_dropout(self.reward_model)
         self.processing_class = self.reward_model.tokenizer
-        if c.chat_template_path is not None: set_chat_template(self.processing_class, c.chat_template_path)
+        if c.chat_template_path is not None: self.processing_class = self.reward_model.tokenizer = set_chat_template(copy.deepcopy(self.processing_class), c.chat_template_path)
         if peft_config is not None: _trunk_adapters(self.reward_model, peft_config)
         self.callbacks, self.loss_fn = callbacks, PairwiseLoss()
         self.max_length = fit_to_context(self.args.max_length, self.reward_model)
@@ -473,11 +473,12 @@ def pair_loss(
 # %% ../nbs/06_sft.ipynb #7e7093b7
 @patch
 def pair_loss_sum(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Tensor, dict]:
-    "(Σ of the pairs' losses, {accuracy, margin}) for a batch of rows: the loss before the minibatch mean (`pair_loss`)."
+    "(Σ of the pairs' losses, TRL 1.16's statistics: accuracy, margin, min/mean/max_reward) for a batch of rows: the loss before the minibatch mean (`pair_loss`)."
     chosen, rejected = self.pair_scores(model, rows)
     loss = self.pair_loss(chosen, rejected)
-    return loss * len(chosen), {"accuracy": pairwise_accuracy(chosen, rejected).detach(),
-                                "margin": (chosen - rejected).mean().detach()}
+    both = torch.cat([chosen, rejected]).detach()
+    return loss * len(chosen), {"accuracy": pairwise_accuracy(chosen, rejected).detach(), "margin": (chosen - rejected).mean().detach(),
+                                "min_reward": both.min(), "mean_reward": both.mean(), "max_reward": both.max()}
 
 # %% ../nbs/06_sft.ipynb #6e1ea6d7
 import json
