@@ -200,16 +200,10 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     def __post_init__(self):
         coerce_numbers(self)
         _check_numbers(self)
-        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
-            raise ValueError(f"`mixed_precision` must be 'no', 'fp16' or 'bf16', got {self.mixed_precision!r}")
         _check_policy(self.gradient_checkpointing_policy)
         if self.gradient_checkpointing_policy == "selective" and not self.gradient_checkpointing:
             raise ValueError("`gradient_checkpointing_policy`='selective' acts with `gradient_checkpointing`=True: set both")
-        if self.bf16 is None: self.bf16 = self.mixed_precision is None and not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        switched = [p for p in ("bf16", "fp16") if getattr(self, p)]
-        if switched and self.mixed_precision not in (None, "no", *switched) or len(switched) > 1:
-            raise ValueError(f"`mixed_precision`={self.mixed_precision!r} and {', '.join(f'`{p}`=True' for p in switched)} disagree: give one")
-        self.mixed_precision = switched[0] if switched else self.mixed_precision or "no"
+        _resolve_precision(self)
         check_hf_settings(self)
         _check_best(self)
         check_tracker(self.report_to)
@@ -290,6 +284,18 @@ def _check_best(config):
     if c.save_strategy == "steps" and every and not (save and _multiple(save, every)):
         raise ValueError(f"`load_best_model_at_end` with `eval_steps`={every} needs checkpoints there: `save_steps` ({save}) must be a multiple "
                          "of it, both steps or both fractions (0 writes one only at the end)")
+
+# %% ../nbs/05_loop.ipynb #d3679b13
+def _resolve_precision(config):
+    "`mixed_precision` from itself or 🤗/TRL's `bf16`/`fp16` switches (`bf16`=None: on where a bf16-capable GPU is), refusing settings that disagree."
+    c = config
+    if c.mixed_precision not in (None, "no", "fp16", "bf16"):
+        raise ValueError(f"`mixed_precision` must be 'no', 'fp16' or 'bf16', got {c.mixed_precision!r}")
+    if c.bf16 is None: c.bf16 = c.mixed_precision is None and not c.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    switched = [p for p in ("bf16", "fp16") if getattr(c, p)]
+    if switched and c.mixed_precision not in (None, "no", *switched) or len(switched) > 1:
+        raise ValueError(f"`mixed_precision`={c.mixed_precision!r} and {', '.join(f'`{p}`=True' for p in switched)} disagree: give one")
+    c.mixed_precision = switched[0] if switched else c.mixed_precision or "no"
 
 # %% ../nbs/05_loop.ipynb #a1ea7ac2
 def check_tracker(
