@@ -7,7 +7,7 @@ __all__ = ['f_divergence_scores', 'dpo_loss', 'DPOConfig', 'tokenize_pairs', 'co
            'completion_logps', 'DPOTrainer', 'dpo_metrics', 'ld_weights', 'mixed_dpo_loss']
 
 # %% ../nbs/09c_dpo.ipynb #eab44d0e
-import contextlib, math, os
+import math, os
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
@@ -26,7 +26,7 @@ from .core import _LOGITS_PER_CHUNK, check_number, logprobs_from_hidden, logprob
 from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
-from .sft import StageConfig, drop_long_prompts, fit_to_context
+from .sft import StageConfig, drop_long_prompts, fit_to_context, offloaded
 from .onpolicy import SyncRefModelCallback, frozen_reference, mix_reference
 
 # %% ../nbs/09c_dpo.ipynb #cb13c4eb
@@ -410,8 +410,7 @@ def pair_loss_sum(self: DPOTrainer, model: nn.Module, batch: tuple) -> tuple[Ten
     a, device = self.args, next(model.parameters()).device
     ids, mask, loss_mask, ref = batch                       # loss_mask stays on the CPU (`completion_logps`)
     ids, mask = ids.to(device), mask.to(device)
-    offload = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if a.activation_offloading else contextlib.nullcontext()
-    with offload: out = self.score(model, ids, mask, loss_mask, wpo=a.use_weighting)
+    with offloaded(a.activation_offloading): out = self.score(model, ids, mask, loss_mask, wpo=a.use_weighting)
     ref = self.reference_logps(ids, mask, loss_mask) if ref is None else ref.to(device)
     n_tokens = loss_mask[:, 1:].sum(1).to(device)
     losses = mixed_dpo_loss(out.logps, ref, n_tokens, a, out.raw_logps, out.wpo_logps)

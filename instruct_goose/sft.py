@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
-from .agent import _from_pretrained_kwargs, _load_model, _load_tokenizer, disable_dropout, eval_mode, load_tokenizer, loss_token_states, states_logps, token_logprobs, with_peft
-from .core import check_number, masked_sum
+from .agent import _from_pretrained_kwargs, _load_model, _load_tokenizer, disable_dropout, eval_mode, loss_token_states, states_logps, with_peft
+from .core import check_number
 from .data import _pad_token_id, apply_chat, as_dataset, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
 from .loop import Trainer, TrainLoop, TrainingConfig, trainer_arguments
 from .losses import PairwiseLoss, pairwise_accuracy
