@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 
 from .agent import (_load_model, _load_tokenizer, disable_dropout, eval_mode, load_tokenizer, loss_token_states, pack_bins,
                                   packed_forward, positions_for, states_logps, with_peft)
-from .core import _LOGITS_PER_CHUNK, check_number, logprobs_from_hidden, logprobs_from_logits, typecheck
-from .data import _pad_token_id, is_conversational, pad_rows, preference_dataset, warn_cut_prompts
+from .core import _LOGITS_PER_CHUNK, check_number, typecheck
+from .data import _pad_token_id, is_conversational, pad_rows, pad_to_multiple, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
 from .sft import StageConfig, drop_long_prompts, fit_to_context, offloaded
@@ -207,9 +207,7 @@ def collate_pairs(
     heads, tails = zip(*[(h, t) if h else (t[:1], t[1:]) for h, t in zip(heads, tails)])  # no prompt: the first token is context
     keep_end = truncation_mode == "keep_end" and max_length is not None
     seqs = [(h + t)[-max_length:] if keep_end else (h + t)[:max_length] for h, t in zip(heads, tails)]
-    ids, mask = pad_rows(seqs, pad_token_id, "right")
-    if pad_to_multiple_of and (extra := -ids.shape[1] % pad_to_multiple_of):
-        ids, mask = F.pad(ids, (0, extra), value=pad_token_id), F.pad(mask, (0, extra))
+    ids, mask = pad_to_multiple(pad_to_multiple_of, *zip(pad_rows(seqs, pad_token_id, "right"), (pad_token_id, 0)))
     cut = [len(h) + len(t) - len(s) if keep_end else 0 for h, t, s in zip(heads, tails, seqs)]   # tokens cut from the start
     column, starts = torch.arange(ids.shape[1]), torch.tensor([max(len(h) - c, 0) for h, c in zip(heads, cut)])
     return ids, mask, (column >= starts[:, None]) & (column < mask.sum(1, keepdim=True))

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from accelerate import Accelerator
 
 from .agent import (Agent, _is_peft, _load_model, _load_tokenizer, context_length, create_reference_model, disable_dropout, eval_mode,
-                                  load_tokenizer, response_logprobs, with_peft)
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+                                  response_logprobs, with_peft)
+from transformers import AutoModelForCausalLM, TrainerCallback
 from accelerate.utils import gather_object
 from .completions import append_completions, completion_rows, completions_table, completions_to_trackers, drop_completions_after, first_per_prompt
 from .generation import check_generation_kwargs, check_sampling, generate_responses

@@ -18,13 +18,12 @@ from accelerate.utils import set_seed
 from datasets import Dataset
 from fastcore.basics import patch
 from torch import Tensor, nn
-import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
 from .agent import _from_pretrained_kwargs, _load_model, _load_tokenizer, disable_dropout, eval_mode, loss_token_states, states_logps, with_peft
 from .core import check_number
-from .data import _pad_token_id, apply_chat, as_dataset, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
+from .data import _pad_token_id, apply_chat, as_dataset, pad_to_multiple, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
 from .loop import Trainer, TrainLoop, TrainingConfig, trainer_arguments
 from .losses import PairwiseLoss, pairwise_accuracy
 from .reward import RewardModel
@@ -314,8 +313,7 @@ def encode(self: SFTTrainer, rows: dict) -> tuple[tuple[Tensor, Tensor, Tensor],
         prompts = rows.get("prompt")
         ids, mask, loss_mask = encode_sft(tok, prompts, rows["completion"] if prompts else rows[a.dataset_text_field], self.max_length, self.eos_token_id)
         if a.completion_only_loss is False: loss_mask = mask.bool() & (torch.arange(mask.shape[1]) > 0)   # the prompt too; nothing predicts a row's first token
-    if a.pad_to_multiple_of and (extra := -ids.shape[1] % a.pad_to_multiple_of):
-        ids, mask, loss_mask = F.pad(ids, (0, extra), value=_pad_token_id(tok)), F.pad(mask, (0, extra)), F.pad(loss_mask, (0, extra))
+    ids, mask, loss_mask = pad_to_multiple(a.pad_to_multiple_of, (ids, _pad_token_id(tok)), (mask, 0), (loss_mask, False))
     return (ids, mask, loss_mask), int(loss_mask.sum())
 
 # %% ../nbs/06_sft.ipynb #b4f6635d
@@ -453,8 +451,7 @@ def pair_scores(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Tens
     "Scores of the chosen and the rejected completions of a batch of rows, in one forward pass."
     texts = [p + c for p, c in zip(rows["prompt"], rows["chosen"])] + [p + r for p, r in zip(rows["prompt"], rows["rejected"])]
     ids, mask = self.reward_model.encode(texts, self.max_length)
-    if self.args.pad_to_multiple_of and (extra := -ids.shape[1] % self.args.pad_to_multiple_of):   # pads after the text, wherever the tokenizer put its own
-        ids, mask = F.pad(ids, (0, extra), value=_pad_token_id(self.reward_model.tokenizer)), F.pad(mask, (0, extra))
+    ids, mask = pad_to_multiple(self.args.pad_to_multiple_of, (ids, _pad_token_id(self.reward_model.tokenizer)), (mask, 0))   # after the text, wherever the tokenizer put its own pads
     scores = model(ids, mask)
     return scores[:len(rows["prompt"])], scores[len(rows["prompt"]):]
 
