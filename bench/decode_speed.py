@@ -63,6 +63,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--no_hf", action="store_true", help="leave out 🤗 `generate` (its static cache compiles ~45 s at 0.5B on a GPU: device time)")
     p.add_argument("--compiled", action="store_true", help="a side more: `decode(compile=True)`, the step through torch.compile (inductor; its compilation in the warm-up)")
     a = p.parse_args()
     warnings.filterwarnings("ignore"); T.utils.logging.set_verbosity_error()
@@ -72,9 +73,10 @@ def main():
     bw = bandwidth(a.device)
     print(f"torch {torch.__version__}, transformers {T.__version__}, {a.device} {torch.cuda.get_device_name() if a.device == 'cuda' else ''}"
           f"{torch.get_num_threads()} threads, {dtype}; copy bandwidth {bw / 1e9:.1f} GB/s")
-    sides = {"ours": lambda *args: generate_responses(*args, own_decoder=True), "🤗": lambda *args: generate_responses(*args, own_decoder=False)}
-    if a.device == "cuda": sides["ours, no graphs"] = lambda *args: decode(*args, graphs=False)
+    sides = {"ours": lambda *args: generate_responses(*args, own_decoder=True)}
     if a.compiled: sides["ours, compiled"] = lambda *args: decode(*args, compile=True)
+    if a.device == "cuda": sides["ours, no graphs"] = lambda *args: decode(*args, graphs=False)
+    if not a.no_hf: sides["🤗"] = lambda *args: generate_responses(*args, own_decoder=False)
     print(f"{'shape':<11}" + "".join(f"{s + ' ms/token':>22}" for s in sides) + f" {'🤗/ours':>8} {'floor ms':>9} {'ours/floor':>10}")
     for shape in a.shapes:
         model = fuse_activations(build(shape).eval()).to(a.device, dtype)
@@ -83,15 +85,19 @@ def main():
         m = torch.ones_like(q); m[: a.batch // 2, :8] = 0
         never = vocab                                           # a stop id never drawn: every row runs --tokens steps
         times = {s: [] for s in sides}
-        for run in sides.values(): run(model, q, m, a.tokens, never, 0)   # warm-up at the timed length (🤗 and `compile`: their compilation)
+        for s, run in sides.items():   # warm-up at the timed length (🤗 and `compile`: their compilation); printed as it goes,
+            t0 = time.perf_counter(); run(model, q, m, a.tokens, never, 0)   # so a run stopped at its limit keeps what it measured
+            print(f"  {shape} warm-up {s}: {time.perf_counter() - t0:.1f} s", flush=True)
         for r in range(a.reps):
             for s in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                 torch.manual_seed(r)
                 times[s].append(_time(lambda: sides[s](model, q, m, a.tokens, never, 0)) / a.tokens * 1e3)
+            print(f"  {shape} rep {r}: " + ", ".join(f"{s} {times[s][-1]:.2f}" for s in sides) + " ms/token", flush=True)
         med = {s: statistics.median(t) for s, t in times.items()}
-        ours, theirs = med["ours"], med["🤗"]
+        ours, theirs = med["ours"], med.get("🤗", float("nan"))
         floor = sum(t.numel() * t.element_size() for t in model.parameters()) / bw * 1e3    # tied weights once
         print(f"{shape:<11}" + "".join(f"{med[s]:>22.2f}" for s in sides) + f" {theirs / ours:>7.2f}x {floor:>9.3f} {ours / floor:>9.1f}x")
+        for s in sides: print(f"  {s}: {med[s] / floor:.1f}x the floor")
         print(f"decode_{shape} ratio={theirs / ours:.2f}")
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@
 #   selective    0.5B, 512 tokens, GRPO vs TRL 1.16, ours with selective checkpointing (TRL without: it has none);
 #                expected peak ~13,550 MiB vs TRL's 17,883 (0.76x), at a few % of our update's time
 #   ppo          0.5B, 512 tokens, PPO shared and separate critic vs TRL 1.12's PPO (not reached 2026-11-26)
+#   decode_short the same without 🤗 (its compilation, ~45 s; measured 2026-11-26), 2 reps, at most 200 s
+#   tests_compiled  the compiled step's two tests and the GPU default's (not yet run on a GPU)
+#   ppo_shared   PPO with the shared critic alone vs TRL 1.12's PPO
 #   compiled     GRPO, ours alone, `--lever compiled_decoder` (the step through inductor inside the graph)
 #   maxbatch     1.5B, GRPO, the largest batch for full fine-tuning, ours vs TRL (doubling only)
 #   maxbatch8    the same with `--optim adamw_8bit` on both sides (bitsandbytes: carry its wheel in .whl/bnb, 43 MB;
@@ -35,9 +38,12 @@ for stage in "$@"; do
   case $stage in
     tests) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m pytest tests/test_decode_cuda.py -q -p no:cacheprovider 2>&1 | tail -30 | tee $OUT/test_decode_cuda.txt ;;
     decode) timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 3 --compiled 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
+    decode_short) timeout $(( $(left) < 200 ? $(left) : 200 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
+    tests_compiled) timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest tests/test_decode_cuda.py -q -p no:cacheprovider -k "compiled or default" 2>&1 | tail -30 | tee $OUT/test_decode_cuda_compiled.txt ;;
     grpo_rloo) $B --algos grpo rloo --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512.json ;;
     selective) $B --algos grpo --checkpointing selective --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_selective.json ;;
     ppo) $B --algos ppo_shared ppo_separate --epochs 4 --deadline_s $(deadline 130) --json $OUT/real_size_gpu_0.5b_r512_ppo.json ;;
+    ppo_shared) $B --algos ppo_shared --epochs 4 --deadline_s $(deadline 100) --json $OUT/real_size_gpu_0.5b_r512_ppo.json ;;
     compiled) $B --algos grpo --sides ours --lever compiled_decoder --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_compiled.json ;;
     maxbatch) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full.json ;;
     maxbatch8) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/bnb/*.whl &&
