@@ -13,6 +13,8 @@
 #   decode_short the same without 🤗 (its compilation, ~45 s; measured 2026-11-26), 2 reps, at most 200 s
 #   tests_compiled  the compiled step's two tests and the GPU default's (not yet run on a GPU)
 #   ppo_shared   PPO with the shared critic alone vs TRL 1.12's PPO
+#   profile      GRPO, ours alone, selective then no checkpointing, one more step's generation and update under torch.profiler
+#                (why our GRPO update took 2.0-2.7 s in three runs and 0.2-0.4 s in others; ~40 s each)
 #   compiled     GRPO, ours alone, `--lever compiled_decoder` (the step through inductor inside the graph)
 #   maxbatch     1.5B, GRPO, the largest batch for full fine-tuning, ours vs TRL (doubling only)
 #   maxbatch8    the same with `--optim adamw_8bit` on both sides (bitsandbytes: carry its wheel in .whl/bnb, 43 MB;
@@ -44,6 +46,8 @@ for stage in "$@"; do
     selective) $B --algos grpo --checkpointing selective --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_selective.json ;;
     ppo) $B --algos ppo_shared ppo_separate --epochs 4 --deadline_s $(deadline 130) --json $OUT/real_size_gpu_0.5b_r512_ppo.json ;;
     ppo_shared) $B --algos ppo_shared --epochs 4 --deadline_s $(deadline 100) --json $OUT/real_size_gpu_0.5b_r512_ppo.json ;;
+    profile) $B --algos grpo --sides ours --checkpointing selective --profile $OUT/profile_selective --deadline_s $(deadline 60) --json $OUT/real_size_gpu_0.5b_r512_profile_selective.json
+      $B --algos grpo --sides ours --profile $OUT/profile_none --deadline_s $(deadline 60) --json $OUT/real_size_gpu_0.5b_r512_profile_none.json ;;
     compiled) $B --algos grpo --sides ours --lever compiled_decoder --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_compiled.json ;;
     maxbatch) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full.json ;;
     maxbatch8) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/bnb/*.whl &&

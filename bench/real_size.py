@@ -170,6 +170,34 @@ def patch_optimizer(clock):
     torch.optim.AdamW.zero_grad = clock.wrap("optimizer", torch.optim.AdamW.zero_grad)
 
 
+def profiled(a, phase, fn, last):
+    "`fn` whose `last`-th call runs under `torch.profiler` (CPU, and CUDA on a GPU: kernels inside CUDA graphs too, where the CUPTI allows),"
+    "its operators and kernels by self time written to `<--profile>/profile_<algo>_<side>_<phase>.txt`."
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    calls = [0]
+    def w(*x, **k):
+        calls[0] += 1
+        if calls[0] != last: return fn(*x, **k)
+        cuda = a.device == "cuda"
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            t = time.perf_counter(); r = fn(*x, **k)
+            if cuda: torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        ev = prof.key_averages()
+        by = "self_device_time_total" if cuda else "self_cpu_time_total"
+        gpu = sum(e.self_device_time_total for e in ev) / 1e6 if cuda else float("nan")
+        cpu = sum(e.self_cpu_time_total for e in ev) / 1e6
+        head = (f"{a.algo} {a.side} {phase}, call {last} (untimed), {a.model_shape} {a.device} {a.dtype}: wall {wall:.3f} s under the profiler, "
+                f"self CPU {cpu:.3f} s, self GPU {gpu:.3f} s, {sum(e.count for e in ev)} events\n")
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
+        Path(a.profile, f"profile_{a.algo}_{a.side}_{phase}.txt").write_text(head + ev.table(sort_by=by, row_limit=45, max_name_column_width=70))
+        print(head, end="", flush=True)
+        return r
+    w.__wrapped__ = fn
+    return w
+
+
 def training(a, clock):
     "The context `tr.train()` runs in: with --live_bytes, `instruct_goose.levers.LiveBytes`, whose peak (the bytes of tensors made during training and alive at once: activations, gradients, AdamW's moments, logits; not the weights built before) goes to the result."
     import contextlib
@@ -198,7 +226,7 @@ def run_ours(algo, a, tok, out, clock):
     peft = lora_config(a.model_shape) if a.lora else None
     ref = lambda: None   # the trainer's own copy (LoRA: the adapter-off base), as TRL's make theirs; under bf16 its linear layers are held in bf16 (`half_linears`: the same numbers)
     apply_levers(a.lever)   # before the trainer: it fuses the models' activations when it takes them
-    steps = a.warmup + a.steps
+    steps = a.warmup + a.steps + bool(a.profile)   # --profile: one step more, under the profiler, not timed
     common = dict(output_dir=out, per_device_train_batch_size=a.batch, response_length=a.response_length,
                   learning_rate=LR, kl_coef=KL_COEF, seed=0, total_episodes=a.batch * steps, num_sample_generations=0,
                   disable_tqdm=True, mixed_precision="bf16" if a.dtype == "bf16" else "no", temperature=1.0,
@@ -233,6 +261,9 @@ def run_ours(algo, a, tok, out, clock):
     OnPolicyTrainer.sample_and_score = clock.wrap("_sas", OnPolicyTrainer.sample_and_score)
     cls.sample_rollout = clock.wrap("_rollout", cls.sample_rollout)
     cls.update = clock.wrap("_update", cls.update)
+    if a.profile:
+        tm.generate_responses = profiled(a, "generation", tm.generate_responses, steps)
+        cls.update = profiled(a, "update", cls.update, steps)
     patch_optimizer(clock)
     log = TrainLoop.log
     def log_and_mark(self, *x, **k):
@@ -450,7 +481,7 @@ def child(a):
         if not is_oom(e): raise
         print(f"OOM {type(e).__name__}: {str(e)[:300]}", flush=True)
         sys.exit(OOM_EXIT)
-    steps = clock.steps
+    steps = clock.steps[: len(clock.steps) - bool(a.profile and a.side == "ours")]   # --profile's step is not timed
     if len(steps) != a.warmup + a.steps: sys.exit(f"expected {a.warmup + a.steps} steps, timed {len(steps)}")
     timed = steps[a.warmup:]
     wall = sum(s["total"] for s in timed)
@@ -512,6 +543,7 @@ def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None,
            "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing, "--optim", a.optim] + (["--live_bytes"] if a.live_bytes else []) + sum((["--lever", l] for l in a.lever or []), [])
     if lora: cmd.append("--lora")
     if a.mem_limit_mib: cmd += ["--mem_limit_mib", str(a.mem_limit_mib)]
+    if a.profile and side == "ours" and not a.max_batch: cmd += ["--profile", a.profile]
     env = {**os.environ, **(extra_env or {})}
     if side == "trl" and algo.startswith("ppo") and a.dtype == "bf16":
         # TRL's PPOTrainer builds its own Accelerator(), which reads the precision that `accelerate launch
@@ -775,6 +807,7 @@ def main():
     p.add_argument("--bisect", type=int, default=3, help="--max_batch: bisection probes after the doubling, at most")
     p.add_argument("--max_batch_cap", type=int, default=4096, help="--max_batch: stop doubling past this batch")
     p.add_argument("--max_batch_budget_s", type=float, help="--max_batch: no new probe of an (algorithm, side, mode) after this many seconds")
+    p.add_argument("--profile", metavar="DIR", help="our side: one step more, untimed, its generation and update under torch.profiler; the tables (by self CUDA time on a GPU) go to DIR")
     p.add_argument("--deadline_s", type=float, help="start no new child process after this many seconds (runs not started are 'skipped'); the JSON is written after every child")
     p.add_argument("--trl_ppo_path", default=os.environ.get("TRL_PPO_PATH", "/tmp/trl112"),
                    help="a --target install of trl==1.12.0 (for PPO; RLOO uses the installed TRL)")
