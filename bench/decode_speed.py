@@ -55,6 +55,26 @@ def _time(fn):
     return time.perf_counter() - t
 
 
+def profile_sides(a, shape, sides, model, q, m, never):
+    "One call of each side under `torch.profiler` (kernels replayed from CUDA graphs included, where CUPTI reports them): where a token's time goes."
+    from pathlib import Path
+    from torch.profiler import ProfilerActivity, profile
+    cuda = a.device == "cuda"
+    for s, run in sides.items():
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            wall = _time(lambda: run(model, q, m, a.tokens, never, 0))
+        ev = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in ev) / 1e3 if cuda else float("nan")   # ms of kernels (overlapping streams counted twice)
+        kernels = sum(e.count for e in ev if e.self_device_time_total > 0)
+        head = (f"{shape} {s}: {wall / a.tokens * 1e3:.2f} ms a token under the profiler; kernels {busy / a.tokens:.3f} ms a token "
+                f"({kernels / a.tokens:.0f} a token), so the GPU idles {100 * (1 - busy / (wall * 1e3)):.0f} % of the time\n")
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
+        name = s.replace(",", "").replace(" ", "_").replace("🤗", "hf")
+        Path(a.profile, f"decode_{shape}_{name}.txt").write_text(head + ev.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                                                                 row_limit=40, max_name_column_width=80))
+        print("  " + head, end="", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=["tiny", "llama"], choices=["tiny", "llama", "gpt2-small", "0.5b"])
@@ -63,6 +83,8 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", metavar="DIR", help="after the timed reps, one call of each side under torch.profiler: its table (by self CUDA time on a GPU) to DIR")
+    p.add_argument("--sync_every", type=int, default=1, help="sides more: `decode(sync_every=N)` (one host sync every N steps), with graphs and, with --compiled, compiled")
     p.add_argument("--no_hf", action="store_true", help="leave out 🤗 `generate` (its static cache compiles ~45 s at 0.5B on a GPU: device time)")
     p.add_argument("--compiled", action="store_true", help="a side more: `decode(compile=True)`, the step through torch.compile (inductor; its compilation in the warm-up)")
     a = p.parse_args()
@@ -75,6 +97,9 @@ def main():
           f"{torch.get_num_threads()} threads, {dtype}; copy bandwidth {bw / 1e9:.1f} GB/s")
     sides = {"ours": lambda *args: generate_responses(*args, own_decoder=True)}
     if a.compiled: sides["ours, compiled"] = lambda *args: decode(*args, compile=True)
+    if a.sync_every > 1:
+        sides[f"ours, sync {a.sync_every}"] = lambda *args: decode(*args, sync_every=a.sync_every)
+        if a.compiled: sides[f"compiled, sync {a.sync_every}"] = lambda *args: decode(*args, compile=True, sync_every=a.sync_every)
     if a.device == "cuda": sides["ours, no graphs"] = lambda *args: decode(*args, graphs=False)
     if not a.no_hf: sides["🤗"] = lambda *args: generate_responses(*args, own_decoder=False)
     print(f"{'shape':<11}" + "".join(f"{s + ' ms/token':>22}" for s in sides) + f" {'🤗/ours':>8} {'floor ms':>9} {'ours/floor':>10}")
@@ -93,6 +118,7 @@ def main():
                 torch.manual_seed(r)
                 times[s].append(_time(lambda: sides[s](model, q, m, a.tokens, never, 0)) / a.tokens * 1e3)
             print(f"  {shape} rep {r}: " + ", ".join(f"{s} {times[s][-1]:.2f}" for s in sides) + " ms/token", flush=True)
+        if a.profile: profile_sides(a, shape, sides, model, q, m, never)
         med = {s: statistics.median(t) for s, t in times.items()}
         ours, theirs = med["ours"], med.get("🤗", float("nan"))
         floor = sum(t.numel() * t.element_size() for t in model.parameters()) / bw * 1e3    # tied weights once

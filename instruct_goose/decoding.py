@@ -44,8 +44,12 @@ class KVCache:
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a04f
 def _attend(q, k, v, mask, scale: float):
-    "softmax(q kᵀ · scale + M) v over the cache's keys and values (`mask` False: -inf), key heads shared by groups of query heads where there are fewer."
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    "softmax(q kᵀ · scale + M) v over the cache's keys and values (`mask` False: -inf); where G query heads share a key head, the G heads read it as G times the queries (no copy of the cache)."
+    (B, H, P, d), G = q.shape, q.shape[1] // k.shape[1]
+    if G == 1: return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if P > 1: mask = mask.unsqueeze(2).expand(-1, -1, G, -1, -1).flatten(2, 3)      # (batch, 1, G·new, keys): each group's queries, in turn
+    o = F.scaled_dot_product_attention(q.unflatten(1, (-1, G)).flatten(2, 3), k, v, attn_mask=mask, scale=scale)
+    return o.unflatten(2, (G, P)).flatten(1, 2)                                      # (batch, heads, new, head_dim): head h read key head h // G
 
 def _rotate(attention: nn.Module, q, k, cos, sin):
     "Rotate q and k by the family's own `apply_rotary_pos_emb` (from the attention module's source file: partial rotary and each family's layout come with it)."
@@ -295,11 +299,14 @@ def decode(
     repetition_penalty: float = 1.0,
     graphs: bool | None = None,                           # replay each step from a CUDA graph, the batch kept at a power of two (`_Replay`); None: on a GPU, where `_graph_refusal` has no objection
     compile: bool | dict = False,                         # run that static step through `torch.compile` (`_compiled`; a dict: its options, e.g. a backend): fused kernels, recorded inside the graph on a GPU; the cache's length rounded up to a multiple of 64 so other prompt widths reuse the compiled step
+    sync_every: int = 1,                                  # steps between the loop's host syncs, which drop finished rows and end the loop when no row is left; more lets a GPU queue that many steps ahead (finished rows ride along until the next sync, their tokens dropped)
 ) -> Int[Tensor, "batch new"]:                            # the sampled ids, `max_new_tokens` per row, stop token included
     "Sample each row's response token by token through the family's step (`_STEPS`) and a static cache; finished rows leave the batch."
     lm = _base_lm(model)
     (B, P), dev = query_ids.shape, query_ids.device
     if compile and graphs is False: raise ValueError("`compile` compiles the static step that `graphs` replays: it cannot run with graphs=False")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"`sync_every` must be a whole number ≥ 1 (steps between host syncs), got {sync_every!r}")
     if (graphs or compile) and (refusal := _graph_refusal(lm)):
         raise ValueError(f"`{'compile' if compile else 'graphs=True'}`, but this model's step cannot be replayed from a CUDA graph: {refusal}")
     if graphs is None: graphs = bool(compile) or dev.type == "cuda" and _graph_refusal(lm) is None   # the module walk only where graphs could run
@@ -323,8 +330,9 @@ def decode(
             tok = _draw(narrow(logits.float(), seen, temperature, top_k, top_p, min_p, repetition_penalty).softmax(-1))
             out[rows, t] = tok
             rows = rows.masked_fill(torch.isin(tok, stops), B)
-            left = int((rows < B).sum())                                                         # the step's one host sync
-            if t + 1 == max_new_tokens or left == 0: break
+            if t + 1 == max_new_tokens: break
+            left = int((rows < B).sum()) if (t + 1) % sync_every == 0 else len(rows)            # the loop's one host sync, every `sync_every` steps
+            if left == 0: break
             size = 1 << (left - 1).bit_length() if graphs else left                              # graphs: the power of two at or above
             if size < len(rows):                                                                 # finished rows leave the batch
                 keep = torch.argsort(rows == B, stable=True)[:size]                              # the rows going first, then (graphs) finished ones as filler
