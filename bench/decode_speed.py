@@ -55,6 +55,28 @@ def _time(fn):
     return time.perf_counter() - t
 
 
+def draw_costs(a, vocab, dtype):
+    "One step's draw alone, eager, at (--batch, vocab): the library's inverse CDF (a float64 cumsum of each row), an exponential race"
+    " (argmax p/E, E ~ Exp(1): the same distribution, V random numbers a row), and the inverse CDF in two levels (block sums, then one block)."
+    from instruct_goose.decoding import _draw
+    torch.manual_seed(0)
+    p = (torch.randn(a.batch, vocab, device=a.device) * 3).softmax(-1)
+    def race(p): return (p / torch.empty_like(p).exponential_()).argmax(-1)
+    def two_level(p, C=512):
+        B, V = p.shape; n = -(-V // C)
+        blocks = torch.nn.functional.pad(p.double(), (0, n * C - V)).view(B, n, C)
+        ends = blocks.sum(-1).cumsum(-1)
+        u = torch.rand(B, 1, dtype=ends.dtype, device=p.device) * ends[:, -1:]
+        b = torch.searchsorted(ends, u, right=True).clamp(max=n - 1)
+        before = torch.where(b > 0, ends.gather(1, (b - 1).clamp(min=0)), 0.0)
+        inner = blocks.gather(1, b[:, :, None].expand(-1, -1, C)).squeeze(1).cumsum(-1)
+        return (b * C + torch.searchsorted(inner, u - before, right=True).clamp(max=C - 1)).squeeze(1)
+    out = {}
+    for name, f in (("inverse CDF", _draw), ("exponential race", race), ("two-level CDF", two_level)):
+        f(p); out[name] = statistics.median(_time(lambda: f(p)) for _ in range(20)) * 1e3
+    print(f"  draw alone, {a.batch} x {vocab}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in out.items()), flush=True)
+
+
 def profile_sides(a, shape, sides, model, q, m, never):
     "One call of each side under `torch.profiler` (kernels replayed from CUDA graphs included, where CUPTI reports them): where a token's time goes."
     from pathlib import Path
@@ -85,6 +107,7 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", metavar="DIR", help="after the timed reps, one call of each side under torch.profiler: its table (by self CUDA time on a GPU) to DIR")
     p.add_argument("--sync_every", type=int, default=1, help="sides more: `decode(sync_every=N)` (one host sync every N steps), with graphs and, with --compiled, compiled")
+    p.add_argument("--draws", action="store_true", help="time the draw alone: our inverse CDF against an exponential race and a two-level CDF")
     p.add_argument("--no_hf", action="store_true", help="leave out 🤗 `generate` (its static cache compiles ~45 s at 0.5B on a GPU: device time)")
     p.add_argument("--compiled", action="store_true", help="a side more: `decode(compile=True)`, the step through torch.compile (inductor; its compilation in the warm-up)")
     a = p.parse_args()
@@ -106,6 +129,7 @@ def main():
     for shape in a.shapes:
         model = fuse_activations(build(shape).eval()).to(a.device, dtype)
         vocab = model.config.vocab_size
+        if a.draws: draw_costs(a, vocab, dtype)
         q = torch.randint(3, vocab, (a.batch, 40), device=a.device)
         m = torch.ones_like(q); m[: a.batch // 2, :8] = 0
         never = vocab                                           # a stop id never drawn: every row runs --tokens steps

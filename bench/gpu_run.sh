@@ -17,12 +17,18 @@
 #   ppo_shared   PPO with the shared critic alone vs TRL 1.12's PPO
 #   profile      GRPO, ours alone, selective then no checkpointing, one more step's generation and update under torch.profiler
 #                (why our GRPO update took 2.0-2.7 s in three runs and 0.2-0.4 s in others; ~40 s each)
+#   ppo_separate our separate critic vs TRL 1.12's PPO (its one critic is separate)
+#   rloo_selective  RLOO vs TRL 1.16, ours with selective checkpointing (the memory must-show for RLOO)
+#   maxbatch_lora   1.5B, GRPO, LoRA r 16 on both sides, the largest batch, ours vs TRL
+#   maxbatch_trl    TRL's side of maxbatch alone from 32 (2026-11-27 reached only its 16, 97 s a probe)
+#   (on an H200 the maxbatch stages cap a probe at 79,000 MiB: what an H100 80GB holds)
 #   compiled     GRPO, ours alone, `--lever compiled_decoder` (the step through inductor inside the graph)
 #   maxbatch     1.5B, GRPO, the largest batch for full fine-tuning, ours vs TRL (doubling only)
 #   maxbatch8    the same with `--optim adamw_8bit` on both sides (bitsandbytes: carry its wheel in .whl/bnb, 43 MB;
 #                the image has none): 2 bytes of optimizer moments a parameter instead of 8 (embeddings excepted), ~7.9 GB less at 1.5B
-# 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). Next: tests selective decode ppo
-# compiled, then grpo_rloo (the memory lever of 1f91bf3, without selective) and maxbatch.
+# 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). 2026-11-27 (an H200) ran selective,
+# decode_short, ppo_shared, tests_compiled, maxbatch (bench/README.md §5). Next, in one ~9-minute call:
+#   profile decode_sync ppo_separate rloo_selective     then, in a second call if time is left:   maxbatch_lora maxbatch_trl
 set -u
 SHA=${1:-unknown}; DIRTY=${2:-unknown}; BUDGET=${3:-570}; shift 3; START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -35,6 +41,8 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 LIBRARY_COMMIT=$SHA LIBRARY_
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch,transformers,accelerate,peft,datasets,pyarrow,trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__, 'trl', trl.__version__)" || exit 1
 B="python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --trl_ppo_path /tmp/trl112 --model-shape 0.5b --response_length 512 --batch 8 --warmup 1 --steps 1"
+# on a GPU larger than an H100 (an H200: 143,771 MiB), a probe whose peak passes 79,000 MiB counts as not fitting an H100 80GB
+CAP=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1); [ "${CAP:-0}" -gt 100000 ] && CAP="--mem_limit_mib 79000" || CAP=""
 deadline() { local d=$(( $(left) - $1 )); [ "$d" -gt 0 ] && echo $d || echo 1; }   # start no child later than $1 s before the end
 
 for stage in "$@"; do
@@ -43,16 +51,20 @@ for stage in "$@"; do
     tests) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m pytest tests/test_decode_cuda.py -q -p no:cacheprovider 2>&1 | tail -30 | tee $OUT/test_decode_cuda.txt ;;
     decode) timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 3 --compiled 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
     decode_short) timeout $(( $(left) < 200 ? $(left) : 200 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
-    decode_sync) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf --sync_every 8 --profile $OUT/decode_profile 2>&1 | tee $OUT/decode_speed_0.5b_sync.txt ;;
+    decode_sync) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf --sync_every 8 --draws --profile $OUT/decode_profile 2>&1 | tee $OUT/decode_speed_0.5b_sync.txt ;;
     tests_compiled) timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest tests/test_decode_cuda.py -q -p no:cacheprovider -k "compiled or default" 2>&1 | tail -30 | tee $OUT/test_decode_cuda_compiled.txt ;;
     grpo_rloo) $B --algos grpo rloo --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512.json ;;
     selective) $B --algos grpo --checkpointing selective --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_selective.json ;;
     ppo) $B --algos ppo_shared ppo_separate --epochs 4 --deadline_s $(deadline 130) --json $OUT/real_size_gpu_0.5b_r512_ppo.json ;;
+    ppo_separate) $B --algos ppo_separate --epochs 4 --deadline_s $(deadline 100) --json $OUT/real_size_gpu_0.5b_r512_ppo_separate.json ;;
+    rloo_selective) $B --algos rloo --checkpointing selective --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_rloo_selective.json ;;
     ppo_shared) $B --algos ppo_shared --epochs 4 --deadline_s $(deadline 100) --json $OUT/real_size_gpu_0.5b_r512_ppo.json ;;
     profile) $B --algos grpo --sides ours --checkpointing selective --profile $OUT/profile_selective --deadline_s $(deadline 60) --json $OUT/real_size_gpu_0.5b_r512_profile_selective.json
       $B --algos grpo --sides ours --profile $OUT/profile_none --deadline_s $(deadline 60) --json $OUT/real_size_gpu_0.5b_r512_profile_none.json ;;
     compiled) $B --algos grpo --sides ours --lever compiled_decoder --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_compiled.json ;;
-    maxbatch) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full.json ;;
+    maxbatch) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 $CAP --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full.json ;;
+    maxbatch_lora) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --lora --algos grpo --response_length 512 --batch 32 --bisect 0 $CAP --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_lora.json ;;
+    maxbatch_trl) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --sides trl --algos grpo --response_length 512 --batch 32 --bisect 0 $CAP --deadline_s $(deadline 100) --json $OUT/real_size_gpu_1.5b_maxbatch_full_trl.json ;;
     maxbatch8) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/bnb/*.whl &&
       python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 --optim adamw_8bit --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full_8bit.json ;;
     *) echo "unknown stage $stage" ;;
