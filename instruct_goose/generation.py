@@ -158,6 +158,7 @@ def generate_responses(
     min_p: float | None = None,                           # keep the tokens at least min_p × as likely as the most likely one (None: all)
     repetition_penalty: float = 1.0,                      # 🤗's: the logit z of a token already in the row becomes z/θ if z > 0, else z·θ (1: off)
     own_decoder: bool | None = None,                      # sample through `decode` (our loop; on a GPU its steps replayed from CUDA graphs) rather than 🤗 `generate`; None: whenever `decoding_refusal` has no objection, on the CPU and on a GPU
+    compile: bool | dict = False,                         # `decode`'s step through `torch.compile` (its `compile`: fused kernels inside the CUDA graph), where `decode` samples; a GPU lever, compiled once per batch size and 64 prompt widths
     **generate_kwargs,                                    # passed on to 🤗 `generate` (then `decode` is not used); like the four above they are part of the sampler, not of the scored distribution (see "How π_old is scored")
 ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
     "Sample one response per prompt from softmax(z / T), narrowed by top-k/top-p/min-p and a repetition penalty when asked (the model's own `generation_config` ignored), cut after its first stop token, pad to `max_new_tokens`."
@@ -168,11 +169,13 @@ def generate_responses(
     refusal = (decoding_refusal(model, query_ids.shape[1] + max_new_tokens) or (generate_kwargs and "`generate_kwargs` are 🤗 generate's")
                or (static_cache is False and "🤗's dynamic cache was asked for (static_cache=False)"))
     if own_decoder and refusal: raise ValueError(f"`own_decoder=True`, but `decode` cannot sample from this model: {refusal}")
+    if compile and (own_decoder is False or refusal):
+        raise ValueError(f"`compile` compiles `decode`'s step, but {'own_decoder=False samples with 🤗 generate' if own_decoder is False else 'decode cannot sample from this model: ' + refusal}")
     if own_decoder is None: own_decoder = not refusal
-    if packed is None: packed = query_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+    if packed is None: packed = query_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not compile   # compiled: plain weights
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
     with eval_mode(model), merged_adapters(model), packed_linears(model, len(query_ids)) if packed else nullcontext():
-        response = (decode(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, **sampling) if own_decoder else
+        response = (decode(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, **sampling, compile=compile) if own_decoder else
                     _hf_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, static_cache, sampling, generate_kwargs))
     return truncate_after_stop(response, stop_token_ids, pad_token_id)
 

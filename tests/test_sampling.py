@@ -161,3 +161,18 @@ def test_ppo_takes_them_from_the_same_engine(tmp_path):
     ids, mask = samples.response_ids, samples.response_mask
     with torch.no_grad(): logits = response_logits(policy, samples.query_ids, samples.query_attention_mask, ids, mask)[0]
     assert torch.equal(ids[mask], logits.argmax(-1)[mask])
+
+
+def test_compile_generation_samples_through_the_compiled_step(policy_dir, tmp_path, monkeypatch):
+    "`compile_generation=True`: the rollout's tokens come from `decode`'s step as `torch.compile` hands it back (here run as it is: the same tokens as without)."
+    from instruct_goose import decoding
+    handed = []
+    def eager(step, options):   # `_compiled` without inductor: note what was asked, give the step back
+        handed.append(options); return step
+    monkeypatch.setattr(decoding, "_compiled", eager)
+    ids = {}
+    for on in (False, True):
+        trainer = _trainer(policy_dir, tmp_path, compile_generation=on)
+        ids[on] = trainer.sample_rollout(trainer.model, trainer.train_dataset[:2], seed=0)[0].response_ids
+    assert handed == [True], handed                                               # asked once, by the compiled run only
+    assert torch.equal(ids[True], ids[False])
