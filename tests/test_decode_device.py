@@ -77,18 +77,31 @@ def tokenizer(): return task_tokenizer()
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "plain"])
 @pytest.mark.parametrize("family", OWN_DECODING)
 def test_decode_runs_on_the_models_device(family, graphs, tokenizer, monkeypatch):
-    "decode's whole loop on `meta`: each operation on the model's device, one host sync a step, and (graphs) a recorded step that neither syncs nor reads the host."
+    "decode's whole loop on `meta`: each operation on the model's device, one host sync a step but the last, and (graphs) a recorded step that neither syncs nor reads the host."
     model = on_meta(family, tokenizer)
     q, m = encode_prompts(tokenizer, ["Review: The editing in this western", "Review: a", "Review: dull", "Review: I"])
-    left = [4, 3, 3, 2, 1, 1, 1]                       # rows still going after each step: 4 → 3 (batch 4) → 2 → 1
+    left, steps = [4, 3, 3, 2, 1, 1], 7                # rows still going after each step but the last: 4 → 3 (batch 4) → 2 → 1
     mode, sizes = OnTheDevice(left), []
     record_strictly(monkeypatch, mode, sizes)
     with mode:
-        out = decoding.decode(model, q.to(META), m.to(META), len(left), [0], tokenizer.pad_token_id, graphs=graphs,
+        out = decoding.decode(model, q.to(META), m.to(META), steps, [0], tokenizer.pad_token_id, graphs=graphs,
                               temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.1)
-    assert out.device == META and out.shape == (4, len(left))
-    assert mode.syncs == len(left) and not mode.left                           # one host sync a step, none elsewhere
+    assert out.device == META and out.shape == (4, steps)
+    assert mode.syncs == steps - 1 and not mode.left                           # one host sync a step (none after the last), none elsewhere
     assert sizes == ([4, 2, 1] if graphs else [])                              # powers of two: 3 rows run as 4
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "plain"])
+def test_sync_every_syncs_every_n_steps(graphs, tokenizer, monkeypatch):
+    "`sync_every=3` over 7 steps: host syncs after steps 3 and 6 only, the batch shrinking there (graphs: 4 → 2 at the first, 2 → 1 at the second)."
+    model = on_meta("qwen2", tokenizer)
+    q, m = encode_prompts(tokenizer, ["Review: The editing in this western", "Review: a", "Review: dull", "Review: I"])
+    mode, sizes = OnTheDevice([2, 1]), []
+    record_strictly(monkeypatch, mode, sizes)
+    with mode:
+        out = decoding.decode(model, q.to(META), m.to(META), 7, [0], tokenizer.pad_token_id, graphs=graphs, sync_every=3)
+    assert out.shape == (4, 7) and mode.syncs == 2 and not mode.left
+    assert sizes == ([4, 2, 1] if graphs else [])
 
 
 def test_the_device_check_catches_a_cpu_tensor_and_a_sync(tokenizer, monkeypatch):
