@@ -6,7 +6,8 @@
 __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'response_logits', 'response_logprobs', 'token_logprobs',
            'lm_nll', 'AgentOutput', 'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode', 'Agent',
            'AdapterOffReference', 'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms',
-           'AgentObjective', 'pack_bins', 'pack_layout', 'packed_forward', 'loss_token_states', 'states_logps']
+           'AgentObjective', 'pack_bins', 'pack_layout', 'packed_forward', 'loss_token_states', 'states_logps',
+           'states_stats']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import copy, inspect, itertools, os
@@ -574,3 +575,16 @@ def states_logps(
     "log-probabilities of the loss tokens from `loss_token_states`: the output layer applied in chunks, or the logits given."
     if head is not None: return logprobs_from_hidden(out[None], head.weight, head.bias, labels[None])[0][0]
     return logprobs_from_logits(out[None], labels[None])[0]
+
+# %% ../nbs/03_agent.ipynb #eda7b21e
+def states_stats(
+    out: Tensor,             # `loss_token_states`' outputs
+    labels: Tensor,          # the token each predicts
+    head: nn.Module | None,  # the output layer (None: `out` are logits)
+) -> tuple[Tensor, Tensor, Tensor]:   # (log π(label) with its graph, entropy, label is the argmax), each (tokens,)
+    "`states_logps` and, without a graph, each loss token's entropy and whether its label is the most likely token (TRL's SFT `entropy`, `mean_token_accuracy`)."
+    if head is not None:
+        logps, entropy, top1 = logprobs_from_hidden(out[None], head.weight, head.bias, labels[None], entropy="no_grad", top1=True)
+        return logps[0], entropy[0], top1[0]
+    with torch.no_grad(): entropy, top1 = entropy_from_logits(out[None])[0], out.argmax(-1) == labels
+    return logprobs_from_logits(out[None], labels[None])[0], entropy, top1

@@ -245,14 +245,15 @@ _LOGITS_PER_CHUNK = 2 ** 24   # (positions × vocab) logits `logprobs_from_hidde
 
 
 # %% ../nbs/00_core.ipynb #c7a1e003
-def _head_stats(hidden, weight, bias, labels, temperature: float, entropy: str):
-    "log π(label) and the entropy (None for \"skip\"; no graph for \"no_grad\") of each row of the float32 logits (h Wᵀ + b) / T."
+def _head_stats(hidden, weight, bias, labels, temperature: float, entropy: str, top1: bool = False):
+    "log π(label) and the entropy (None for \"skip\"; no graph for \"no_grad\") of each row of the float32 logits (h Wᵀ + b) / T; with `top1` a third: whether the label is the most likely token."
     z = torch.nn.functional.linear(hidden, weight, bias).float()
     if temperature != 1.0: z = z.div_(temperature)       # in place: the layer's backward needs its inputs, not z
     lse = torch.logsumexp(z, -1)
-    logprobs = z.gather(-1, labels[:, None]).squeeze(-1) - lse
-    if entropy == "skip": return logprobs, None
-    return logprobs, _entropy(z, lse) if entropy == "grad" else _entropy(z.detach(), lse.detach())
+    label_z = z.gather(-1, labels[:, None]).squeeze(-1)
+    logprobs, best = label_z - lse, ((label_z >= z.amax(-1)),) if top1 else ()
+    if entropy == "skip": return logprobs, None, *best
+    return logprobs, _entropy(z, lse) if entropy == "grad" else _entropy(z.detach(), lse.detach()), *best
 
 
 # %% ../nbs/00_core.ipynb #c7a1e003c
@@ -282,20 +283,21 @@ def _add_into(
 class _ChunkedHead(torch.autograd.Function):
     "`_head_stats` over chunks of positions. The forward keeps (hidden, weight, bias, labels); the backward recomputes each chunk's logits under the forward's autocast and pushes that chunk's gradient through them (weight and bias gradients summed in float32, from W and b cast once: `_autocast_once`)."
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature: float, size: int, entropy: str):
+    def forward(ctx, hidden, weight, bias, labels, temperature: float, size: int, entropy: str, top1: bool = False):
         ctx.set_materialize_grads(False)                      # a logging-only entropy brings no gradient
         with torch.no_grad():
-            parts = [_head_stats(h, weight, bias, y, temperature, entropy) for h, y in zip(hidden.split(size), labels.split(size))]
+            parts = [_head_stats(h, weight, bias, y, temperature, entropy, top1) for h, y in zip(hidden.split(size), labels.split(size))]
         logprobs = torch.cat([p[0] for p in parts])
         entropies = logprobs.new_zeros(0) if entropy == "skip" else torch.cat([p[1] for p in parts])
-        if entropy != "grad": ctx.mark_non_differentiable(entropies)
+        best = torch.cat([p[2] for p in parts]) if top1 else labels.new_zeros(0, dtype=torch.bool)
+        ctx.mark_non_differentiable(best, *([entropies] if entropy != "grad" else []))
         ctx.save_for_backward(hidden, weight, bias, labels)
         device = hidden.device.type
         ctx.args = temperature, size, (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        return logprobs, entropies
+        return logprobs, entropies, best
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, grad_logprobs, grad_entropy, grad_top1):
         hidden, weight, bias, labels = ctx.saved_tensors
         temperature, size, (device, dtype, autocast) = ctx.args
         wants = ctx.needs_input_grad[:3]
@@ -315,7 +317,7 @@ class _ChunkedHead(torch.autograd.Function):
                 if g is None: continue
                 if i == 0: grads[0][rows] = g
                 else: _add_into(grads[i], g)           # a bf16 g is added in float32: its exact float32 value, as its cast would be
-        return (grads[0], *(None if g is None else g.to(x.dtype) for g, x in zip(grads[1:], ctx.saved_tensors[1:3])), None, None, None, None)
+        return (grads[0], *(None if g is None else g.to(x.dtype) for g, x in zip(grads[1:], ctx.saved_tensors[1:3])), None, None, None, None, None)
 
 
 # %% ../nbs/00_core.ipynb #c7a1e006
@@ -328,14 +330,17 @@ def logprobs_from_hidden(
     temperature: float = 1.0,                    # the sampling temperature T: logits are divided by it
     entropy: Literal["grad", "no_grad", "skip"] = "skip",  # the entropy too: with gradients, without, or not at all (None)
     chunk_size: int | None = None,               # positions per chunk; None: as many as `_LOGITS_PER_CHUNK` logits
-) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None]:  # (log π(label), entropy) per position, float32
+    top1: bool = False,                          # a third output: whether each label is the most likely token (TRL's `mean_token_accuracy`), no graph
+) -> (tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None]   # (log π(label), entropy) per position, float32
+      | tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None, Bool[Tensor, "batch resp"]]):   # with `top1`: and is-top-1
     "`logprobs_from_logits` and `entropy_from_logits` of h Wᵀ + b, `chunk_size` positions at a time: never the whole (batch × resp × vocab) logits, with or without gradients."
     check_number("temperature", temperature, low_open=True)
     size = max(1, _LOGITS_PER_CHUNK // weight.shape[0]) if chunk_size is None else int(check_number("chunk_size", chunk_size, low=1))
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    if len(flat) <= size: logprobs, entropies = _head_stats(flat, weight, bias, flat_labels, temperature, entropy)
-    else: logprobs, entropies = _ChunkedHead.apply(flat, weight, bias, flat_labels, temperature, size, entropy)
-    return logprobs.view_as(labels), None if entropy == "skip" else entropies.view_as(labels)
+    if len(flat) <= size: logprobs, entropies, *best = _head_stats(flat, weight, bias, flat_labels, temperature, entropy, top1)
+    else: logprobs, entropies, *best = _ChunkedHead.apply(flat, weight, bias, flat_labels, temperature, size, entropy, top1)
+    out = logprobs.view_as(labels), None if entropy == "skip" else entropies.view_as(labels)
+    return (*out, best[0].view_as(labels)) if top1 else out
 
 
 # %% ../nbs/00_core.ipynb #579d85f0

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
-from .agent import _from_pretrained_kwargs, _load_model, _load_tokenizer, disable_dropout, eval_mode, loss_token_states, states_logps, with_peft
+from .agent import (_from_pretrained_kwargs, _load_model, _load_tokenizer, disable_dropout, eval_mode, loss_token_states, states_logps,
+                                  states_stats, with_peft)
 from .core import check_number
 from .data import _pad_token_id, apply_chat, as_dataset, pad_to_multiple, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
 from .loop import Trainer, TrainLoop, TrainingConfig, trainer_arguments
@@ -323,15 +324,17 @@ def nll_sum(
     model: nn.Module,
     batch: tuple[Tensor, Tensor, Tensor],   # (ids, mask, loss_mask) from `encode`, on the CPU
     padding_free: bool | None = None,       # one forward without padding (`loss_token_states`); None: the config's `padding_free` or `packing`
-) -> Tensor:
+    stats: bool = False,                    # also TRL's statistics of the batch's loss tokens, without a graph: {"entropy", "mean_token_accuracy"} (means)
+) -> Tensor | tuple[Tensor, dict]:          # the sum; with `stats`: (the sum, the statistics)
     "The SFT loss summed over the loss tokens of an encoded batch (`encode`), before the minibatch mean: Σ −log π(x_t | x_<t), or with `loss_type`=\"dft\" Σ −π(x_t | x_<t)·log π(x_t | x_<t), π without gradient. The output layer reads the loss tokens only."
     a, device = self.args, next(model.parameters()).device
     packed = a.padding_free or a.packing if padding_free is None else padding_free
     ids, mask, loss_mask = batch
     out, labels, _, head = loss_token_states(model, ids.to(device), mask.to(device), loss_mask, packed, self.max_length if packed and a.packing else None)
-    logps = states_logps(out, labels, head)
+    logps, entropy, top1 = states_stats(out, labels, head) if stats else (states_logps(out, labels, head), None, None)
     if a.loss_type == "dft": logps = logps * logps.detach().exp()   # DFT (Wu et al., 2025): each token weighted by its own probability
-    return -logps.sum()
+    if not stats: return -logps.sum()
+    return -logps.sum(), {"entropy": entropy.mean(), "mean_token_accuracy": top1.float().mean()}
 
 # %% ../nbs/06_sft.ipynb #1c9f878c
 @patch
@@ -344,16 +347,18 @@ def batch_loss(self: SFTTrainer, model: nn.Module, rows: dict) -> Tensor:
 @patch
 @torch.no_grad()
 def evaluate(self: SFTTrainer, model: nn.Module | None = None, dataset=None, batch_size: int | None = None) -> dict:
-    "`eval_loss`: the SFT loss per token over all of `dataset` (default: the eval set), as a float; `batch_size` None: `per_device_eval_batch_size`; padding-free with `eval_packing` (None: `packing`) or `padding_free`, the same number."
+    "`eval_loss`, and TRL's `eval_entropy` and `eval_mean_token_accuracy`: per token over all of `dataset` (default: the eval set), as floats; `batch_size` None: `per_device_eval_batch_size`; padding-free with `eval_packing` (None: `packing`) or `padding_free`, the same numbers."
     model, dataset, batch_size = model or self.model, dataset or self.eval_dataset, batch_size or self.args.per_device_eval_batch_size
     a = self.args
     packed = (a.packing if a.eval_packing is None else a.eval_packing) or a.padding_free
-    total, n_tokens = 0.0, 0
+    sums, n_tokens = {"eval_loss": 0.0, "eval_entropy": 0.0, "eval_mean_token_accuracy": 0.0}, 0
     with eval_mode(model):
         for i in range(0, len(dataset), batch_size):
             batch, n = self.encode(dataset[i:i + batch_size])
-            total, n_tokens = total + self.nll_sum(model, batch, packed).item(), n_tokens + n
-    return {"eval_loss": total / n_tokens}
+            loss, stats = self.nll_sum(model, batch, packed, stats=True)
+            for name, total in (("eval_loss", loss), *((f"eval_{k}", v * n) for k, v in stats.items())): sums[name] += total.item()
+            n_tokens += n
+    return {name: total / n_tokens for name, total in sums.items()}
 
 # %% ../nbs/06_sft.ipynb #9d93dcd1
 @patch
@@ -372,7 +377,7 @@ def train(
     steps = self.args.training_steps(n_examples, loop.accelerator.num_processes)
     encode = lambda indices: self.encode(self.train_dataset[rows(indices)])
     def loss_fn(model, batch):
-        with offloaded(self.args.activation_offloading): return self.nll_sum(model, batch), {}
+        with offloaded(self.args.activation_offloading): return self.nll_sum(model, batch, stats=True)   # TRL's entropy, mean_token_accuracy: each micro-batch's mean, averaged
     evaluate = self.evaluate if self.eval_dataset is not None else None
     alpha = self.args.neftune_noise_alpha      # NEFTune: 🤗's own hook on the input embeddings, in training mode only, removed after
     noise = None if alpha is None else activate_neftune(self.model, alpha)

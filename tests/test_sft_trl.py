@@ -29,12 +29,12 @@ ROWS = [{"prompt": "Review: it was", "completion": " a great film, warm and funn
         {"prompt": "Review: this movie", "completion": " made me smile."}]
 
 
-def _sides(tmp_path, **options):
-    "TRL's trainer and ours on the same weights and rows, with the same options; TRL's collated batch and ours."
+def _sides(tmp_path, model=None, **options):
+    "TRL's trainer and ours on the same weights (`model`, else a new tiny GPT-2) and rows, with the same options; TRL's collated batch and ours."
     logging.getLogger("trl").setLevel(logging.ERROR)
     transformers.utils.logging.set_verbosity_error()
     tok = task_tokenizer()
-    model = tiny_causal_lm(tok, seed=0)
+    model = tiny_causal_lm(tok, seed=0) if model is None else model
     for m in model.modules():                       # dropout would draw differently on the two sides
         if isinstance(m, torch.nn.Dropout): m.p = 0.0
     data = Dataset.from_list(ROWS)
@@ -70,6 +70,28 @@ def test_loss_and_gradient_equal_trl(tmp_path, options):
     scale = max(g.abs().max().item() for g in trl_grad.values())
     worst = max((our_grad[n] - g).abs().max().item() for n, g in trl_grad.items())
     assert worst <= 1e-5 * max(scale, 1.0), (options, worst, scale)
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])
+def test_entropy_and_token_accuracy_equal_trl(tmp_path, padding_free):
+    "TRL's logged `entropy` and `mean_token_accuracy` after its `compute_loss`, train and eval, are ours (`nll_sum(stats=True)`, `evaluate`), on a model fitted to the rows so that some tokens are right."
+    _, ours, _, batch, n_tokens = _sides(tmp_path)
+    model = ours.model
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(15):                                                        # fit the rows: a share of the argmaxes become the labels
+        opt.zero_grad(); (ours.nll_sum(model, batch) / n_tokens).backward(); opt.step()
+    theirs, ours, inputs, batch, n_tokens = _sides(tmp_path, copy.deepcopy(model))
+    _, stats = ours.nll_sum(ours.model, batch, padding_free, stats=True)
+    assert 0.2 < stats["mean_token_accuracy"].item() < 1.0, stats              # neither none nor all: the test can tell
+    for mode in ("train", "eval"):
+        getattr(theirs.model, mode)()
+        with torch.no_grad(): theirs.compute_loss(theirs.model, inputs)
+        for name in ("entropy", "mean_token_accuracy"):
+            assert stats[name].item() == pytest.approx(theirs._metrics[mode][name][-1], rel=1e-5), (mode, name)
+    ours.eval_dataset = ours.train_dataset
+    evaluated = ours.evaluate(batch_size=len(ROWS))                            # one batch: TRL's eval metric is that batch's mean
+    for name in ("entropy", "mean_token_accuracy"):
+        assert evaluated[f"eval_{name}"] == pytest.approx(theirs._metrics["eval"][name][-1], rel=1e-5), name
 
 
 def test_padding_free_gives_trl_padded_loss(tmp_path):
