@@ -412,7 +412,7 @@ def pair_loss_sum(self: DPOTrainer, model: nn.Module, batch: tuple) -> tuple[Ten
     ref = self.reference_logps(ids, mask, loss_mask) if ref is None else ref.to(device)
     n_tokens = loss_mask[:, 1:].sum(1).to(device)
     losses = mixed_dpo_loss(out.logps, ref, n_tokens, a, out.raw_logps, out.wpo_logps)
-    return losses.sum(), dpo_metrics(out.logps.detach(), ref, out.logits, n_tokens, a.beta)
+    return losses.sum(), {**dpo_metrics(out.logps.detach(), ref, out.logits, n_tokens, a.beta), "num_tokens": mask.sum()}   # TRL's num_tokens: prompts and both completions
 
 # %% ../nbs/09c_dpo.ipynb #7e8c6e86
 @patch

@@ -341,11 +341,12 @@ def latest_checkpoint(
 
 # %% ../nbs/05_loop.ipynb #1c60b030
 class TrainState:
-    "The step, the history of logged metrics and the best evaluation so far (`note_evaluation`); saved with every checkpoint."
-    def __init__(self): self.step, self.history, self.best = 0, [], {}
-    def state_dict(self) -> dict: return {"step": self.step, "history": self.history, "best": self.best}
-    def load_state_dict(self, state: dict):   # checkpoints written before 2026-11-27 have no "best"
+    "The step, the history of logged metrics, the best evaluation so far (`note_evaluation`) and the tokens trained on (`count_tokens`); saved with every checkpoint."
+    def __init__(self): self.step, self.history, self.best, self.num_tokens = 0, [], {}, 0
+    def state_dict(self) -> dict: return {"step": self.step, "history": self.history, "best": self.best, "num_tokens": self.num_tokens}
+    def load_state_dict(self, state: dict):   # checkpoints written before 2026-11-27 have no "best" nor "num_tokens"
         self.step, self.history, self.best = state["step"], list(state["history"]), dict(state.get("best", {}))
+        self.num_tokens = int(state.get("num_tokens", 0))
 
 # %% ../nbs/05_loop.ipynb #67abe1d8
 def _check_writable(output_dir: str | Path):
@@ -1145,24 +1146,38 @@ def fit_step(
     model: nn.Module,     # the prepared model
     rows: list[int],      # this process's example indices for the step
     encode,               # (indices) -> (inputs, units): a micro-batch's inputs and how many units (tokens, pairs) its loss sums
-    loss_fn,              # (model, inputs) -> (loss summed over the units, {name: detached 0-d tensor})
+    loss_fn,              # (model, inputs) -> (loss summed over the units, {name: detached 0-d tensor}); a `num_tokens` entry: the micro-batch's input tokens
     loss_name: str,       # the name the minibatch's mean loss is logged under
-) -> dict:                # the step's statistics, averaged over micro-batches and processes, and the gradient norm
-    "One optimizer step on `rows`: each micro-batch's loss sum scaled to its share of the minibatch mean, accumulated, clipped."
+) -> dict:                # the step's statistics, averaged over micro-batches and processes, the gradient norm, and (`num_tokens`) the run's tokens so far
+    "One optimizer step on `rows`: each micro-batch's loss sum scaled to its share of the minibatch mean, accumulated, clipped; the tokens a loss reports (`num_tokens`) summed into `count_tokens`."
     acc = self.accelerator
     def accumulate():
         micro = [encode(part) for part in self.micro_batches(rows)]
-        scale, totals = self.loss_scale([units for _, units in micro]), {}
+        scale, totals, tokens = self.loss_scale([units for _, units in micro]), {}, []
         for inputs, _ in micro:
             with acc.autocast(): loss_sum, metrics = loss_fn(model, inputs)
             loss = loss_sum * scale
             self.backward(loss)
+            if "num_tokens" in metrics: tokens.append(metrics.pop("num_tokens"))
             for k, v in metrics.items(): totals[k] = totals.get(k, 0) + v / len(micro)
             totals[loss_name] = totals.get(loss_name, 0) + loss.detach() / acc.gradient_accumulation_steps   # summed: the minibatch's mean (`loss_scale` put G in)
-        return totals
-    totals = self.retry_on_oom(accumulate)              # `auto_find_batch_size`: smaller micro-batches, the same step
+        return totals, tokens
+    totals, tokens = self.retry_on_oom(accumulate)      # `auto_find_batch_size`: smaller micro-batches, the same step
     if acc.num_processes > 1: totals = {k: acc.reduce(v, reduction="mean") for k, v in totals.items()}
-    return {**totals, "grad_norm": self.optimizer_step(model, totals)}
+    counted = {"num_tokens": self.count_tokens(sum(tokens))} if tokens else {}
+    return {**totals, "grad_norm": self.optimizer_step(model, totals), **counted}
+
+# %% ../nbs/05_loop.ipynb #aaa06fa9
+@patch
+def count_tokens(
+    self: TrainLoop,
+    n,                   # tokens this process trained on in a step: an int or a tensor
+) -> int:                # the run's tokens so far, every process's (TRL's `num_tokens`)
+    "Add a step's tokens, summed over the processes, to `state.num_tokens` (which checkpoints keep, so a resumed run counts on) and return the running total."
+    n = torch.as_tensor(n, device=self.device).sum()
+    if self.accelerator.num_processes > 1: n = self.accelerator.reduce(n, reduction="sum")
+    self.state.num_tokens += int(n)
+    return self.state.num_tokens
 
 # %% ../nbs/05_loop.ipynb #d1ddbd49
 @patch

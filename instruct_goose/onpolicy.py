@@ -568,6 +568,7 @@ def train(
             # 2. K epochs of minibatch updates; statistics averaged over processes
             stats = {**self.rollout_stats(rollout), **reward_stats, **self.update(model, rollout, loop)}
             stats = {k: loop.accelerator.reduce(v.to(loop.device), reduction="mean") for k, v in stats.items()}   # NCCL all-reduces no CPU tensor
+            stats["num_tokens"] = loop.count_tokens(samples.query_attention_mask.sum() + samples.response_mask.sum())   # TRL's: prompts and completions, every process
             # 3. the KL controller, then logs, sample tables and checkpoints
             if "objective/kl" in stats: self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
             loop.state.step += 1

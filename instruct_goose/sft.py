@@ -377,7 +377,8 @@ def train(
     steps = self.args.training_steps(n_examples, loop.accelerator.num_processes)
     encode = lambda indices: self.encode(self.train_dataset[rows(indices)])
     def loss_fn(model, batch):
-        with offloaded(self.args.activation_offloading): return self.nll_sum(model, batch, stats=True)   # TRL's entropy, mean_token_accuracy: each micro-batch's mean, averaged
+        with offloaded(self.args.activation_offloading): loss, stats = self.nll_sum(model, batch, stats=True)   # TRL's entropy, mean_token_accuracy: each micro-batch's mean, averaged
+        return loss, {**stats, "num_tokens": batch[1].sum()}                # TRL's num_tokens: every real token, prompts too
     evaluate = self.evaluate if self.eval_dataset is not None else None
     alpha = self.args.neftune_noise_alpha      # NEFTune: 🤗's own hook on the input embeddings, in training mode only, removed after
     noise = None if alpha is None else activate_neftune(self.model, alpha)
@@ -452,11 +453,17 @@ class RewardTrainer(Trainer):
 
 # %% ../nbs/06_sft.ipynb #67a9f0f0
 @patch
-def pair_scores(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Tensor, Tensor]:
+def pair_scores(
+    self: RewardTrainer,
+    model: nn.Module,             # the reward model being trained (or evaluated)
+    rows: dict,                   # a batch of pairs: prompt, chosen, rejected
+    tokens: list | None = None,   # if given, the batch's real tokens (chosen and rejected) are appended to it
+) -> tuple[Tensor, Tensor]:       # (the chosen completions' scores, the rejected ones')
     "Scores of the chosen and the rejected completions of a batch of rows, in one forward pass."
     texts = [p + c for p, c in zip(rows["prompt"], rows["chosen"])] + [p + r for p, r in zip(rows["prompt"], rows["rejected"])]
     ids, mask = self.reward_model.encode(texts, self.max_length)
     ids, mask = pad_to_multiple(self.args.pad_to_multiple_of, (ids, _pad_token_id(self.reward_model.tokenizer)), (mask, 0))   # after the text, wherever the tokenizer put its own pads
+    if tokens is not None: tokens.append(mask.sum())
     scores = model(ids, mask)
     return scores[:len(rows["prompt"])], scores[len(rows["prompt"]):]
 
@@ -475,12 +482,13 @@ def pair_loss(
 # %% ../nbs/06_sft.ipynb #7e7093b7
 @patch
 def pair_loss_sum(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Tensor, dict]:
-    "(Σ of the pairs' losses, TRL 1.16's statistics: accuracy, margin, min/mean/max_reward) for a batch of rows: the loss before the minibatch mean (`pair_loss`)."
-    chosen, rejected = self.pair_scores(model, rows)
+    "(Σ of the pairs' losses, TRL 1.16's statistics: accuracy, margin, min/mean/max_reward, num_tokens) for a batch of rows: the loss before the minibatch mean (`pair_loss`)."
+    tokens = []
+    chosen, rejected = self.pair_scores(model, rows, tokens)
     loss = self.pair_loss(chosen, rejected)
     both = torch.cat([chosen, rejected]).detach()
     return loss * len(chosen), {"accuracy": pairwise_accuracy(chosen, rejected).detach(), "margin": (chosen - rejected).mean().detach(),
-                                "min_reward": both.min(), "mean_reward": both.mean(), "max_reward": both.max()}
+                                "min_reward": both.min(), "mean_reward": both.mean(), "max_reward": both.max(), "num_tokens": tokens[0]}
 
 # %% ../nbs/06_sft.ipynb #6e1ea6d7
 import json

@@ -72,6 +72,15 @@ def test_the_same_batch(sides):
     assert torch.equal(inputs["completion_mask"][:, 1:].bool(), loss_mask[:, 1:])
 
 
+def test_num_tokens_is_trls(sides):
+    "TRL's `num_tokens` after its loss on the batch (in training mode) is the count our loss reports: prompts and both completions."
+    theirs, ours, inputs, batch = sides
+    theirs.model.train()
+    with torch.no_grad(): theirs._compute_loss(theirs.model, inputs, return_outputs=False)
+    _, stats = ours.pair_loss_sum(ours.model, batch)
+    assert int(stats["num_tokens"]) == theirs._metrics["train"]["num_tokens"][-1] == int(inputs["attention_mask"].sum())
+
+
 def _trl_loss(trainer, inputs, case):
     settings = {"loss_type": ["sigmoid"], "loss_weights": None, "label_smoothing": 0.0, "f_divergence_type": "reverse_kl",
                 "f_alpha_divergence_coef": 0.5, "ld_alpha": None, "use_weighting": False, "discopop_tau": 0.05, **case}

@@ -176,3 +176,18 @@ def test_compile_generation_samples_through_the_compiled_step(policy_dir, tmp_pa
         ids[on] = trainer.sample_rollout(trainer.model, trainer.train_dataset[:2], seed=0)[0].response_ids
     assert handed == [True], handed                                               # asked once, by the compiled run only
     assert torch.equal(ids[True], ids[False])
+
+
+def test_num_tokens_counts_prompts_and_completions(policy_dir, tmp_path):
+    "GRPO logs TRL's `num_tokens`: the running count of every rollout's real prompt and completion tokens."
+    eos = AutoTokenizer.from_pretrained(policy_dir).eos_token_id
+    trainer = _trainer(policy_dir, tmp_path, max_steps=2, generation_kwargs={"sequence_bias": [[[eos], 5.0]]})   # completions of several lengths
+    seen, sample = [], trainer.sample_rollout
+    def recording(*args, **kwargs):
+        rollout, samples = sample(*args, **kwargs)
+        seen.append(int(samples.query_attention_mask.sum() + samples.response_mask.sum()))
+        assert samples.response_mask.sum() < samples.response_mask.numel()   # some completions stopped early: padding is not counted
+        return rollout, samples
+    trainer.sample_rollout = recording
+    trainer.train()
+    assert [row["num_tokens"] for row in trainer.loop.state.history] == [seen[0], seen[0] + seen[1]]

@@ -88,6 +88,7 @@ def test_entropy_and_token_accuracy_equal_trl(tmp_path, padding_free):
         with torch.no_grad(): theirs.compute_loss(theirs.model, inputs)
         for name in ("entropy", "mean_token_accuracy"):
             assert stats[name].item() == pytest.approx(theirs._metrics[mode][name][-1], rel=1e-5), (mode, name)
+    assert theirs._metrics["train"]["num_tokens"][-1] == int(inputs["attention_mask"].sum())   # TRL's running count after one batch
     ours.eval_dataset = ours.train_dataset
     evaluated = ours.evaluate(batch_size=len(ROWS))                            # one batch: TRL's eval metric is that batch's mean
     for name in ("entropy", "mean_token_accuracy"):
@@ -155,3 +156,13 @@ def test_every_reward_field_trl_adds_is_taken_or_refused_by_name():
         "dataset_num_proc": 2, "eos_token": "<eos>", "max_length": 512, "pad_to_multiple_of": 8, "center_rewards_coefficient": 0.01,
         "activation_offloading": True, "pad_token": "<pad>"},
         {"dataset_num_proc", "eos_token", "pad_token"})
+
+
+def test_num_tokens_is_trls(tmp_path):
+    "One training step over all the rows: our logged `num_tokens` is TRL's count after its loss on the same rows."
+    theirs, ours, inputs, batch, _ = _sides(tmp_path)
+    theirs.model.train()
+    with torch.no_grad(): theirs.compute_loss(theirs.model, inputs)
+    ours.args.per_device_train_batch_size, ours.args.max_steps, ours.args.logging_steps, ours.args.save_strategy = len(ROWS), 1, 1, "no"
+    ours.train()
+    assert ours.loop.state.history[0]["num_tokens"] == theirs._metrics["train"]["num_tokens"][-1] == int(batch[1].sum())
