@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
 from .agent import (_load_model, _load_tokenizer, disable_dropout, eval_mode, load_tokenizer, loss_token_states, pack_bins,
-                                  packed_forward, positions_for, states_logps, with_peft)
+                                  packed_forward, positions_for, states_logps, states_stats, with_peft)
 from .core import _LOGITS_PER_CHUNK, check_number, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, pad_to_multiple, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
@@ -233,6 +233,8 @@ class CompletionLogps(NamedTuple):
     logits: Tensor            # Σ over the loss tokens of the mean logit over the vocabulary (no gradient)
     raw_logps: Tensor         # Σ_t log π(y_t|…), unweighted
     wpo_logps: Tensor | None  # Σ_t (log π(y_t|…) − log Σ_v π(v|…)²), no gradient (WPO), when asked for
+    entropy: Tensor | None = None  # Σ_t of the entropy of π(·|…) at the completion tokens, no gradient, when `stats` is asked for
+    top1: Tensor | None = None     # how many completion tokens are the most likely token, when `stats` is asked for
 
 # %% ../nbs/09c_dpo.ipynb #d4f0c001
 def _mean_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -257,10 +259,11 @@ def completion_logps(
     token_weights: Float[Tensor, "batch seq"] | None = None,  # a weight per loss token (LD-DPO); None: 1
     wpo: bool = False,                               # also Σ_t (log π(y_t) − log Σ_v π_v²), WPO's aligned log-probability
     padding_free: bool = False,                      # one forward of the sequences packed in bins, no pad token in their attention (`packed_forward`)
+    stats: bool = False,                             # also each row's summed entropy and count of top-1 tokens (TRL's `entropy`, `mean_token_accuracy`)
 ) -> CompletionLogps:                                # per row, see `CompletionLogps`
     "Summed log-probability of each row's completion tokens (optionally weighted), and the statistics read from the same forward pass."
     out, labels, row, head = loss_token_states(model, input_ids, attention_mask, loss_mask, padding_free)
-    token_logps = states_logps(out, labels, head)
+    token_logps, entropy, top1 = states_stats(out, labels, head) if stats else (states_logps(out, labels, head), None, None)
     if head is not None:                                                                   # out: (tokens, hidden); the head in chunks
         mean_logits = _mean_logits(out.detach(), head.weight, head.bias)
         log_sum_sq = lambda: torch.cat([_log_sum_sq(F.linear(h, head.weight, head.bias)) for h in out.split(max(1, _LOGITS_PER_CHUNK // head.out_features))])
@@ -271,7 +274,8 @@ def completion_logps(
     aligned = None
     if wpo:
         with torch.no_grad(): aligned = per_row(token_logps - log_sum_sq())
-    return CompletionLogps(per_row(weighted), per_row(mean_logits), per_row(token_logps), aligned)
+    return CompletionLogps(per_row(weighted), per_row(mean_logits), per_row(token_logps), aligned,
+                           *((per_row(entropy), per_row(top1.float())) if stats else ()))
 
 
 # %% ../nbs/09c_dpo.ipynb #58ee7cdb
@@ -370,11 +374,11 @@ def ld_weights(
 
 # %% ../nbs/09c_dpo.ipynb #cc7eb31f
 @patch
-def score(self: DPOTrainer, model: nn.Module, ids: Tensor, mask: Tensor, loss_mask: Tensor, wpo: bool = False) -> CompletionLogps:
-    "`completion_logps` under the config's `ld_alpha` (LD-DPO weights) and `padding_free`."
+def score(self: DPOTrainer, model: nn.Module, ids: Tensor, mask: Tensor, loss_mask: Tensor, wpo: bool = False, stats: bool = False) -> CompletionLogps:
+    "`completion_logps` under the config's `ld_alpha` (LD-DPO weights) and `padding_free`; `stats`: the entropy and top-1 counts too."
     a = self.args
     weights = None if a.ld_alpha is None else ld_weights(loss_mask, a.ld_alpha)
-    return completion_logps(model, ids, mask, loss_mask, weights, wpo, a.padding_free)
+    return completion_logps(model, ids, mask, loss_mask, weights, wpo, a.padding_free, stats)
 
 # %% ../nbs/09c_dpo.ipynb #06bad59c
 @typecheck
@@ -408,11 +412,14 @@ def pair_loss_sum(self: DPOTrainer, model: nn.Module, batch: tuple) -> tuple[Ten
     a, device = self.args, next(model.parameters()).device
     ids, mask, loss_mask, ref = batch                       # loss_mask stays on the CPU (`completion_logps`)
     ids, mask = ids.to(device), mask.to(device)
-    with offloaded(a.activation_offloading): out = self.score(model, ids, mask, loss_mask, wpo=a.use_weighting)
+    with offloaded(a.activation_offloading): out = self.score(model, ids, mask, loss_mask, wpo=a.use_weighting, stats=True)
     ref = self.reference_logps(ids, mask, loss_mask) if ref is None else ref.to(device)
     n_tokens = loss_mask[:, 1:].sum(1).to(device)
     losses = mixed_dpo_loss(out.logps, ref, n_tokens, a, out.raw_logps, out.wpo_logps)
-    return losses.sum(), {**dpo_metrics(out.logps.detach(), ref, out.logits, n_tokens, a.beta), "num_tokens": mask.sum()}   # TRL's num_tokens: prompts and both completions
+    trl = {"entropy": out.entropy.sum() / n_tokens.sum().clamp(min=1),                                      # TRL 1.16's: over both completions,
+           "mean_token_accuracy": out.top1.chunk(2)[0].sum() / n_tokens.chunk(2)[0].sum().clamp(min=1),      # on the chosen ones,
+           "num_tokens": mask.sum()}                                                                        # prompts and both completions
+    return losses.sum(), {**dpo_metrics(out.logps.detach(), ref, out.logits, n_tokens, a.beta), **trl}
 
 # %% ../nbs/09c_dpo.ipynb #7e8c6e86
 @patch

@@ -72,13 +72,33 @@ def test_the_same_batch(sides):
     assert torch.equal(inputs["completion_mask"][:, 1:].bool(), loss_mask[:, 1:])
 
 
-def test_num_tokens_is_trls(sides):
-    "TRL's `num_tokens` after its loss on the batch (in training mode) is the count our loss reports: prompts and both completions."
+def test_entropy_token_accuracy_and_num_tokens_are_trls(sides):
+    "TRL's `entropy` (both completions), `mean_token_accuracy` (the chosen ones) and `num_tokens` after its loss on the batch are what our loss reports, on a policy fitted to the chosen completions so that some tokens are right."
     theirs, ours, inputs, batch = sides
-    theirs.model.train()
+    ids, mask, loss_mask, _ = batch
+    fitted = copy.deepcopy(ours.model)
+    opt = torch.optim.Adam(fitted.parameters(), lr=3e-3)
+    chosen = slice(0, len(PAIRS))
+    for _ in range(6):                                                        # raise π(chosen): a share of its argmaxes become the labels
+        opt.zero_grad()
+        (-ours.score(fitted, ids[chosen], mask[chosen], loss_mask[chosen]).logps.sum()).backward()
+        opt.step()
+    settings = theirs.loss_types, theirs.loss_weights, theirs.use_weighting
+    theirs.loss_types, theirs.loss_weights, theirs.use_weighting = ["sigmoid"], [1.0], False
+    kept = copy.deepcopy(theirs.model.state_dict())
+    theirs.model.load_state_dict(fitted.state_dict())                          # TRL's model carries its fused head: load the weights into it
+    theirs._metrics["train"].clear(); theirs._total_train_tokens = 0; theirs.model.train()   # TRL's mode is its own model's
     with torch.no_grad(): theirs._compute_loss(theirs.model, inputs, return_outputs=False)
-    _, stats = ours.pair_loss_sum(ours.model, batch)
-    assert int(stats["num_tokens"]) == theirs._metrics["train"]["num_tokens"][-1] == int(inputs["attention_mask"].sum())
+    theirs.loss_types, theirs.loss_weights, theirs.use_weighting = settings
+    theirs.model.load_state_dict(kept)                                         # the module's other tests compare from the shared weights
+    our_policy = copy.deepcopy(fitted).train()
+    ours.args = DPOConfig(output_dir=ours.args.output_dir, max_prompt_length=None)
+    with torch.no_grad(): _, stats = ours.pair_loss_sum(our_policy, batch)
+    got = theirs._metrics["train"]
+    assert 0.2 < stats["mean_token_accuracy"].item() < 1.0, stats["mean_token_accuracy"]   # the test can tell right from wrong
+    for name in ("entropy", "mean_token_accuracy"):
+        assert stats[name].item() == pytest.approx(got[name][-1], rel=1e-5), (name, stats[name].item(), got[name][-1])
+    assert int(stats["num_tokens"]) == got["num_tokens"][-1] == int(inputs["attention_mask"].sum())
 
 
 def _trl_loss(trainer, inputs, case):
