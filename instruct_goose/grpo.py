@@ -271,15 +271,20 @@ def clip_stats(
     ratio: Tensor,             # (batch, resp) π_θ/π_θold per token (or the sequence's, broadcast)
     advantages: Tensor,        # (batch,) Â_i
     mask: Tensor,              # (batch, resp) the tokens whose loss counts
-    c,                         # the `GRPOConfig`: loss_type, cliprange, clip_high
+    c,                         # the `GRPOConfig`: loss_type, cliprange, clip_high, importance_sampling_level
 ) -> dict[str, Tensor]:        # TRL's clip statistics for the loss type
-    "The share of tokens the clip acted on, under TRL's GRPO names (cispo: its own cap; sapo and vespo clip nothing)."
+    "The share of tokens (one ratio per sequence: of sequences, as TRL counts them) the clip acted on, under TRL's GRPO names (cispo: its own cap; sapo and vespo clip nothing); `low_min`/`high_max`: the least and most clipped completion's share."
     a, r = advantages[:, None], ratio.detach()
-    if c.loss_type == "cispo": return {"cispo_clip_ratio": masked_mean(((r > c.clip_high) & (a > 0)).float(), mask)}
+    per_sequence = c.importance_sampling_level == "sequence"             # one ratio per sequence (broadcast over its tokens)
+    mean = (lambda x: x[:, 0].float().mean()) if per_sequence else (lambda x: masked_mean(x.float(), mask))
+    if c.loss_type == "cispo": return {"cispo_clip_ratio": mean((r > c.clip_high) & (a > 0))}
     if c.loss_type in ("sapo", "vespo"): return {}
     low, high = (r < 1 - c.cliprange) & (a < 0), (r > 1 + c.clip_high) & (a > 0)
-    return {"clip_ratio/low_mean": masked_mean(low.float(), mask), "clip_ratio/high_mean": masked_mean(high.float(), mask),
-            "clip_ratio/region_mean": masked_mean((low | high).float(), mask)}
+    some = torch.ones_like(mask[:, 0]) if per_sequence else mask.any(1)  # a completion without loss tokens has no share (TRL: NaN, skipped)
+    share = lambda x: x[:, 0].float() if per_sequence else torch.where(some, (x & mask).sum(1) / mask.sum(1).clamp(min=1), torch.nan)
+    nan_min = lambda x: torch.where(some.any(), torch.where(some, x, torch.inf).amin(), torch.nan)
+    return {"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high), "clip_ratio/region_mean": mean(low | high),
+            "clip_ratio/low_min": nan_min(share(low)), "clip_ratio/high_max": -nan_min(-share(high))}
 
 # %% ../nbs/09b_grpo.ipynb #b3fd2c04
 def group_stats(
@@ -289,12 +294,15 @@ def group_stats(
     stop_token_id: int,        # the token that ends a completion
     num_generations: int,      # G
 ) -> dict[str, Tensor]:        # TRL's GRPO rollout statistics
-    "Rewards, their spread within groups, completion lengths and the share cut off without a stop token, under TRL's GRPO names."
+    "Rewards, their spread within groups, completion lengths (all, and of those that stopped: TRL's `*_terminated_length`, 0 when none did) and the share cut off without a stop token, under TRL's GRPO names."
     grouped, lengths = scores.reshape(-1, num_generations), response_mask.sum(1).float()
     stopped = ((response_ids == stop_token_id) & response_mask).any(1)
+    of_stopped = lambda fill, reduce: torch.where(stopped.any(), reduce(torch.where(stopped, lengths, fill)), 0.0)   # 0 when none stopped, as TRL
+    ended_stats = (of_stopped(0.0, lambda x: x.sum() / stopped.sum().clamp(min=1)), of_stopped(torch.inf, torch.amin), of_stopped(-torch.inf, torch.amax))
     return {"reward": scores.mean(), "reward_std": grouped.std(1).mean(), "frac_reward_zero_std": (grouped.std(1) == 0).float().mean(),
             "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-            "completions/max_length": lengths.max(), "completions/clipped_ratio": (~stopped).float().mean()}
+            "completions/max_length": lengths.max(), "completions/clipped_ratio": (~stopped).float().mean(),
+            **dict(zip(("completions/mean_terminated_length", "completions/min_terminated_length", "completions/max_terminated_length"), ended_stats))}
 
 # %% ../nbs/09b_grpo.ipynb #06ce3611
 class GRPOTrainer(OnPolicyTrainer):

@@ -32,7 +32,7 @@ from .loop import Trainer, TrainLoop, TrainingConfig, as_callbacks, batch_indice
 from .levers import fuse_activations, half_linears
 from .losses import FixedKLController, KLEstimator
 from .rollout import Samples, chunked, micro_batch_index, minibatches, sampling_seed
-from .tools import trainer_tools
+from .tools import tool_stats, trainer_tools
 
 # %% ../nbs/08_onpolicy.ipynb #f1de586e
 def merge_names(
@@ -471,7 +471,8 @@ def sample_and_score(
     if c.missing_eos_penalty is not None:
         stopped = ((r_ids == self.stop_token_id) & r_mask).any(1)
         scores = scores - c.missing_eos_penalty * (~stopped).float()
-    return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each, None if self.tools is None else out.tool_mask)
+    tools = (None,) * 3 if self.tools is None else (out.tool_mask, out.num_tool_calls, out.num_tool_failures)
+    return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each, *tools)
 
 # %% ../nbs/08_onpolicy.ipynb #e8a39f71
 def prompt_budget(
@@ -569,6 +570,7 @@ def train(
             stats = {**self.rollout_stats(rollout), **reward_stats, **self.update(model, rollout, loop)}
             stats = {k: loop.accelerator.reduce(v.to(loop.device), reduction="mean") for k, v in stats.items()}   # NCCL all-reduces no CPU tensor
             stats["num_tokens"] = loop.count_tokens(samples.query_attention_mask.sum() + samples.response_mask.sum())   # TRL's: prompts and completions, every process
+            if samples.tool_calls is not None: stats.update(tool_stats(samples.tool_calls, samples.tool_failures, loop.accelerator))
             # 3. the KL controller, then logs, sample tables and checkpoints
             if "objective/kl" in stats: self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
             loop.state.step += 1

@@ -28,6 +28,8 @@ class Samples(NamedTuple):
     completions: list             # the decoded responses
     reward_scores: Tensor | None = None  # (rewards, batch) each reward's scores (`WeightedReward.each`), NaN where it returned None
     tool_mask: Tensor | None = None      # (batch, resp) False on tool results' tokens (context, not actions); None: no tools
+    tool_calls: Tensor | None = None     # (batch,) tool calls each completion made; None: no tools
+    tool_failures: Tensor | None = None  # (batch,) of which failed
 
 # %% ../nbs/07_rollout.ipynb #de8d00d4
 class RowBatch:

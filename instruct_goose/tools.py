@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['with_tool_template', 'tool_schemas', 'parse_tool_calls', 'call_tool', 'tool_suffix_ids', 'ToolSamples',
-           'generate_with_tools', 'ToolConfig', 'Toolbox', 'trainer_tools']
+           'generate_with_tools', 'ToolConfig', 'Toolbox', 'trainer_tools', 'tool_stats']
 
 # %% ../nbs/09d_tools.ipynb #0e26b2cf
 import concurrent.futures
@@ -240,3 +240,15 @@ def trainer_tools(
     if not all(hasattr(args, f) for f in ("max_tool_calling_iterations", "tool_timeout")): raise ValueError(f"`tools` are for GRPO and RLOO; {type(args).__name__} has no tool settings")
     if eval_dataset is not None: raise ValueError("`eval_dataset` with `tools` is not supported yet (evaluation samples without tools): evaluate after training")
     return Toolbox(list(tools), args.max_tool_calling_iterations, args.tool_timeout)
+
+# %% ../nbs/09d_tools.ipynb #eaf64e3b
+def tool_stats(
+    calls: Tensor,           # (batch,) tool calls each completion made (`ToolSamples.num_tool_calls`)
+    failures: Tensor,        # (batch,) of which failed
+    accelerator=None,        # sum over its processes (None: this one's)
+) -> dict[str, Tensor]:      # TRL 1.16's `tools/call_frequency` and `tools/failure_frequency`
+    "Calls per completion and failed calls per call (0 without calls), over every process's completions."
+    totals = torch.stack([calls.sum(), failures.sum(), torch.tensor(len(calls), device=calls.device)]).float()
+    if accelerator is not None and accelerator.num_processes > 1: totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum")
+    made, failed, n = totals
+    return {"tools/call_frequency": made / n, "tools/failure_frequency": torch.where(made > 0, failed / made.clamp(min=1), 0.0)}

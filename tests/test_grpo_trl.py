@@ -20,7 +20,7 @@ from trl import RLOOConfig as TRLRLOOConfig
 from transformers import TrainingArguments
 
 from instruct_goose.core import entropy_from_logits, logprobs_from_logits, masked_mean
-from instruct_goose.grpo import _LOSS_TYPES, GRPOConfig, aggregate, grpo_token_loss, high_entropy_mask, off_policy_mask
+from instruct_goose.grpo import _LOSS_TYPES, GRPOConfig, aggregate, clip_stats, grpo_token_loss, high_entropy_mask, off_policy_mask
 from instruct_goose.losses import AdaptiveEntropyController
 from instruct_goose.rloo import _TRL_REFUSED, RLOOConfig
 
@@ -87,6 +87,25 @@ def test_loss_and_gradient_equal_trl(loss_type, level):
     assert abs(ours.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item())), (ours.item(), theirs.item())
     assert (ours_grad - theirs_grad).abs().max().item() <= 1e-6, (ours_grad - theirs_grad).abs().max().item()
     assert theirs_grad.abs().max().item() > 1e-3                       # a real gradient, not two zeros
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+def test_clip_statistics_equal_trl(loss_type, level):
+    "The clip statistics TRL logs from its loss (`clip_ratio/*` with `low_min` and `high_max`, or `cispo_clip_ratio`) are `clip_stats` of our ratio."
+    mask, logprobs, old, ref, advantages = _rollout()
+    t = _trl_trainer(loss_type=loss_type, importance_sampling_level=level, **{**OPTIONS[loss_type], "epsilon_high": 1.0 if loss_type == "cispo" else 0.28})
+    _trl_loss(t, logprobs, old, ref, advantages, mask)
+    theirs = {k: v[-1] for k, v in t._metrics["train"].items() if "clip_ratio" in k}
+    a = t.args
+    _, ratio, _ = grpo_token_loss(logprobs, old, advantages, mask, a.epsilon, t.epsilon_high, ref, a.beta, level, loss_type, a.delta,
+                                  (a.sapo_temperature_pos, a.sapo_temperature_neg), (a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg),
+                                  a.use_bias_correction_kl, a.off_policy_mask_threshold)
+    ours = clip_stats(ratio, advantages, mask, SimpleNamespace(loss_type=loss_type, cliprange=a.epsilon, clip_high=t.epsilon_high,
+                                                                     importance_sampling_level=level))
+    assert set(ours) == set(theirs), (sorted(ours), sorted(theirs))
+    for name, value in theirs.items(): assert ours[name].item() == pytest.approx(value, abs=1e-6), (name, ours[name].item(), value)
+    assert any(v > 0 for v in theirs.values()), theirs                 # something was clipped: the numbers can differ
 
 
 def test_rollout_is_off_policy_as_described():
