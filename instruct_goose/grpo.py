@@ -21,7 +21,7 @@ from jaxtyping import Bool, Float
 from .core import check_number, masked_mean, masked_sum, typecheck
 from .loop import TrainLoop
 from .losses import AdaptiveEntropyController, kl_penalty
-from .rloo import GRPONotYet, refuse_unsupported
+from .rloo import GRPONotYet, completion_stats, refuse_unsupported
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
 from .agent import response_logprobs
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
@@ -294,15 +294,10 @@ def group_stats(
     stop_token_id: int,        # the token that ends a completion
     num_generations: int,      # G
 ) -> dict[str, Tensor]:        # TRL's GRPO rollout statistics
-    "Rewards, their spread within groups, completion lengths (all, and of those that stopped: TRL's `*_terminated_length`, 0 when none did) and the share cut off without a stop token, under TRL's GRPO names."
-    grouped, lengths = scores.reshape(-1, num_generations), response_mask.sum(1).float()
-    stopped = ((response_ids == stop_token_id) & response_mask).any(1)
-    of_stopped = lambda fill, reduce: torch.where(stopped.any(), reduce(torch.where(stopped, lengths, fill)), 0.0)   # 0 when none stopped, as TRL
-    ended_stats = (of_stopped(0.0, lambda x: x.sum() / stopped.sum().clamp(min=1)), of_stopped(torch.inf, torch.amin), of_stopped(-torch.inf, torch.amax))
+    "Rewards, their spread within groups, and `completion_stats` (lengths, of those that stopped too, and the share cut off without a stop token), under TRL's GRPO names."
+    grouped = scores.reshape(-1, num_generations)
     return {"reward": scores.mean(), "reward_std": grouped.std(1).mean(), "frac_reward_zero_std": (grouped.std(1) == 0).float().mean(),
-            "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-            "completions/max_length": lengths.max(), "completions/clipped_ratio": (~stopped).float().mean(),
-            **dict(zip(("completions/mean_terminated_length", "completions/min_terminated_length", "completions/max_terminated_length"), ended_stats))}
+            **completion_stats(response_ids, response_mask, stop_token_id)}
 
 # %% ../nbs/09b_grpo.ipynb #06ce3611
 class GRPOTrainer(OnPolicyTrainer):
