@@ -334,7 +334,8 @@ def nll_sum(
     logps, entropy, top1 = states_stats(out, labels, head) if stats else (states_logps(out, labels, head), None, None)
     if a.loss_type == "dft": logps = logps * logps.detach().exp()   # DFT (Wu et al., 2025): each token weighted by its own probability
     if not stats: return -logps.sum()
-    return -logps.sum(), {"entropy": entropy.mean(), "mean_token_accuracy": top1.float().mean()}
+    n = max(len(labels), 1)                                         # a batch without loss tokens logs 0, as TRL
+    return -logps.sum(), {"entropy": entropy.sum() / n, "mean_token_accuracy": top1.float().sum() / n}
 
 # %% ../nbs/06_sft.ipynb #1c9f878c
 @patch

@@ -166,3 +166,11 @@ def test_num_tokens_is_trls(tmp_path):
     ours.args.per_device_train_batch_size, ours.args.max_steps, ours.args.logging_steps, ours.args.save_strategy = len(ROWS), 1, 1, "no"
     ours.train()
     assert ours.loop.state.history[0]["num_tokens"] == theirs._metrics["train"]["num_tokens"][-1] == int(batch[1].sum())
+
+
+def test_a_batch_without_loss_tokens_logs_zero(tmp_path):
+    "TRL logs 0 for the entropy and accuracy of a batch without loss tokens; ours too, not NaN (a mean over nothing)."
+    _, ours, _, batch, _ = _sides(tmp_path)
+    ids, mask, loss_mask = batch
+    loss, stats = ours.nll_sum(ours.model, (ids, mask, torch.zeros_like(loss_mask)), stats=True)
+    assert loss.item() == 0 and {k: v.item() for k, v in stats.items()} == {"entropy": 0.0, "mean_token_accuracy": 0.0}
