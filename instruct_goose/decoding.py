@@ -45,7 +45,7 @@ class KVCache:
 # %% ../nbs/03a_decoding.ipynb #d3c0a04f
 def _attend(q, k, v, mask, scale: float):
     "softmax(q kᵀ · scale + M) v over the cache's keys and values (`mask` False: -inf); where G query heads share a key head, the G heads read it as G times the queries (no copy of the cache)."
-    (B, H, P, d), G = q.shape, q.shape[1] // k.shape[1]
+    P, G = q.shape[2], q.shape[1] // k.shape[1]                                      # new positions; query heads per key head
     if G == 1: return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if P > 1: mask = mask.unsqueeze(2).expand(-1, -1, G, -1, -1).flatten(2, 3)      # (batch, 1, G·new, keys): each group's queries, in turn
     o = F.scaled_dot_product_attention(q.unflatten(1, (-1, G)).flatten(2, 3), k, v, attn_mask=mask, scale=scale)
