@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'response_logits', 'response_logprobs', 'token_logprobs',
-           'lm_nll', 'AgentOutput', 'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode', 'Agent',
-           'AdapterOffReference', 'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms',
-           'AgentObjective', 'pack_bins', 'pack_layout', 'packed_forward', 'loss_token_states', 'states_logps',
-           'states_stats']
+           'lm_nll', 'router_aux_coef', 'router_aux_losses', 'AgentOutput', 'ResponseStats', 'disable_dropout',
+           'dropout_as_configured', 'eval_mode', 'Agent', 'AdapterOffReference', 'create_reference_model', 'with_peft',
+           'load_tokenizer', 'ObjectiveTerms', 'AgentObjective', 'pack_bins', 'pack_layout', 'packed_forward',
+           'loss_token_states', 'states_logps', 'states_stats']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import copy, inspect, itertools, os
@@ -161,6 +161,52 @@ def lm_nll(
         real = attention_mask.bool()
         loss_mask = real & F.pad(real[:, :-1], (1, 0))   # real, with a real token before it
     return -masked_mean(token_logprobs(model, input_ids, attention_mask), loss_mask)
+
+# %% ../nbs/03_agent.ipynb #78fae396
+def _causal_lm(model: nn.Module) -> nn.Module:
+    "The 🤗 causal LM inside a wrapper: DDP's `module`, then a peft model's base model."
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def router_aux_coef(
+    model: nn.Module,            # the policy: a 🤗 causal LM (or a peft or DDP wrapper around one)
+    coef: float | None = None,   # TRL 1.16's `router_aux_loss_coef`: None takes the model config's own, 0 turns the loss off
+) -> float:                      # c, the weight of the load-balancing loss in the training loss; 0.0: none is added
+    "TRL 1.16's rule: a mixture-of-experts model (its config has `output_router_logits`) adds c·L_aux, c = `coef`, or the config's `router_aux_loss_coef` when `coef` is None; a nonzero `coef` for another model is an error."
+    lm = _causal_lm(model)
+    config = lm.config.get_text_config()
+    moe = hasattr(config, "output_router_logits")
+    if coef is not None: check_number("router_aux_loss_coef", coef)
+    if coef and not moe:
+        raise ValueError(f"`router_aux_loss_coef`={coef}, but {type(lm).__name__} is not a mixture-of-experts model that returns "
+                         "its router logits, so there is no load-balancing loss to weight: leave it None")
+    return float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef) if moe else 0.0
+
+# %% ../nbs/03_agent.ipynb #7702ea86
+@contextmanager
+def router_aux_losses(
+    model: nn.Module,   # a 🤗 mixture-of-experts causal LM (or a peft or DDP wrapper around one)
+    on: bool = True,    # False: nothing changes, the list stays empty
+):
+    "Inside the block each forward pass of `model` also computes its load-balancing loss L_aux (🤗's `output_router_logits`), with gradients, appended to the list the block yields."
+    losses = []
+    if not on:
+        yield losses
+        return
+    lm = _causal_lm(model)
+    config = lm.config.get_text_config()
+    def keep(module, args, output):
+        if getattr(output, "aux_loss", None) is None:
+            raise ValueError(f"{type(lm).__name__} returned no `aux_loss` when asked for its router logits: set "
+                             "`router_aux_loss_coef=0.0` to train it without the load-balancing loss")
+        losses.append(output.aux_loss)
+    saved, config.output_router_logits = config.output_router_logits, True
+    hook = lm.register_forward_hook(keep)
+    try: yield losses
+    finally:
+        hook.remove()
+        config.output_router_logits = saved
 
 # %% ../nbs/03_agent.ipynb #28888eda
 class AgentOutput(NamedTuple):

@@ -1146,17 +1146,20 @@ def fit_step(
     model: nn.Module,     # the prepared model
     rows: list[int],      # this process's example indices for the step
     encode,               # (indices) -> (inputs, units): a micro-batch's inputs and how many units (tokens, pairs) its loss sums
-    loss_fn,              # (model, inputs) -> (loss summed over the units, {name: detached 0-d tensor}); a `num_tokens` entry: the micro-batch's input tokens
+    loss_fn,              # (model, inputs) -> (loss summed over the units, {name: detached 0-d tensor}[, a term already a mean over the micro-batch]); a `num_tokens` entry: the micro-batch's input tokens
     loss_name: str,       # the name the minibatch's mean loss is logged under
 ) -> dict:                # the step's statistics, averaged over micro-batches and processes, the gradient norm, and (`num_tokens`) the run's tokens so far
-    "One optimizer step on `rows`: each micro-batch's loss sum scaled to its share of the minibatch mean, accumulated, clipped; the tokens a loss reports (`num_tokens`) summed into `count_tokens`."
+    "One optimizer step on `rows`: each micro-batch's loss sum scaled to its share of the minibatch mean, accumulated, clipped; a per-micro-batch term (the MoE load-balancing loss) averaged over all micro-batches; the tokens a loss reports (`num_tokens`) summed into `count_tokens`."
     acc = self.accelerator
     def accumulate():
         micro = [encode(part) for part in self.micro_batches(rows)]
-        scale, totals, tokens = self.loss_scale([units for _, units in micro]), {}, []
+        scale, totals, tokens, per_batch = self.loss_scale([units for _, units in micro]), {}, [], None
         for inputs, _ in micro:
-            with acc.autocast(): loss_sum, metrics = loss_fn(model, inputs)
+            with acc.autocast(): loss_sum, metrics, *term = loss_fn(model, inputs)
             loss = loss_sum * scale
+            if term:                                     # its share of the mean over all micro-batches of all processes
+                per_batch = self.loss_scale([1] * len(micro)) if per_batch is None else per_batch
+                loss = loss + term[0] * per_batch
             self.backward(loss)
             if "num_tokens" in metrics: tokens.append(metrics.pop("num_tokens"))
             for k, v in metrics.items(): totals[k] = totals.get(k, 0) + v / len(micro)

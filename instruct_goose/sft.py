@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
-from .agent import (_from_pretrained_kwargs, _load_model, _load_tokenizer, disable_dropout, eval_mode, loss_token_states, states_logps,
-                                  states_stats, with_peft)
+from .agent import (_from_pretrained_kwargs, _load_model, _load_tokenizer, disable_dropout, eval_mode, loss_token_states,
+                                  router_aux_coef, router_aux_losses, states_logps, states_stats, with_peft)
 from .core import check_number
 from .data import _pad_token_id, apply_chat, as_dataset, pad_to_multiple, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
 from .loop import Trainer, TrainLoop, TrainingConfig, trainer_arguments
@@ -76,7 +76,7 @@ class SFTConfig(StageConfig):
     activation_offloading: bool = False           # keep the saved activations on the CPU between forward and backward (a memory lever, as DPO's)
     dataset_kwargs: dict | None = None            # TRL's {"skip_prepare_dataset": ...}: taken, as rows are encoded per micro-batch and never prepared here; other keys refused
     dataset_num_proc: int | None = None           # refused unless None: no map over the dataset runs here to be parallelised
-    router_aux_loss_coef: float | None = None     # refused unless None/0: no MoE load-balancing loss here
+    router_aux_loss_coef: float | None = None     # mixture-of-experts models: c of the load-balancing loss c·L_aux added to the loss (`router_aux_coef`; None: the model config's, 0: none)
     pad_token: str | None = None                  # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
 
     def __post_init__(self):
@@ -98,7 +98,7 @@ def _check_sft_options(c: SFTConfig):
     if set(c.dataset_kwargs or {}) - {"skip_prepare_dataset"}:
         raise ValueError(f"`dataset_kwargs` takes only TRL's 'skip_prepare_dataset' here (rows are encoded per micro-batch); got {sorted(c.dataset_kwargs)}")
     if c.dataset_num_proc is not None: raise ValueError("`dataset_num_proc`: no map over the dataset runs here (rows are encoded per micro-batch); leave it None")
-    if c.router_aux_loss_coef: raise ValueError("`router_aux_loss_coef`: no MoE load-balancing loss is added here; leave it None")
+    if c.router_aux_loss_coef is not None: check_number("router_aux_loss_coef", c.router_aux_loss_coef)
     if c.pad_token is not None: raise ValueError("`pad_token` is deprecated (TRL 1.1): set `tokenizer.pad_token` and pass the tokenizer as `processing_class`")
 
 # %% ../nbs/06_sft.ipynb #d44bf8a5
@@ -275,6 +275,7 @@ class SFTTrainer(Trainer):
         if self.args.model_init_kwargs is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError("`model_init_kwargs` is read when `model` is a name or path; this `model` is made already: drop it")
         self.model, self.callbacks = with_peft(_load_model(model, self.args), peft_config), callbacks
+        self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)   # MoE: c of c·L_aux (0: none)
         self.eos_token_id = token_id(self.processing_class, self.args.eos_token, "eos_token")
         self.max_length = fit_to_context(self.args.max_length, self.model)
         self.train_dataset, self.eval_dataset = (None if data is None else self.rows(data, name)
@@ -348,18 +349,18 @@ def batch_loss(self: SFTTrainer, model: nn.Module, rows: dict) -> Tensor:
 @patch
 @torch.no_grad()
 def evaluate(self: SFTTrainer, model: nn.Module | None = None, dataset=None, batch_size: int | None = None) -> dict:
-    "`eval_loss`, and TRL's `eval_entropy` and `eval_mean_token_accuracy`: per token over all of `dataset` (default: the eval set), as floats; `batch_size` None: `per_device_eval_batch_size`; padding-free with `eval_packing` (None: `packing`) or `padding_free`, the same numbers."
+    "`eval_loss`, and TRL's `eval_entropy` and `eval_mean_token_accuracy`: per token over all of `dataset` (default: the eval set), as floats; `batch_size` None: `per_device_eval_batch_size`; padding-free with `eval_packing` (None: `packing`) or `padding_free`, the same numbers. A mixture-of-experts model with the load-balancing loss on: `eval_aux_loss` too, the mean over batches (TRL adds c × it to its `eval_loss`; here `eval_loss` stays the NLL)."
     model, dataset, batch_size = model or self.model, dataset or self.eval_dataset, batch_size or self.args.per_device_eval_batch_size
     a = self.args
     packed = (a.packing if a.eval_packing is None else a.eval_packing) or a.padding_free
-    sums, n_tokens = {"eval_loss": 0.0, "eval_entropy": 0.0, "eval_mean_token_accuracy": 0.0}, 0
+    sums, n_tokens, aux = {"eval_loss": 0.0, "eval_entropy": 0.0, "eval_mean_token_accuracy": 0.0}, 0, []
     with eval_mode(model):
         for i in range(0, len(dataset), batch_size):
             batch, n = self.encode(dataset[i:i + batch_size])
-            loss, stats = self.nll_sum(model, batch, packed, stats=True)
+            with router_aux_losses(model, self.router_aux_loss_coef > 0) as found: loss, stats = self.nll_sum(model, batch, packed, stats=True)
             for name, total in (("eval_loss", loss), *((f"eval_{k}", v * n) for k, v in stats.items())): sums[name] += total.item()
-            n_tokens += n
-    return {name: total / n_tokens for name, total in sums.items()}
+            n_tokens, aux = n_tokens + n, aux + found
+    return {**{name: total / n_tokens for name, total in sums.items()}, **({"eval_aux_loss": torch.stack(aux).mean().item()} if aux else {})}
 
 # %% ../nbs/06_sft.ipynb #9d93dcd1
 @patch
@@ -377,9 +378,13 @@ def train(
     n_examples = len(self.train_bins) if self.args.packing else len(self.train_dataset)
     steps = self.args.training_steps(n_examples, loop.accelerator.num_processes)
     encode = lambda indices: self.encode(self.train_dataset[rows(indices)])
+    c_aux = self.router_aux_loss_coef
     def loss_fn(model, batch):
-        with offloaded(self.args.activation_offloading): loss, stats = self.nll_sum(model, batch, stats=True)   # TRL's entropy, mean_token_accuracy: each micro-batch's mean, averaged
-        return loss, {**stats, "num_tokens": batch[1].sum()}                # TRL's num_tokens: every real token, prompts too
+        with offloaded(self.args.activation_offloading), router_aux_losses(model, c_aux > 0) as aux:
+            loss, stats = self.nll_sum(model, batch, stats=True)            # TRL's entropy, mean_token_accuracy: each micro-batch's mean, averaged
+        stats = {**stats, "num_tokens": batch[1].sum()}                     # TRL's num_tokens: every real token, prompts too
+        if not aux: return loss, stats
+        return loss, {**stats, "aux_loss": aux[0].detach()}, c_aux * aux[0]   # MoE: c·L_aux of the micro-batch's pass, averaged over micro-batches
     evaluate = self.evaluate if self.eval_dataset is not None else None
     alpha = self.args.neftune_noise_alpha      # NEFTune: 🤗's own hook on the input embeddings, in training mode only, removed after
     noise = None if alpha is None else activate_neftune(self.model, alpha)

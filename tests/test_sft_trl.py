@@ -18,7 +18,7 @@ from datasets import Dataset
 from trl import RewardConfig as TRLRewardConfig, SFTConfig as TRLSFTConfig, SFTTrainer as TRLSFTTrainer
 from trl.data_utils import pack_dataset
 
-from instruct_goose import RewardConfig, SFTConfig, SFTTrainer, task_tokenizer, tiny_causal_lm
+from instruct_goose import RewardConfig, SFTConfig, SFTTrainer, router_aux_losses, task_tokenizer, tiny_causal_lm
 from instruct_goose.sft import best_fit_bins
 
 assert trl.__version__ == "1.16.0", trl.__version__
@@ -95,6 +95,35 @@ def test_entropy_and_token_accuracy_equal_trl(tmp_path, padding_free):
         assert evaluated[f"eval_{name}"] == pytest.approx(theirs._metrics["eval"][name][-1], rel=1e-5), name
 
 
+def tiny_moe(tokenizer):
+    "A tiny Qwen3-MoE (4 experts, top 2): a mixture-of-experts model whose config has `output_router_logits`."
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+
+
+@pytest.mark.parametrize("coef", [None, 0.5, 0.0], ids=["config", "given", "off"])
+def test_moe_load_balancing_loss_equals_trl(tmp_path, coef):
+    "A mixture-of-experts model: TRL's `compute_loss` (NLL + c·L_aux, c by its rule) and ours (`nll_sum` / tokens + c·L_aux of `router_aux_losses`): the same loss, gradient and logged `aux_loss`."
+    theirs, ours, inputs, batch, n_tokens = _sides(tmp_path, tiny_moe(task_tokenizer()), router_aux_loss_coef=coef)
+    assert ours.router_aux_loss_coef == theirs.router_aux_loss_coef == {None: 0.001, 0.5: 0.5, 0.0: 0.0}[coef]
+    theirs.model.train(); ours.model.train()
+    trl_loss = theirs.compute_loss(theirs.model, inputs)
+    trl_loss.backward()
+    with router_aux_losses(ours.model, ours.router_aux_loss_coef > 0) as aux:
+        our_loss = ours.nll_sum(ours.model, batch) / n_tokens
+    assert len(aux) == (coef != 0.0)
+    if aux: our_loss = our_loss + ours.router_aux_loss_coef * aux[0]
+    our_loss.backward()
+    assert our_loss.item() == pytest.approx(trl_loss.item(), rel=1e-5), (our_loss.item(), trl_loss.item())
+    if aux: assert aux[0].item() == pytest.approx(theirs._metrics["train"]["aux_loss"][-1], rel=1e-5)
+    else: assert "aux_loss" not in theirs._metrics["train"]
+    trl_grad, our_grad = _grads(theirs.model), _grads(ours.model)
+    assert trl_grad.keys() == our_grad.keys()
+    assert max((our_grad[n] - g).abs().max().item() for n, g in trl_grad.items()) < 1e-5
+
+
 def test_padding_free_gives_trl_padded_loss(tmp_path):
     "`padding_free=True` (sequences end to end in bins, a block-diagonal mask) gives TRL's padded loss and gradient."
     theirs, ours, inputs, batch, n_tokens = _sides(tmp_path)
@@ -146,7 +175,7 @@ def test_every_sft_field_trl_adds_is_taken_or_refused_by_name():
         "max_length": 512, "truncation_mode": "keep_end", "shuffle_dataset": True, "packing": True, "packing_strategy": "wrapped",
         "padding_free": True, "pad_to_multiple_of": 8, "eval_packing": False, "completion_only_loss": False, "assistant_only_loss": False,
         "loss_type": "dft", "activation_offloading": True, "pad_token": "<pad>"},
-        {"router_aux_loss_coef", "dataset_num_proc", "truncation_mode", "packing_strategy", "pad_token"})
+        {"dataset_num_proc", "truncation_mode", "packing_strategy", "pad_token"})
 
 
 def test_every_reward_field_trl_adds_is_taken_or_refused_by_name():
