@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
 from .agent import (_load_model, _load_tokenizer, disable_dropout, eval_mode, load_tokenizer, loss_token_states, pack_bins,
-                                  packed_forward, positions_for, states_logps, states_stats, with_peft)
+                                  packed_forward, positions_for, router_aux_coef, router_aux_losses, states_logps, states_stats, with_peft)
 from .core import _LOGITS_PER_CHUNK, check_number, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, pad_to_multiple, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
@@ -147,7 +147,7 @@ class DPOConfig(StageConfig):
     dataset_num_proc: int | None = None           # processes that tokenise the pairs (datasets' `num_proc`)
     activation_offloading: bool = False           # keep the policy's saved activations on the CPU between forward and backward
     disable_dropout: bool = True                  # zero the policy's dropout, so that π and π_ref score alike at the start
-    router_aux_loss_coef: float | None = None     # refused unless None/0: no MoE load-balancing loss here
+    router_aux_loss_coef: float | None = None     # mixture-of-experts models: c of the load-balancing loss c·L_aux added to each micro-batch's loss (`router_aux_coef`; None: the model config's, 0: none)
     pad_token: str | None = None                  # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
 
     def __post_init__(self):
@@ -176,7 +176,7 @@ class DPOConfig(StageConfig):
         if self.sync_ref_model and self.precompute_ref_log_probs:
             raise ValueError("`sync_ref_model` moves π_ref, so precomputed reference log-probabilities would go stale: drop one of "
                              "`sync_ref_model` and `precompute_ref_log_probs`")
-        if self.router_aux_loss_coef: raise ValueError("`router_aux_loss_coef`: no MoE load-balancing loss is added here; leave it None")
+        if self.router_aux_loss_coef is not None: check_number("router_aux_loss_coef", self.router_aux_loss_coef)
         if self.pad_token is not None: raise ValueError("`pad_token` is deprecated (TRL 1.1): set `tokenizer.pad_token` and pass the "
                                                         "tokenizer as `processing_class`")
 
@@ -302,6 +302,7 @@ class DPOTrainer(Trainer):
         if self.processing_class is None: raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a path")
         model = with_peft(_load_model(model, self.args), peft_config)
         self.model = fuse_activations(disable_dropout(model) if self.args.disable_dropout else model)
+        self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)   # MoE: c of c·L_aux (0: none)
         cached_self = ref_model is None and self.args.precompute_ref_log_probs   # the policy scores its own start: no copy
         self.ref_model = None if cached_self else frozen_reference(self.model, None if ref_model is None else with_peft(_load_model(ref_model, self.args)))
         self.max_length = fit_to_context(self.args.max_length, model)
@@ -407,19 +408,22 @@ def mixed_dpo_loss(
 
 # %% ../nbs/09c_dpo.ipynb #7802ca7d
 @patch
-def pair_loss_sum(self: DPOTrainer, model: nn.Module, batch: tuple) -> tuple[Tensor, dict]:
-    "(Σ of the pairs' losses, TRL's statistics) for an encoded micro-batch: policy and reference each score chosen and rejected in one pass."
+def pair_loss_sum(self: DPOTrainer, model: nn.Module, batch: tuple) -> tuple[Tensor, dict] | tuple[Tensor, dict, Tensor]:
+    "(Σ of the pairs' losses, TRL's statistics) for an encoded micro-batch: policy and reference each score chosen and rejected in one pass; a mixture-of-experts policy: also c·L_aux of the policy's pass (`router_aux_losses`), a mean over the micro-batch (logged as `aux_loss`)."
     a, device = self.args, next(model.parameters()).device
     ids, mask, loss_mask, ref = batch                       # loss_mask stays on the CPU (`completion_logps`)
     ids, mask = ids.to(device), mask.to(device)
-    with offloaded(a.activation_offloading): out = self.score(model, ids, mask, loss_mask, wpo=a.use_weighting, stats=True)
+    with offloaded(a.activation_offloading), router_aux_losses(model, self.router_aux_loss_coef > 0) as aux:
+        out = self.score(model, ids, mask, loss_mask, wpo=a.use_weighting, stats=True)
     ref = self.reference_logps(ids, mask, loss_mask) if ref is None else ref.to(device)
     n_tokens = loss_mask[:, 1:].sum(1).to(device)
     losses = mixed_dpo_loss(out.logps, ref, n_tokens, a, out.raw_logps, out.wpo_logps)
     trl = {"entropy": out.entropy.sum() / n_tokens.sum().clamp(min=1),                                      # TRL 1.16's: over both completions,
            "mean_token_accuracy": out.top1.chunk(2)[0].sum() / n_tokens.chunk(2)[0].sum().clamp(min=1),      # on the chosen ones,
            "num_tokens": mask.sum()}                                                                        # prompts and both completions
-    return losses.sum(), {**dpo_metrics(out.logps.detach(), ref, out.logits, n_tokens, a.beta), **trl}
+    stats = {**dpo_metrics(out.logps.detach(), ref, out.logits, n_tokens, a.beta), **trl}
+    if not aux: return losses.sum(), stats
+    return losses.sum(), {**stats, "aux_loss": aux[0].detach()}, self.router_aux_loss_coef * aux[0]
 
 # %% ../nbs/09c_dpo.ipynb #7e8c6e86
 @patch
@@ -438,16 +442,18 @@ def precompute_ref_logps(self: DPOTrainer, dataset: Dataset, device: torch.devic
 @patch
 @torch.no_grad()
 def evaluate(self: DPOTrainer, model: nn.Module | None = None, dataset=None, batch_size: int | None = None) -> dict:
-    "`eval_loss`, `eval_rewards/accuracies` and `eval_rewards/margins` over all of `dataset` (pairs in any accepted format; default: the eval set), as floats."
+    "`eval_loss`, `eval_rewards/accuracies` and `eval_rewards/margins` over all of `dataset` (pairs in any accepted format; default: the eval set), as floats; a mixture-of-experts policy: `eval_aux_loss` too, the mean over batches (TRL adds c × it to its `eval_loss`; here `eval_loss` stays the DPO loss)."
     cache = self.eval_ref_logps if dataset is None else None
     model, dataset = model or self.model, self.eval_dataset if dataset is None else self.pairs(dataset, "dataset")
-    totals, n, batch_size = {}, len(dataset), batch_size or self.args.per_device_eval_batch_size
+    totals, n, batch_size, aux = {}, len(dataset), batch_size or self.args.per_device_eval_batch_size, []
     with eval_mode(model):
         for i in range(0, n, batch_size):
             batch, pairs = self.encode(dataset[i:i + batch_size], None if cache is None else cache[i:i + batch_size])
-            loss_sum, stats = self.pair_loss_sum(model, batch)
+            loss_sum, stats, *term = self.pair_loss_sum(model, batch)
+            if term: aux.append(stats.pop("aux_loss"))
             for k, v in {"loss": loss_sum / pairs, **stats}.items(): totals[k] = totals.get(k, 0.0) + v * pairs / n
-    return {f"eval_{k}": totals[k].item() for k in ("loss", "rewards/accuracies", "rewards/margins")}   # the host waits once per metric, not per batch
+    out = {f"eval_{k}": totals[k].item() for k in ("loss", "rewards/accuracies", "rewards/margins")}   # the host waits once per metric, not per batch
+    return {**out, "eval_aux_loss": torch.stack(aux).mean().item()} if aux else out
 
 # %% ../nbs/09c_dpo.ipynb #d0005dac
 @patch

@@ -135,6 +135,42 @@ def test_loss_and_gradient_equal_trl(sides, case):
     print(f"{case}: loss {our_loss:.6f} vs {trl_loss:.6f}, |Δloss| {abs(our_loss - trl_loss):.2e}, max |Δgrad| {worst:.2e} (max |grad| {scale:.2e})")
 
 
+@pytest.mark.parametrize("coef", [None, 0.5], ids=["config", "given"])
+def test_moe_load_balancing_loss_equals_trl(tmp_path, coef):
+    "A mixture-of-experts policy (tiny Qwen3-MoE): TRL's `_compute_loss` (DPO + c·L_aux of the policy's pass) and ours (`pair_loss_sum` / pairs + its c·L_aux term): the same loss, gradient and logged `aux_loss`."
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    tok = task_tokenizer()
+    torch.manual_seed(0)
+    policy = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    ref = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in ref.parameters(): p.add_(0.05 * torch.randn_like(p))        # a reference that differs, so the DPO loss is not log 2
+    data = Dataset.from_list(PAIRS)
+    theirs = TRLDPOTrainer(copy.deepcopy(policy), ref_model=copy.deepcopy(ref), train_dataset=data, processing_class=tok,
+                           args=TRLDPOConfig(output_dir=str(tmp_path), bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none",
+                                             beta=0.1, max_length=256, disable_dropout=True, router_aux_loss_coef=coef))
+    ours = DPOTrainer(copy.deepcopy(policy), ref_model=copy.deepcopy(ref), train_dataset=data, processing_class=tok,
+                      args=DPOConfig(output_dir=str(tmp_path), max_prompt_length=None, router_aux_loss_coef=coef))
+    assert ours.router_aux_loss_coef == theirs.router_aux_loss_coef == (0.001 if coef is None else coef)
+    inputs = theirs.data_collator([theirs.train_dataset[i] for i in range(len(PAIRS))])
+    batch, _ = ours.encode(ours.train_dataset[:])
+    theirs.model.train(); ours.model.train()
+    trl_loss = theirs._compute_loss(theirs.model, inputs, return_outputs=False)
+    trl_loss.backward()
+    loss_sum, stats, term = ours.pair_loss_sum(ours.model, batch)
+    our_loss = loss_sum / len(PAIRS) + term
+    our_loss.backward()
+    assert our_loss.item() == pytest.approx(trl_loss.item(), rel=1e-5), (our_loss.item(), trl_loss.item())
+    assert stats["aux_loss"].item() == pytest.approx(theirs._metrics["train"]["aux_loss"][-1], rel=1e-5)
+    trl_grad = {n: p.grad for n, p in theirs.model.named_parameters() if p.grad is not None}
+    our_grad = {n: p.grad for n, p in ours.model.named_parameters() if p.grad is not None}
+    assert trl_grad.keys() == our_grad.keys()
+    assert max((our_grad[n] - g).abs().max().item() for n, g in trl_grad.items()) < 1e-5
+
+
 def test_padding_free_gives_trl_padded_losses(sides):
     "padding_free=True (one row, no pad token, a block-diagonal mask) gives TRL's padded loss and gradient (TRL 1.16 itself falls back to padding)."
     theirs, ours, inputs, batch = sides
@@ -154,7 +190,7 @@ NON_DEFAULT = {   # a value other than the default for every field TRL 1.16's DP
     "label_smoothing": {"label_smoothing": 0.1, "loss_type": ["robust"]}, "beta": 0.2, "use_weighting": True, "discopop_tau": 0.1,
     "activation_offloading": True, "sync_ref_model": True, "ref_model_mixup_alpha": 0.5, "ref_model_sync_steps": 8, "pad_token": "<pad>",
 }
-REFUSED = {"router_aux_loss_coef", "pad_token"}
+REFUSED = {"pad_token"}
 
 
 def test_every_field_trl_adds_is_taken_or_refused_by_name():
