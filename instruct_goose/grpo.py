@@ -24,7 +24,7 @@ from .losses import AdaptiveEntropyController, kl_penalty
 from .rloo import GRPONotYet, completion_stats, refuse_unsupported
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
 from .agent import response_logprobs
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, _prompt_columns
 from .tools import ToolConfig
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
@@ -354,11 +354,12 @@ class GRPOTrainer(OnPolicyTrainer):
         policy: nn.Module,       # the causal LM being trained
         part: GRPORollout,       # a micro-batch of the rollout
         draw: int,               # the global micro-batch index (unused: GRPO has no pretraining term)
-        kept: tuple | None = None,   # the micro-batch's `policy_pass`, (log π, entropy), already made (`first_pass`)
+        kept: PolicyPass | None = None,   # the micro-batch's `policy_pass`, already made (`first_pass`)
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "The `loss_type`'s surrogate + β·KL of one micro-batch, averaged as `loss_type` says, with TRL's GRPO statistics."
         c, mask = self.args, part.loss_mask
-        logprobs, entropy = self.policy_pass(policy, part) if kept is None else kept   # the entropy with gradients only with `entropy_bonus`
+        current = self.policy_pass(policy, part) if kept is None else kept
+        logprobs, entropy = current.logprobs, current.entropy       # the entropy with gradients only with `entropy_bonus`
         old = logprobs.detach() if self.reuses_current_logprobs else part.logprobs
         ref = part.ref_logprobs if self.ref_model is not None else None
         token_loss, ratio, kl = grpo_token_loss(
@@ -368,9 +369,11 @@ class GRPOTrainer(OnPolicyTrainer):
         loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length)
         stats = {"entropy": masked_mean(entropy.detach(), mask), **clip_stats(ratio, part.advantages, mask, c)}
         if kl is not None: stats["kl"] = masked_mean(kl.detach(), mask)
-        if not c.entropy_bonus: return {"policy": loss}, stats
+        aux, logged = self.aux_term(current)                       # a mixture-of-experts policy: c·L_aux of the pass
+        stats |= logged
+        if not c.entropy_bonus: return {"policy": loss, **aux}, stats
         stats["entropy_coef"] = part.entropy_coef[0]
-        return {"policy": loss, "entropy": -part.entropy_coef[0] * masked_mean(entropy, mask & part.entropy_mask)}, stats
+        return {"policy": loss, "entropy": -part.entropy_coef[0] * masked_mean(entropy, mask & part.entropy_mask), **aux}, stats
 
     def rollout_stats(self, rollout: GRPORollout) -> dict[str, Tensor]:
         "The rollout's statistics under TRL's GRPO names: rewards, their spread within groups, completion lengths (each reward function's `rewards/<name>/mean` and `/std` come from `train`)."

@@ -4,14 +4,14 @@
 
 # %% auto #0
 __all__ = ['merge_names', 'generation_batches', 'setting_name', 'OnPolicyConfig', 'sampling_options', 'frozen_reference',
-           'trl_arguments', 'OnPolicyTrainer', 'TRLOptions', 'mix_reference', 'SyncRefModelCallback',
+           'trl_arguments', 'PolicyPass', 'OnPolicyTrainer', 'TRLOptions', 'mix_reference', 'SyncRefModelCallback',
            'CompletionsResume', 'prompt_budget', 'step_rows', 'trl_metric_names', 'evaluate_policy']
 
 # %% ../nbs/08_onpolicy.ipynb #2a44eff2
 import json, math, os, time
 from dataclasses import dataclass, fields
 from contextlib import contextmanager
-from typing import ClassVar, Literal, get_args
+from typing import ClassVar, Literal, NamedTuple, get_args
 
 import torch
 from datasets import Dataset
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from accelerate import Accelerator
 
 from .agent import (Agent, _is_peft, _load_model, _load_tokenizer, context_length, create_reference_model, disable_dropout, eval_mode,
-                                  response_logprobs, with_peft)
+                                  response_logprobs, router_aux_coef, router_aux_losses, with_peft)
 from transformers import AutoModelForCausalLM, TrainerCallback
 from accelerate.utils import gather_object
 from .completions import append_completions, completion_rows, completions_table, completions_to_trackers, drop_completions_after, first_per_prompt
@@ -219,6 +219,13 @@ def _prompts_from_ids(
     ids_columns = [c for c in ("input_ids", "attention_mask") if c in data.column_names]
     return data.map(lambda row: {"prompt": text(row["input_ids"])}, remove_columns=ids_columns, keep_in_memory=True)
 
+# %% ../nbs/08_onpolicy.ipynb #a7dcdd3b
+class PolicyPass(NamedTuple):
+    "The policy's forward pass over a micro-batch, as RLOO's and GRPO's losses read it (`OnPolicyTrainer.policy_pass`)."
+    logprobs: Tensor               # (batch, resp) log π(y_t) at the temperature, with gradients
+    entropy: Tensor | None         # (batch, resp) the entropy per token (with gradients only where a loss term takes it)
+    aux_loss: Tensor | None = None # a mixture-of-experts policy's load-balancing loss L_aux of this pass, with gradients (None: not added)
+
 # %% ../nbs/08_onpolicy.ipynb #3e6fc23a
 class OnPolicyTrainer(Trainer):
     "What the on-policy trainers (PPO, RLOO, GRPO) share: one constructor (TRL's keywords), the reward, prompts, KL controller, and the loop (`train`, `update`)."
@@ -251,12 +258,14 @@ class OnPolicyTrainer(Trainer):
         self.tools = trainer_tools(self.args, tools, rollout_func, environment_factory, eval_dataset)   # a `Toolbox`, or None
         self.model = fuse_activations(self.policy_from(model, peft_config))   # before anything samples or scores with it
         policy = self.model.model if isinstance(self.model, Agent) else self.model
+        if isinstance(self.args, TRLOptions): self.router_aux_loss_coef = router_aux_coef(policy, self.args.router_aux_loss_coef)   # RLOO, GRPO: MoE's c·L_aux
         self.ref_model = frozen_reference(policy, ref_model) if self.needs_reference else None
         self.ref_is_copy = self.ref_model is not None and ref_model is None and not _is_peft(policy)   # our own copy (`setup` may hold it in half precision)
 
     needs_reference: bool = True      # whether the algorithm uses π_ref (GRPO: only when `beta` > 0)
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
+    router_aux_loss_coef: float = 0.0 # c of a mixture-of-experts policy's load-balancing loss c·L_aux (RLOO, GRPO: `router_aux_coef` of the config's field; PPO: none, as TRL 1.12's)
     keeps_first_pass: bool = True     # when the update's first micro-batch is the whole rollout, the rollout's policy pass (with gradients) is that micro-batch's pass too (`first_pass`); False: a separate no-grad pass
     progress_keys: tuple = ("objective/scores", "objective/kl", "objective/kl_coef")  # metrics shown on the progress bar
 
@@ -270,10 +279,18 @@ class OnPolicyTrainer(Trainer):
         "For each loss term of a micro-batch, what its mean is over (real tokens, sequences): the weights come from these."
         raise NotImplementedError
 
-    def policy_pass(self, model: nn.Module, part):
-        "The forward pass of the policy that the loss of micro-batch `part` needs, with gradients: (log π, entropy) at the response positions from the last hidden state in chunks (`response_logprobs`, never the logits), the entropy with gradients where a loss term takes it (`entropy_bonus`) (PPO: the agent's `ResponseStats`)."
+    def policy_pass(self, model: nn.Module, part) -> "PolicyPass":
+        "The forward pass of the policy that the loss of micro-batch `part` needs, with gradients: (log π, entropy) at the response positions from the last hidden state in chunks (`response_logprobs`, never the logits), the entropy with gradients where a loss term takes it (`entropy_bonus`), and a mixture-of-experts policy's L_aux of the pass (PPO: the agent's `ResponseStats`)."
         entropy = "grad" if getattr(self.args, "entropy_bonus", False) else "no_grad"
-        return response_logprobs(model, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask, self.args.temperature, entropy)[:2]
+        with router_aux_losses(model, self.router_aux_loss_coef > 0) as aux:
+            logprobs, entropies = response_logprobs(model, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask,
+                                                    self.args.temperature, entropy)[:2]
+        return PolicyPass(logprobs, entropies, aux[0] if aux else None)
+
+    def aux_term(self, current: "PolicyPass") -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        "A mixture-of-experts policy's loss term {\"aux\": c·L_aux} of the pass `current` and the statistic {\"aux_loss\": L_aux} TRL logs; both empty without one."
+        if current.aux_loss is None: return {}, {}
+        return {"aux": self.router_aux_loss_coef * current.aux_loss}, {"aux_loss": current.aux_loss.detach()}
 
     def micro_batch_loss(self, model: nn.Module, part, draw: int, kept=None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "(each loss term as a mean over its units, the statistics to log) for one micro-batch of a rollout; `kept`: its `policy_pass`, already made (`first_pass`)."
@@ -339,6 +356,7 @@ class TRLOptions:
     log_completions: bool = False                 # every logging step: prompt, completion, each reward, advantage: printed, in completions.jsonl, to table trackers
     num_completions_to_print: int | None = None   # rows of that table printed (None: all); the file and trackers get every row
     log_unique_prompts: bool = False              # only the first completion of each prompt in the table
+    router_aux_loss_coef: float | None = None     # mixture-of-experts policies: c of the load-balancing loss c·L_aux added to each micro-batch's loss (`router_aux_coef`; None: the model config's, 0: none)
 
     def check_trl_options(self):
         "Read a JSON `model_init_kwargs`; refuse values out of range, by name."
@@ -348,6 +366,7 @@ class TRLOptions:
         check_number("ref_model_mixup_alpha", self.ref_model_mixup_alpha, high=1.0)
         check_number("ref_model_sync_steps", self.ref_model_sync_steps, low=1)
         if self.num_completions_to_print is not None: check_number("num_completions_to_print", self.num_completions_to_print)
+        if self.router_aux_loss_coef is not None: check_number("router_aux_loss_coef", self.router_aux_loss_coef)
 
 # %% ../nbs/08_onpolicy.ipynb #b0a93b9f
 @torch.no_grad()
@@ -700,7 +719,8 @@ def update(
                                        c.gradient_accumulation_steps, acc.num_processes, acc.process_index)
                      for i in range(len(micro_batches))]
             parts = [rollout[rows] for rows in micro_batches]
-            units = [self.loss_units(part, draw) for part, draw in zip(parts, draws)]
+            aux = {"aux": torch.tensor(1.0)} if self.router_aux_loss_coef else {}   # MoE's c·L_aux: a mean per micro-batch's pass, averaged over them
+            units = [{**self.loss_units(part, draw), **aux} for part, draw in zip(parts, draws)]
             weights = {name: _micro_batch_weights([u[name] for u in units], loop) for name in units[0]}
             for i, (part, draw) in enumerate(zip(parts, draws)):   # with a kept pass, (0, 0, 0) is the whole rollout in order
                 reuse = {} if kept is None or (epoch, m, i) != (0, 0, 0) else {"kept": kept}

@@ -18,7 +18,7 @@ from .core import check_number, masked_mean, masked_sum, masked_var
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer, TRLOptions, _prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, _prompt_columns
 from .tools import ToolConfig
 
 # %% ../nbs/09_rloo.ipynb #f5fc4aff
@@ -27,7 +27,6 @@ _VLLM = ("vLLM does not run here: generation is built in; set `temperature`, `ma
          "`local_rollout_forward_batch_size` (rows per generation call) instead, and `top_p`/`top_k`/`min_p`/`repetition_penalty` for the sampler")
 
 _TRL_REFUSED: dict[str, str] = {
-    "router_aux_loss_coef": f"{_LATER} (no mixture-of-experts auxiliary loss)",
     "disable_dropout": "dropout is always off here (the first pass's ratio is exactly 1); it cannot be turned back on",
     "cast_lm_head_to_fp32": f"{_LATER} (the head runs in the model's dtype, bf16 under mixed precision; the log-softmax of its logits is float32)",
     "ds3_gather_for_generation": f"{_LATER} (ZeRO-3 generation always gathers the full weights)",
@@ -48,7 +47,6 @@ _TRL_REFUSED: dict[str, str] = {
 @dataclass
 class TRLNotYet:
     "The fields TRL 1.16's `RLOOConfig` and `GRPOConfig` both add that this library does not run yet, at TRL's defaults (see `_TRL_REFUSED`)."
-    router_aux_loss_coef: float | None = None      # refused (_TRL_REFUSED)
     disable_dropout: bool = True                   # dropout is always off here (TRL's default: False); False is refused
     ds3_gather_for_generation: bool = True         # refused (_TRL_REFUSED) unless True
     pad_to_multiple_of: str | None = "auto"       # refused (_TRL_REFUSED) unless "auto": padding changes no number (TRL: an int, or "auto": none off Neuron)
@@ -191,10 +189,12 @@ class RLOOTrainer(OnPolicyTrainer):
         "The surrogate is a mean over sequences (over tokens with `token_level_kl`)."
         return {"policy": part.loss_mask.sum() if self.args.token_level_kl else torch.tensor(len(part))}
 
-    def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int, kept: tuple | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    def micro_batch_loss(self, policy: nn.Module, part: RLOORollout, draw: int, kept: PolicyPass | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "The clipped surrogate of one micro-batch (`loss`), from one forward pass of the policy (`kept`: that pass, (log π, entropy), already made)."
-        loss, stats = self.loss(part, *(self.policy_pass(policy, part) if kept is None else kept))
-        return {"policy": loss}, stats
+        current = self.policy_pass(policy, part) if kept is None else kept
+        loss, stats = self.loss(part, current.logprobs, current.entropy)
+        aux, logged = self.aux_term(current)                       # a mixture-of-experts policy: c·L_aux of the pass
+        return {"policy": loss, **aux}, {**stats, **logged}
 
     def rollout_stats(self, rollout: RLOORollout) -> dict:
         "The rollout's objective statistics under TRL's RLOO names, TRL ≤ 0.21's and 1.16's (`trl_metric_names` adds the rest)."

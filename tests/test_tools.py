@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor
 
-from instruct_goose import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, task_tokenizer, tiny_causal_lm
+from instruct_goose import GRPOConfig, GRPOTrainer, PolicyPass, RLOOConfig, RLOOTrainer, task_tokenizer, tiny_causal_lm
 from instruct_goose.data import encode_prompts
 from instruct_goose.tools import generate_with_tools, with_tool_template
 
@@ -144,11 +144,11 @@ def test_tool_tokens_change_neither_loss_nor_gradient(kind, tok, tmp_path):
     tool = samples.response_mask & ~samples.tool_mask
     assert tool.sum() > 10 and torch.equal(rollout.loss_mask, samples.response_mask & samples.tool_mask)
     policy = trainer.model.train()
-    base = [x.detach() for x in trainer.policy_pass(policy, rollout)]                # (log π, entropy) of the sampled tokens
+    base = [x.detach() for x in trainer.policy_pass(policy, rollout)[:2]]                # (log π, entropy) of the sampled tokens
 
     def loss_and_grad(kept, part):
         kept = [x.clone().requires_grad_(True) for x in kept]
-        losses, _ = trainer.micro_batch_loss(policy, part, 0, kept=tuple(kept))
+        losses, _ = trainer.micro_batch_loss(policy, part, 0, kept=PolicyPass(*kept))
         total = sum(losses.values())
         total.backward()
         return total.detach(), torch.stack([torch.zeros_like(x) if x.grad is None else x.grad for x in kept])   # RLOO: no entropy term
