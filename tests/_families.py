@@ -53,6 +53,10 @@ CAUSAL = [
     Family("gemma3", "Gemma3TextConfig", _decoder(head_dim=WIDTH // HEADS), "Gemma3ForCausalLM",
            "Gemma3TextForSequenceClassification"),
     Family("phi3", "Phi3Config", _decoder(), "Phi3ForCausalLM", "Phi3ForSequenceClassification"),
+    # mixture-of-experts: every MLP a sparse block of 4 experts, 2 per token (routing in float32, 🤗's grouped_mm experts)
+    Family("qwen3_moe", "Qwen3MoeConfig", _decoder(head_dim=WIDTH // HEADS, moe_intermediate_size=MLP // 4, num_experts=4, num_experts_per_tok=2),
+           "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
+    Family("mixtral", "MixtralConfig", _decoder(num_local_experts=4, num_experts_per_tok=2), "MixtralForCausalLM", "MixtralForSequenceClassification"),
     # OPTConfig's default dropout=0.1 is kept: OPT reads it from a float attribute of each layer, not an nn.Dropout
     Family("opt", "OPTConfig", dict(num_hidden_layers=LAYERS, hidden_size=WIDTH, word_embed_proj_dim=WIDTH, ffn_dim=MLP,
                                     num_attention_heads=HEADS, max_position_embeddings=CONTEXT),

@@ -15,6 +15,8 @@ no-repeat n-grams). The expected numbers need no reference implementation:
 
 The whole SFT → RM → PPO → RLOO pipeline runs by default for two families (Llama: rotary/GQA, the shape of most
 current checkpoints; OPT: dropout held in float attributes); the others are marked `slow` (run them with `-m ""`).
+Two mixtures of experts (Qwen3-MoE, Mixtral) are among the families; Mixtral's cases are all `slow` (its code paths are
+Qwen3-MoE's sparse blocks and Mistral's attention, both checked by default).
 """
 import contextlib
 import copy
@@ -37,6 +39,12 @@ from _families import BY_NAME, CAUSAL, ENCODERS, build_causal, build_classifier
 CAUSAL_NAMES = [f.name for f in CAUSAL]
 ENCODER_NAMES = [f.name for f in ENCODERS]
 PIPELINE_BY_DEFAULT = {"llama", "opt"}
+SLOW_FAMILIES = {"mixtral"}   # the second mixture of experts (Mistral's attention, Qwen3-MoE's sparse blocks): in the full matrix only
+
+
+def marked(names):
+    "`names` as test parameters, those of `SLOW_FAMILIES` marked `slow`."
+    return [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_FAMILIES else name for name in names]
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
@@ -88,7 +96,7 @@ def assert_first_epoch_is_on_policy(row):
     assert row["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-10), row
 
 
-@pytest.mark.parametrize("family", CAUSAL_NAMES)
+@pytest.mark.parametrize("family", marked(CAUSAL_NAMES))
 def test_ppo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
     agent = Agent(causal(family))
     trainer = RLHFTrainer(agent, create_reference_model(agent), RLHFConfig(**on_policy(tmp_path)), processing_class=tokenizer,
@@ -98,7 +106,7 @@ def test_ppo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
     assert_first_epoch_is_on_policy(trainer.loop.state.history[0])
 
 
-@pytest.mark.parametrize("family", CAUSAL_NAMES)
+@pytest.mark.parametrize("family", marked(CAUSAL_NAMES))
 def test_rloo_first_epoch_ratio_is_one(family, causal, tokenizer, tmp_path):
     policy = causal(family)
     trainer = RLOOTrainer(policy, create_reference_model(policy), RLOOConfig(num_generations=2, **on_policy(tmp_path)),
@@ -123,7 +131,7 @@ def capture_generate_scores(model) -> list:
     return captured
 
 
-@pytest.mark.parametrize("family", CAUSAL_NAMES)
+@pytest.mark.parametrize("family", marked(CAUSAL_NAMES))
 def test_sampled_distribution_is_the_scored_one(family, causal, tokenizer):
     "log softmax of `generate`'s processed scores at each sampled token = `Agent.response_stats` log π_old (T = 1, the default)."
     agent = Agent(causal(family))
@@ -142,7 +150,7 @@ def test_sampled_distribution_is_the_scored_one(family, causal, tokenizer):
                          f"scores (generation_config: {agent.model.generation_config.to_diff_dict()})")
 
 
-@pytest.mark.parametrize("family", CAUSAL_NAMES)
+@pytest.mark.parametrize("family", marked(CAUSAL_NAMES))
 def test_static_cache_samples_the_same_tokens(family, causal, tokenizer):
     "The static KV cache (on by default on a GPU) samples exactly what the dynamic one does from the same seed."
     model = causal(family)
@@ -155,7 +163,7 @@ def test_static_cache_samples_the_same_tokens(family, causal, tokenizer):
     assert torch.equal(samples[0][0], samples[1][0]) and torch.equal(samples[0][1], samples[1][1]), family
 
 
-@pytest.mark.parametrize("family", CAUSAL_NAMES)
+@pytest.mark.parametrize("family", marked(CAUSAL_NAMES))
 def test_packed_linears_sample_the_same_tokens(family, causal, tokenizer):
     "oneDNN-packed linear layers (on by default on the CPU) give the same logits to float rounding and the same samples."
     model = causal(family)
@@ -175,7 +183,7 @@ def test_packed_linears_sample_the_same_tokens(family, causal, tokenizer):
 
 # ------------------------------------------------------- 2b. our own decoding loop samples what `generate` samples
 
-OWN_DECODING = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "opt", "gemma3"]
+OWN_DECODING = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "opt", "gemma3", "qwen3_moe", "mixtral"]
 
 
 def test_decode_takes_the_families_it_has_a_step_for(causal):
@@ -186,7 +194,7 @@ def test_decode_takes_the_families_it_has_a_step_for(causal):
 
 @pytest.mark.parametrize("options", [{}, dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.1)],
                          ids=["defaults", "chat-options"])
-@pytest.mark.parametrize("family", OWN_DECODING)
+@pytest.mark.parametrize("family", marked(OWN_DECODING))
 def test_decode_samples_the_tokens_generate_samples(family, options, causal, tokenizer):
     "With 🤗's draw (`torch.multinomial`) and the same seed, `decode` gives `generate`'s very tokens (no stop: the stop id is never drawn)."
     model = causal(family)
@@ -200,7 +208,7 @@ def test_decode_samples_the_tokens_generate_samples(family, options, causal, tok
     assert torch.equal(samples[0], samples[1]), family
 
 
-@pytest.mark.parametrize("family", OWN_DECODING)
+@pytest.mark.parametrize("family", marked(OWN_DECODING))
 def test_decode_draws_from_the_scored_distribution(family, causal, tokenizer):
     "Each token's probability as `decode` drew it = exp log π_old as `Agent.response_stats` scores it (T = 0.7)."
     agent = Agent(causal(family))
@@ -222,7 +230,7 @@ def by_argmax(p):
     return torch.searchsorted(cdf, (p.argmax(-1, keepdim=True).double() * 0.618034 + 0.3) % 1 * cdf[:, -1:], right=True).squeeze(1)
 
 
-@pytest.mark.parametrize("family", OWN_DECODING)
+@pytest.mark.parametrize("family", marked(OWN_DECODING))
 def test_decode_under_graphs_gives_the_plain_loops_tokens(family, causal, tokenizer):
     "`graphs=True` (static inputs, full-length masks, a tensor-held write position, power-of-two batches with filler rows; eager here on the CPU) changes no row's tokens, with rows stopping at different steps."
     model = causal(family)
@@ -240,7 +248,7 @@ def test_decode_under_graphs_gives_the_plain_loops_tokens(family, causal, tokeni
 
 # ------------------------------------------------------------------------ 3. left padding and batching change nothing
 
-@pytest.mark.parametrize("family", CAUSAL_NAMES)
+@pytest.mark.parametrize("family", marked(CAUSAL_NAMES))
 def test_response_logprobs_do_not_depend_on_padding(family, causal, tokenizer):
     "Each row of a left-padded batch of prompts (responses right-padded) gets the log-probs and values it gets alone."
     agent = Agent(causal(family))
@@ -335,7 +343,7 @@ def hf_scores(model, reward_model, texts):
 ALL_REWARD_BACKBONES = CAUSAL_NAMES + ENCODER_NAMES
 
 
-@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+@pytest.mark.parametrize("family", marked(ALL_REWARD_BACKBONES))
 def test_reward_model_keeps_the_checkpoint_head(family, checkpoint, tokenizer):
     "RewardModel(path of a 1-label XForSequenceClassification) scores exactly as that classifier does."
     path = checkpoint("classifier", family)
@@ -346,7 +354,7 @@ def test_reward_model_keeps_the_checkpoint_head(family, checkpoint, tokenizer):
     torch.testing.assert_close(reward_model.score(prompts, completions), theirs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+@pytest.mark.parametrize("family", marked(ALL_REWARD_BACKBONES))
 def test_reward_model_reloads_as_reward_model(family, checkpoint, tokenizer, tmp_path):
     reward_model = RewardModel(str(checkpoint("classifier", family)), tokenizer=tokenizer)
     prompts, completions = reward_texts()
@@ -355,7 +363,7 @@ def test_reward_model_reloads_as_reward_model(family, checkpoint, tokenizer, tmp
                                reward_model.score(prompts, completions), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+@pytest.mark.parametrize("family", marked(ALL_REWARD_BACKBONES))
 def test_reward_model_reloads_as_plain_transformers_classifier(family, checkpoint, tokenizer, tmp_path):
     "What `RewardModel.save_pretrained` writes is a 🤗 sequence classifier giving the reward model's scores."
     reward_model = RewardModel(str(checkpoint("classifier", family)), tokenizer=tokenizer)
@@ -373,7 +381,7 @@ def hf_head_has_bias(path) -> bool:
     return head.bias is not None
 
 
-@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+@pytest.mark.parametrize("family", marked(ALL_REWARD_BACKBONES))
 def test_reward_model_normalize(family, checkpoint, tokenizer):
     """`normalize_(reference)` maps every score s to (s − mean)/std of `reference` where the head has a bias, to s/std where not.
 
@@ -395,7 +403,7 @@ def test_reward_model_normalize(family, checkpoint, tokenizer):
     torch.testing.assert_close(reward_model.score(prompts, completions), expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+@pytest.mark.parametrize("family", marked(ALL_REWARD_BACKBONES))
 def test_normalized_reward_model_reloads_as_plain_transformers_classifier(family, checkpoint, tokenizer, tmp_path):
     "After `normalize_` (what `RewardTrainer` does by default) the saved model still loads in 🤗 to the normalised scores."
     reward_model = RewardModel(str(checkpoint("classifier", family)), tokenizer=tokenizer)
@@ -410,7 +418,7 @@ def test_normalized_reward_model_reloads_as_plain_transformers_classifier(family
 # ---------------------------------------------------- 7. selective checkpointing changes no gradient, on every family
 
 @pytest.mark.parametrize("autocast", [pytest.param(False, marks=pytest.mark.slow), True], ids=["float32", "bf16-autocast"])
-@pytest.mark.parametrize("family", ALL_REWARD_BACKBONES)
+@pytest.mark.parametrize("family", marked(ALL_REWARD_BACKBONES))
 def test_selective_checkpointing_gives_the_plain_gradients(family, autocast, checkpoint, tokenizer):
     """`gradient_checkpointing_policy="selective"` keeps what each block's matmuls and attention return and recomputes the
     rest (chapter levers): the loss and every gradient are the plain backward's to the bit, in train mode (dropout on: the

@@ -52,6 +52,7 @@ def on_meta(name, tokenizer):
     "The family's tiny model, built on the meta device (weights without values), as decode finds it: eval mode, no gradients."
     config = build_causal(BY_NAME[name], tokenizer).config
     with META: model = AutoModelForCausalLM.from_config(config)
+    if hasattr(config, "output_router_logits"): model.to(torch.bfloat16)   # 🤗's experts kernel (grouped_mm) multiplies bf16 only off the CPU
     return model.eval().requires_grad_(False)
 
 
