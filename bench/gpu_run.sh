@@ -44,6 +44,10 @@ B="python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151
 # on a GPU larger than an H100 (an H200: 143,771 MiB), a probe whose peak passes 79,000 MiB counts as not fitting an H100 80GB
 CAP=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1); [ "${CAP:-0}" -gt 100000 ] && CAP="--mem_limit_mib 79000" || CAP=""
 deadline() { local d=$(( $(left) - $1 )); [ "$d" -gt 0 ] && echo $d || echo 1; }   # start no child later than $1 s before the end
+# the GPU's clocks, power and throttle reasons every 200 ms for the whole command (the GRPO update ran 2.0-2.7 s in the
+# first trainer process of a fresh machine and 0.2-0.4 s later: a low clock or a power cap would show here)
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+  --format=csv -lms 200 > $OUT/nvidia_smi.csv 2>&1 & SMI=$!; trap 'kill $SMI 2>/dev/null' EXIT
 
 for stage in "$@"; do
   echo "== [$((SECONDS - START)) s, $(left) s left] $stage"

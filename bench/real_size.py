@@ -180,16 +180,21 @@ def profiled(a, phase, fn, last):
         calls[0] += 1
         if calls[0] != last: return fn(*x, **k)
         cuda = a.device == "cuda"
+        counts = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+        stats = lambda: {c: torch.cuda.memory_stats().get(c, 0) for c in counts} if cuda else {}
+        before = stats()
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            t = time.perf_counter(); r = fn(*x, **k)
+            t, cpu_t = time.perf_counter(), time.process_time(); r = fn(*x, **k)
             if cuda: torch.cuda.synchronize()
-            wall = time.perf_counter() - t
+            wall, host = time.perf_counter() - t, time.process_time() - cpu_t
+        grew = {c: v - before[c] for c, v in stats().items()}   # cudaMalloc/cudaFree calls and allocator retries inside the call
         ev = prof.key_averages()
         by = "self_device_time_total" if cuda else "self_cpu_time_total"
         gpu = sum(e.self_device_time_total for e in ev) / 1e6 if cuda else float("nan")
         cpu = sum(e.self_cpu_time_total for e in ev) / 1e6
         head = (f"{a.algo} {a.side} {phase}, call {last} (untimed), {a.model_shape} {a.device} {a.dtype}: wall {wall:.3f} s under the profiler, "
-                f"self CPU {cpu:.3f} s, self GPU {gpu:.3f} s, {sum(e.count for e in ev)} events\n")
+                f"process CPU time {host:.3f} s, self CPU {cpu:.3f} s, self GPU {gpu:.3f} s, {sum(e.count for e in ev)} events"
+                + (f", allocator {grew}" if grew else "") + "\n")
         Path(a.profile).mkdir(parents=True, exist_ok=True)
         Path(a.profile, f"profile_{a.algo}_{a.side}_{phase}.txt").write_text(head + ev.table(sort_by=by, row_limit=45, max_name_column_width=70))
         print(head, end="", flush=True)

@@ -243,7 +243,7 @@ def aggregate(
     max_completion_length: int,  # the constant of dr_grpo
 ) -> tuple[Tensor, Tensor]:    # (the micro-batch's mean, the units it is a mean over)
     "The `loss_type`'s mean of the token losses over this micro-batch, and its units (the engine weighs micro-batches by them)."
-    rows = torch.tensor(float(token_loss.shape[0]), device=token_loss.device)
+    rows = torch.full((), float(token_loss.shape[0]), device=token_loss.device)   # a fill on the device: no copy from the host, which would wait for the queued forward
     if loss_type in ("grpo", "sapo"): return (token_loss.sum(1) / mask.sum(1).clamp(min=1)).mean(), rows
     if loss_type == "luspo": return token_loss.sum(1).mean(), rows
     if loss_type == "dr_grpo": return token_loss.sum() / (rows * max_completion_length), rows * max_completion_length
