@@ -174,7 +174,7 @@ def decoding_refusal(
     "Why `decode` cannot sample from `model` at this length, in a few words (None when it can)."
     lm = _base_lm(model)
     c, name = lm.config, type(lm).__name__
-    if _step_for(lm) is None: return f"{name} has no decoding step here (GPT-2, GPT-NeoX, OPT, Gemma 3 and the Llama family do)"
+    if _step_for(lm) is None: return f"{name} has no decoding step here (GPT-2, GPT-NeoX, OPT, Gemma 3, the Llama family, Qwen3-MoE and Mixtral do)"
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False): return "prompt-learning adapters add virtual tokens"
     if any(t not in ("full_attention", "sliding_attention") for t in getattr(c, "layer_types", None) or ()): return "attention layers other than full or sliding-window"
     if getattr(c, "attn_logit_softcapping", None) or getattr(c, "use_bidirectional_attention", False): return "soft-capped or bidirectional attention"
