@@ -195,12 +195,12 @@ def router_aux_losses(
         yield losses
         return
     lm = _causal_lm(model)
-    config, trained = lm.config.get_text_config(), any(p.requires_grad for p in lm.parameters())
+    config = lm.config.get_text_config()
     def keep(module, args, output):
         if getattr(output, "aux_loss", None) is None:
             raise ValueError(f"{type(lm).__name__} returned no `aux_loss` when asked for its router logits: set "
                              "`router_aux_loss_coef=0.0` to train it without the load-balancing loss")
-        if trained and torch.is_grad_enabled() and not output.aux_loss.requires_grad:   # it would add a number and no gradient
+        if torch.is_grad_enabled() and not output.aux_loss.requires_grad and any(p.requires_grad for p in lm.parameters()):   # a number, no gradient
             raise ValueError("the load-balancing loss came back without a gradient: reentrant gradient checkpointing (`use_reentrant=True` in "
                              "`gradient_checkpointing_kwargs`) computes the router logits without one; use use_reentrant=False (the default here)")
         losses.append(output.aux_loss)
