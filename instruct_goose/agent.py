@@ -24,8 +24,8 @@ from jaxtyping import Bool, Float, Int
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedModel, PretrainedConfig)
 
-from .core import (check_number, entropy_from_logits, logprobs_from_hidden, logprobs_from_logits, masked_mean, masked_sum,
-                                  typecheck)
+from .core import (_causal_lm, check_number, entropy_from_logits, logprobs_from_hidden, logprobs_from_logits, masked_mean,
+                                  masked_sum, typecheck)
 
 # %% ../nbs/03_agent.ipynb #758228eb
 @typecheck
@@ -43,9 +43,8 @@ def _check_left_padded(query_attention_mask):
 
 # %% ../nbs/03_agent.ipynb #790eadb4
 def _accepts(model: nn.Module, argument: str) -> bool:
-    "Whether `model`'s forward (a peft wrapper's: its base model's) takes `argument`."
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return argument in inspect.signature(base.forward).parameters
+    "Whether the forward of the 🤗 model inside `model` (`_causal_lm`) takes `argument`."
+    return argument in inspect.signature(_causal_lm(model).forward).parameters
 
 # %% ../nbs/03_agent.ipynb #04493858
 def positions_for(
@@ -87,7 +86,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 def _output_layer(model: nn.Module) -> nn.Linear | None:
     "The output layer `logprobs_from_hidden` can apply in chunks: a plain `nn.Linear` with its whole weight here (not a LoRA layer, not sharded by FSDP or ZeRO-3), on a model that computes only the logits asked for (`logits_to_keep`) and changes none after the layer; else None."
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _causal_lm(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if type(head) is not nn.Linear or not _accepts(model, "logits_to_keep"): return None
     if any(getattr(base.config.get_text_config(), name, None) is not None for name in _LOGIT_TRANSFORMS): return None
@@ -163,12 +162,6 @@ def lm_nll(
     return -masked_mean(token_logprobs(model, input_ids, attention_mask), loss_mask)
 
 # %% ../nbs/03_agent.ipynb #78fae396
-def _causal_lm(model: nn.Module) -> nn.Module:
-    "The 🤗 causal LM inside a wrapper: DDP's `module`, then a peft model's base model."
-    model = getattr(model, "module", model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def router_aux_coef(
     model: nn.Module,            # the policy: a 🤗 causal LM (or a peft or DDP wrapper around one)
     coef: float | None = None,   # TRL 1.16's `router_aux_loss_coef`: None takes the model config's own, 0 turns the loss off

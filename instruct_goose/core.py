@@ -14,7 +14,7 @@ from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from beartype import BeartypeConf, beartype
 from beartype.door import is_bearable
 from jaxtyping import Bool, Float, Int, Shaped, TypeCheckError, jaxtyped
@@ -134,6 +134,12 @@ def check_number(
         bracket = "(" if low_open else "["
         raise ValueError(f"`{name}` must be a finite number in {bracket}{low}, {high}], got {value!r}")
     return value
+
+# %% ../nbs/00_core.ipynb #3082d802
+def _causal_lm(model: nn.Module) -> nn.Module:
+    "The 🤗 model inside its wrappers: DDP's `module`, then a peft model's base model (any other model itself)."
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 # %% ../nbs/00_core.ipynb #61675a67
 @typecheck

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers.pytorch_utils import Conv1D
 
-from .core import typecheck
+from .core import _causal_lm, typecheck
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a007
 class KVCache:
@@ -157,10 +157,6 @@ _STEPS = {"GPT2LMHeadModel": _gpt2_step, **dict.fromkeys(("LlamaForCausalLM", "M
           "GPTNeoXForCausalLM": _neox_step, "OPTForCausalLM": _opt_step,
           "Gemma3ForCausalLM": _gemma3_step}
 
-def _base_lm(model: nn.Module) -> nn.Module:
-    "The 🤗 causal LM inside a peft model (the model itself otherwise)."
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
 def _step_for(lm: nn.Module):
     "The decoding step of `lm`'s family, looked up along its class's bases (FSDP2 makes a model an instance of a subclass of its own class); None if there is none, or if a subclass has its own `forward`."
     family = next((cls for cls in type(lm).__mro__ if cls.__name__ in _STEPS), None)
@@ -172,7 +168,7 @@ def decoding_refusal(
     length: int,       # positions a row will hold: prompt width + new tokens
 ) -> str | None:       # the reason; None: `decode` samples from it
     "Why `decode` cannot sample from `model` at this length, in a few words (None when it can)."
-    lm = _base_lm(model)
+    lm = _causal_lm(model)
     c, name = lm.config, type(lm).__name__
     if _step_for(lm) is None: return f"{name} has no decoding step here (GPT-2, GPT-NeoX, OPT, Gemma 3, the Llama family, Qwen3-MoE and Mixtral do)"
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False): return "prompt-learning adapters add virtual tokens"
@@ -306,7 +302,7 @@ def decode(
     sync_every: int = 1,                                  # steps between the loop's host syncs, which drop finished rows and end the loop when no row is left; more lets a GPU queue that many steps ahead (finished rows ride along until the next sync, their tokens dropped)
 ) -> Int[Tensor, "batch new"]:                            # the sampled ids, `max_new_tokens` per row, stop token included
     "Sample each row's response token by token through the family's step (`_STEPS`) and a static cache; finished rows leave the batch."
-    lm = _base_lm(model)
+    lm = _causal_lm(model)
     (B, P), dev = query_ids.shape, query_ids.device
     if compile and graphs is False: raise ValueError("`compile` compiles the static step that `graphs` replays: it cannot run with graphs=False")
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:

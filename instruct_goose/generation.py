@@ -18,7 +18,7 @@ from jaxtyping import Bool, Int
 from transformers import GenerationConfig
 from transformers.pytorch_utils import Conv1D
 
-from .core import check_number, truncate_after_stop, typecheck
+from .core import _causal_lm, check_number, truncate_after_stop, typecheck
 from .agent import Agent, _check_left_padded, eval_mode
 from .decoding import decode, decoding_refusal
 
@@ -26,7 +26,7 @@ from .decoding import decode, decoding_refusal
 @contextmanager
 def own_generation_config(model: nn.Module):
     "Inside the block `model.generation_config` (a peft model's: its base's) is 🤗's default: none of a checkpoint's sampling options reach `generate`."
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _causal_lm(model)
     saved = getattr(base, "generation_config", None)
     base.generation_config = GenerationConfig()
     try: yield

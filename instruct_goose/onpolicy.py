@@ -707,7 +707,7 @@ def update(
     model: nn.Module,        # the model being trained (unwrapped)
     rollout,                 # the step's rollout (the algorithm's dataclass)
     loop: TrainLoop,         # the loop that owns the optimizer
-) -> dict:                   # the statistics, token-weighted means over the minibatches, and the last gradient norm
+) -> dict:                   # the statistics, token-weighted means over the minibatches (`aux_loss`: the plain mean over micro-batches), and the last gradient norm
     "`num_ppo_epochs` × `num_mini_batches` optimizer steps on one rollout; each loss term a mean over its units in the whole minibatch."
     c, acc, sums, count = self.args, loop.accelerator, {}, 0
     kept, rollout.kept = rollout.kept, None        # the rollout's pass with gradients, handed to the first micro-batch (`first_pass`): not kept alive into the next rollout
@@ -728,8 +728,8 @@ def update(
                 total = sum(loss * weights[name][i] for name, loss in losses.items())   # this micro-batch's share of the minibatch's loss
                 loop.backward(total)
                 sums["loss"] = sums.get("loss", 0) + total.detach() * len(micro_batches) / acc.gradient_accumulation_steps   # / count: the minibatch's mean loss (`loss_scale` put G in)
-                primary = weights[next(iter(weights))][i]      # statistics weighted like the first loss term
-                for k, v in stats.items(): sums[k] = sums.get(k, 0) + v * primary
+                primary = weights[next(iter(weights))][i]      # statistics weighted like the first loss term; L_aux like its own (TRL's plain mean)
+                for k, v in stats.items(): sums[k] = sums.get(k, 0) + v * (weights["aux"][i] if k == "aux_loss" else primary)
                 count += 1
             loop.average_gradients(model)          # the model is called through its methods, not DDP's forward
             grad_norm = loop.optimizer_step(model, stats)

@@ -42,6 +42,8 @@ def one_step(algo, coef, per_device, accumulation, output_dir):
                             train_dataset=load_task("prompts").select(range(16)))
     seen, update = {}, trainer.update
     def spy(model, rollout, loop):
+        if accumulation > 1:                                   # the first micro-batch's responses cut to 3 tokens: unequal token counts (GRPO's loss is a token mean)
+            for mask in (rollout.response_mask, rollout.loss_mask): mask[:per_device, 3:] = False
         seen["rollout"], seen["kept"] = rollout, rollout.kept is not None
         return update(model, rollout, loop)
     trainer.update = spy
@@ -60,19 +62,21 @@ def test_the_step_adds_the_mean_load_balancing_loss(algo, per_device, accumulati
     rollout = seen["rollout"]
     assert torch.equal(rollout.response_ids, seen_0["rollout"].response_ids)      # c changes no sample
     start = tiny_moe()
-    aux = []
+    aux, tokens = [], []
     for i in range(accumulation):                                                  # the update's micro-batches: in order, one pass each
         part = rollout[torch.arange(i * per_device, (i + 1) * per_device)]
         with router_aux_losses(start) as found:
             response_logprobs(start, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask)
-        aux += found
+        aux, tokens = aux + found, tokens + [part.response_mask.sum()]
     assert len(aux) == accumulation
     torch.stack(aux).mean().backward()
     step = [-0.1 * 0.5 * (torch.zeros_like(p) if p.grad is None else p.grad) for p in start.parameters()]   # L_aux reaches no output layer
     worst = max(((a - b) - s).abs().max().item() for a, b, s in zip(with_aux.parameters(), without.parameters(), step))
     moved = max(s.abs().max().item() for s in step)
     assert moved > 1e-4 and worst < 1e-6, (worst, moved)
-    assert row["aux_loss"] == pytest.approx(torch.stack(aux).mean().item(), rel=1e-5)
+    plain, by_tokens = torch.stack(aux).mean().item(), (torch.stack(aux) * torch.stack(tokens)).sum().item() / sum(tokens).item()
+    assert row["aux_loss"] == pytest.approx(plain, rel=1e-5)                       # logged as TRL logs it: the plain mean of the micro-batches'
+    if accumulation > 1: assert abs(plain - by_tokens) > 1e-4 * plain              # ... which a token-weighted mean is not, here
 
 
 @pytest.mark.parametrize("algo", ALGOS)
