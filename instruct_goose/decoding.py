@@ -72,10 +72,17 @@ def _gpt2_step(lm, ids, pos, cache, start, mask):
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a013
 def _qkv(a, x):
-    "The attention `a`'s query, key and value projections of `x`, from one packed projection (Phi-3) or three."
+    "The attention `a`'s query, key and value projections of `x`: from one packed projection (Phi-3's own, or the call's `fused_qkv`, `_fused_projections`) or three."
+    if hasattr(a, "fused_qkv"): return a.fused_qkv(x).split([a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features], -1)
     if not hasattr(a, "qkv_proj"): return a.q_proj(x), a.k_proj(x), a.v_proj(x)
     kv = a.num_key_value_heads * a.head_dim
     return a.qkv_proj(x).split([a.qkv_proj.out_features - 2 * kv, kv, kv], -1)
+
+def _mlp(mlp, x):
+    "A gated MLP down(act(gate x) ⊙ up x) through the call's `fused_gate_up` (`_fused_projections`) when it has one; else the module's own forward (a sparse block, Phi-3's packed MLP, GPT-2's)."
+    if not hasattr(mlp, "fused_gate_up"): return mlp(x)
+    gate, up = mlp.fused_gate_up(x).chunk(2, -1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a014
 def _llama_step(lm, ids, pos, cache, start, mask):
@@ -91,7 +98,7 @@ def _llama_step(lm, ids, pos, cache, start, mask):
         k, v = cache.update(i, k, v.transpose(1, 2), start)
         o = _attend(q, k, v, mask, a.scaling)
         h = h + a.o_proj(o.transpose(1, 2).flatten(2))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
     return lm.lm_head(base.norm(h[:, -1]))
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a045
@@ -122,7 +129,8 @@ def _opt_step(lm, ids, pos, cache, start, mask):
     for i, layer in enumerate(d.layers):
         a, before = layer.self_attn, layer.do_layer_norm_before
         x = layer.self_attn_layer_norm(h) if before else h
-        q, k, v = (x.unflatten(-1, (a.num_heads, a.head_dim)).transpose(1, 2) for x in (a.q_proj(x) * a.scaling, a.k_proj(x), a.v_proj(x)))
+        q, k, v = _qkv(a, x)
+        q, k, v = (x.unflatten(-1, (a.num_heads, a.head_dim)).transpose(1, 2) for x in (q * a.scaling, k, v))
         k, v = cache.update(i, k, v, start)
         h = h + a.out_proj(_attend(q, k, v, mask, 1.0).transpose(1, 2).flatten(2))
         if not before: h = layer.self_attn_layer_norm(h)
@@ -141,12 +149,12 @@ def _gemma3_step(lm, ids, pos, cache, start, mask):
     for i, layer in enumerate(base.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)
-        q, k, v = (p(x).unflatten(-1, (-1, a.head_dim)).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
+        q, k, v = (p.unflatten(-1, (-1, a.head_dim)).transpose(1, 2) for p in _qkv(a, x))
         q, k = _rotate(a, a.q_norm(q), a.k_norm(k), *rope[a.layer_type])
         k, v = cache.update(i, k, v, start)
         o = _attend(q, k, v, mask, a.scaling)
         h = h + layer.post_attention_layernorm(a.o_proj(o.transpose(1, 2).flatten(2)))
-        h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        h = h + layer.post_feedforward_layernorm(_mlp(layer.mlp, layer.pre_feedforward_layernorm(h)))
     z = lm.lm_head(base.norm(h[:, -1]))
     return z if cap is None else torch.tanh(z / cap) * cap
 
@@ -273,14 +281,53 @@ def _cast_once(
     lm: nn.Module,        # the model `decode` samples from, under autocast
     dtype: torch.dtype,   # autocast's dtype
 ):
-    "Inside the block each linear layer (`nn.Linear`, GPT-2's `Conv1D`, a tied output layer too) holds its float weight and bias cast to `dtype`, cast once; the model's own parameters are untouched and come back after."
-    layers = [m for m in lm.modules() if isinstance(m, (nn.Linear, Conv1D))]
+    "Inside the block each linear layer the step calls (`nn.Linear`, GPT-2's `Conv1D`, a tied output layer too; not those `_merged_away`) holds its float weight and bias cast to `dtype`, cast once; the model's own parameters are untouched and come back after."
+    layers = [m for m in lm.modules() if isinstance(m, (nn.Linear, Conv1D)) and not getattr(m, "_merged_away", False)]   # not those a fused or merged layer stands in for
     saved = [m._parameters for m in layers]
     cast = lambda p: nn.Parameter(p.detach().to(dtype), requires_grad=False) if p is not None and p.is_floating_point() else p
     for m in layers: m._parameters = {name: cast(p) for name, p in m._parameters.items()}   # an output layer tied to the embedding: only its entry
     try: yield
     finally:
         for m, own in zip(layers, saved): m._parameters = own
+
+# %% ../nbs/03a_decoding.ipynb #7e7a32c4
+def _linear_of(m: nn.Module) -> nn.Linear | None:
+    "The plain `nn.Linear` that `m` runs: `m` itself, or the merged stand-in of a LoRA layer (`merged_adapters`); None for anything else (a quantized layer, a layer with hooks on its forward, an adapter not merged)."
+    m = getattr(m, "merged_for_sampling", m)
+    return m if type(m) is nn.Linear and "forward" not in vars(m) else None
+
+# %% ../nbs/03a_decoding.ipynb #a5f26ae5
+_GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "Gemma3MLP")   # forward: down(act(gate x) ⊙ up x), as `_mlp`
+
+def _stacked(layers: list[nn.Linear], dtype: torch.dtype) -> nn.Linear:
+    "One `nn.Linear` whose output is the outputs of `layers` side by side: their weights (and biases) stacked, in `dtype`."
+    fused = nn.Linear(layers[0].in_features, sum(l.out_features for l in layers), bias=layers[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat([l.weight.detach().to(dtype) for l in layers]), requires_grad=False)
+    if fused.bias is not None: fused.bias = nn.Parameter(torch.cat([l.bias.detach().to(dtype) for l in layers]), requires_grad=False)
+    return fused
+
+# %% ../nbs/03a_decoding.ipynb #ae34a0b1
+@contextmanager
+def _fused_projections(
+    lm: nn.Module,                     # the 🤗 causal LM `decode` samples from
+    dtype: torch.dtype | None = None,  # the stacked weights' dtype (autocast's); None: the weights' own
+):
+    "Inside the block each attention whose q, k, v are plain linear layers holds them stacked as `fused_qkv`, and each gated MLP (`_GATED_MLPS`) its gate and up as `fused_gate_up`, stacked once; the layers they stand in for are marked `_merged_away`; after the block the model is as it was."
+    made, away = [], []
+    for m in list(lm.modules()):
+        if all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj")): name, parts = "fused_qkv", [m.q_proj, m.k_proj, m.v_proj]
+        elif type(m).__name__ in _GATED_MLPS: name, parts = "fused_gate_up", [m.gate_proj, m.up_proj]
+        else: continue
+        parts = [_linear_of(p) for p in parts]
+        if any(p is None for p in parts) or len({(p.bias is None, p.weight.dtype, p.weight.device) for p in parts}) > 1: continue
+        m.add_module(name, _stacked(parts, dtype or parts[0].weight.dtype))
+        made.append((m, name))
+        for p in parts: p._merged_away = True
+        away += parts
+    try: yield
+    finally:
+        for m, name in made: del m._modules[name]
+        for p in away: del p._merged_away
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a030
 @torch.no_grad()
@@ -300,6 +347,7 @@ def decode(
     graphs: bool | None = None,                           # replay each step from a CUDA graph, the batch kept at a power of two (`_Replay`); None: on a GPU, where `_graph_refusal` has no objection
     compile: bool | dict = False,                         # run that static step through `torch.compile` (`_compiled`; a dict: its options, e.g. a backend): fused kernels, recorded inside the graph on a GPU; the cache's length rounded up to a multiple of 64 so other prompt widths reuse the compiled step
     sync_every: int = 1,                                  # steps between the loop's host syncs, which drop finished rows and end the loop when no row is left; more lets a GPU queue that many steps ahead (finished rows ride along until the next sync, their tokens dropped)
+    fuse: bool | None = None,                             # q, k, v in one matrix multiply and a gated MLP's gate and up in another (`_fused_projections`, stacked copies for the call); None: on a GPU and under autocast (there in autocast's dtype, in place of its cached casts), off on the CPU in float32
 ) -> Int[Tensor, "batch new"]:                            # the sampled ids, `max_new_tokens` per row, stop token included
     "Sample each row's response token by token through the family's step (`_STEPS`) and a static cache; finished rows leave the batch."
     lm = _causal_lm(model)
@@ -316,8 +364,10 @@ def decode(
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
     cache, step = KVCache(lm.config.num_hidden_layers, length), _step_for(lm)
     static_step = _compiled(step, compile) if compile else step
-    cast_once = compile and torch.is_autocast_enabled(dev.type)                              # else a compiled graph casts every weight every step
-    with _cast_once(lm, torch.get_autocast_dtype(dev.type)) if cast_once else nullcontext():
+    autocast = torch.get_autocast_dtype(dev.type) if torch.amp.is_autocast_available(dev.type) and torch.is_autocast_enabled(dev.type) else None
+    if fuse is None: fuse = dev.type == "cuda" or autocast is not None
+    cast_once = compile and autocast is not None                                              # else a compiled graph casts every weight every step
+    with _fused_projections(lm, autocast) if fuse else nullcontext(), _cast_once(lm, autocast) if cast_once else nullcontext():
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         reads = causal & valid[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)        # the real tokens at or before; a pad reads itself
         logits = step(lm, query_ids, pos[:, :P], cache, 0, reads[:, None])

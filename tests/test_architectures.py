@@ -224,6 +224,35 @@ def test_decode_draws_from_the_scored_distribution(family, causal, tokenizer):
 
 
 
+
+FUSED = {"llama", "qwen2", "qwen3", "mistral", "opt", "gemma3", "qwen3_moe", "mixtral"}   # q, k, v apart (gpt2, gpt_neox, phi3: one layer already)
+
+
+@pytest.mark.parametrize("family", marked(OWN_DECODING))
+def test_fused_projections_draw_the_scored_distribution(family, causal, tokenizer):
+    "`fuse=True` (q, k, v and a gated MLP's gate, up stacked for the call, as on a GPU): each token drawn from exp log π_old as the trainers score it, the separate layers' tokens, and the model as it was after."
+    agent = Agent(causal(family))
+    q, m = encode_prompts(tokenizer, PROMPTS)
+    drawn, stacked, inverse_cdf = [], [], decoding._draw
+    def draw(p):
+        drawn.append(p)
+        stacked.append(sum(n.endswith(("fused_qkv", "fused_gate_up")) for n, _ in agent.model.named_modules()))
+        return inverse_cdf(p)
+    torch.manual_seed(0)
+    with drawing_with(draw), eval_mode(agent.model):
+        r = decoding.decode(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, temperature=0.7, fuse=True)
+    rm = torch.ones_like(r, dtype=torch.bool)
+    sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
+    scored = agent.response_stats(q, m, r, rm, temperature=0.7, entropy="skip").logprobs
+    assert (sampled - scored).abs().max().item() <= 1e-5, family
+    assert (stacked[0] > 0) == (family in FUSED), (family, stacked)            # the fused layers were made (and used: the draws above)
+    assert not any(n.endswith(("fused_qkv", "fused_gate_up")) or hasattr(mod, "_merged_away") for n, mod in agent.model.named_modules())
+    runs = []
+    for fuse in (False, True):
+        with drawing_with(by_argmax), eval_mode(agent.model):
+            runs.append(decoding.decode(agent.model, q, m, 12, agent.model.config.vocab_size, tokenizer.pad_token_id, fuse=fuse))
+    assert torch.equal(*runs), family
+
 def by_argmax(p):
     "A draw that depends on p alone: the inverse CDF at (0.618 × the most likely token + 0.3) mod 1."
     cdf = p.double().cumsum(-1)

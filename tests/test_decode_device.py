@@ -85,7 +85,7 @@ def test_decode_runs_on_the_models_device(family, graphs, tokenizer, monkeypatch
     mode, sizes = OnTheDevice(left), []
     record_strictly(monkeypatch, mode, sizes)
     with mode:
-        out = decoding.decode(model, q.to(META), m.to(META), steps, [0], tokenizer.pad_token_id, graphs=graphs,
+        out = decoding.decode(model, q.to(META), m.to(META), steps, [0], tokenizer.pad_token_id, graphs=graphs, fuse=graphs,   # graphs: as on a GPU, fused
                               temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.1)
     assert out.device == META and out.shape == (4, steps)
     assert mode.syncs == steps - 1 and not mode.left                           # one host sync a step (none after the last), none elsewhere
@@ -123,7 +123,7 @@ def test_the_device_check_catches_a_cpu_tensor_and_a_sync(tokenizer, monkeypatch
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_lora_sampling_runs_on_the_models_device(family, tokenizer, monkeypatch):
-    "A LoRA policy samples through `merged_adapters` (W + s·BA made once a call) and then decode: the merge too stays on the model's device."
+    "A LoRA policy samples through `merged_adapters` (W + s·BA made once a call) and then decode, its merged q, k, v and gate, up stacked (`fuse`): the merge and the stacking too stay on the model's device."
     from peft import LoraConfig, get_peft_model
     from instruct_goose.generation import merged_adapters
     model = get_peft_model(on_meta(family, tokenizer), LoraConfig(r=4, target_modules="all-linear", fan_in_fan_out=family == "gpt2")).requires_grad_(False)
@@ -132,8 +132,11 @@ def test_lora_sampling_runs_on_the_models_device(family, tokenizer, monkeypatch)
     record_strictly(monkeypatch, mode, sizes)
     with torch.no_grad(), mode, merged_adapters(model):
         assert sum(1 for n, _ in model.named_modules() if n.endswith("merged_for_sampling")) > 0
-        out = decoding.decode(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, graphs=True)
+        fused = []
+        with decoding.drawing_with(lambda p: fused.append(sum(n.endswith(("fused_qkv", "fused_gate_up")) for n, _ in model.named_modules())) or p.argmax(-1)):
+            out = decoding.decode(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, graphs=True, fuse=True)
     assert out.device == META and sizes == [2]
+    assert fused == ([0] * 3 if family == "gpt2" else [2 * model.config.num_hidden_layers] * 3)   # Llama: each layer's q, k, v and gate, up
 
 
 class AnswerAll(OnTheDevice):
