@@ -56,6 +56,17 @@ def _rotate(attention: nn.Module, q, k, cos, sin):
     return sys.modules[type(attention).__module__].apply_rotary_pos_emb(q, k, cos, sin)
 
 
+# %% ../nbs/03a_decoding.ipynb #432001b0
+def _window_of(attention: nn.Module) -> int | None:
+    "The sliding window W of `attention`'s layer, as its family reads it: the module's own `sliding_window` (None on a full layer), else its config's; None: full attention."
+    return getattr(attention, "sliding_window", getattr(getattr(attention, "config", None), "sliding_window", None))
+
+def _windowed(mask, start, window: int):
+    "`mask` (batch, 1, new, keys) narrowed to a sliding window: the new position written at start + i reads the keys j > start + i − window (🤗's `sliding_window_overlay`)."
+    new, keys = mask.shape[-2:]
+    at = start + torch.arange(new, device=mask.device)[:, None]                  # each new position's place in the cache
+    return mask & (torch.arange(keys, device=mask.device) > at - window)
+
 # %% ../nbs/03a_decoding.ipynb #d3c0a011
 def _gpt2_step(lm, ids, pos, cache, start, mask):
     "GPT-2: the logits (batch, vocab) after the last of `ids`, the keys and values of `ids` written into `cache` at `start`."
@@ -86,17 +97,19 @@ def _mlp(mlp, x):
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a014
 def _llama_step(lm, ids, pos, cache, start, mask):
-    "The Llama family: as `_gpt2_step`, with rotary positions, grouped-query attention and, for Qwen3, per-head q/k norms."
+    "The Llama family: as `_gpt2_step`, with rotary positions, grouped-query attention, sliding windows where a layer has one (`_windowed`) and, for Qwen3, per-head q/k norms."
     base = lm.model
     h = base.embed_tokens(ids)
     cos, sin = base.rotary_emb(h, pos)
+    masks = {None: mask}                                                                           # window -> its mask, made once a step
     for i, layer in enumerate(base.layers):
-        a = layer.self_attn
+        a, window = layer.self_attn, _window_of(layer.self_attn)
+        if window not in masks: masks[window] = _windowed(mask, start, window)
         q, k, v = (x.unflatten(-1, (-1, a.head_dim)) for x in _qkv(a, layer.input_layernorm(h)))   # (batch, new, heads, head_dim)
         if hasattr(a, "q_norm"): q, k = a.q_norm(q), a.k_norm(k)                                    # Qwen3
         q, k = _rotate(a, q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         k, v = cache.update(i, k, v.transpose(1, 2), start)
-        o = _attend(q, k, v, mask, a.scaling)
+        o = _attend(q, k, v, masks[window], a.scaling)
         h = h + a.o_proj(o.transpose(1, 2).flatten(2))
         h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
     return lm.lm_head(base.norm(h[:, -1]))
@@ -142,17 +155,19 @@ def _opt_step(lm, ids, pos, cache, start, mask):
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a04a
 def _gemma3_step(lm, ids, pos, cache, start, mask):
-    "Gemma 3: as `_llama_step`, with a rotary base per layer type, norms after attention and MLP as well as before, and the final logits' soft-cap."
+    "Gemma 3: as `_llama_step`, with a rotary base and a window per layer type, norms after attention and MLP as well as before, and the final logits' soft-cap."
     base, cap = lm.model, lm.config.final_logit_softcapping
     h = base.embed_tokens(ids)
     rope = {kind: base.rotary_emb(h, pos, kind) for kind in set(lm.config.layer_types)}
+    masks = {None: mask}
     for i, layer in enumerate(base.layers):
-        a = layer.self_attn
+        a, window = layer.self_attn, _window_of(layer.self_attn)
+        if window not in masks: masks[window] = _windowed(mask, start, window)
         x = layer.input_layernorm(h)
         q, k, v = (p.unflatten(-1, (-1, a.head_dim)).transpose(1, 2) for p in _qkv(a, x))
         q, k = _rotate(a, a.q_norm(q), a.k_norm(k), *rope[a.layer_type])
         k, v = cache.update(i, k, v, start)
-        o = _attend(q, k, v, mask, a.scaling)
+        o = _attend(q, k, v, masks[window], a.scaling)
         h = h + layer.post_attention_layernorm(a.o_proj(o.transpose(1, 2).flatten(2)))
         h = h + layer.post_feedforward_layernorm(_mlp(layer.mlp, layer.pre_feedforward_layernorm(h)))
     z = lm.lm_head(base.norm(h[:, -1]))
@@ -173,16 +188,14 @@ def _step_for(lm: nn.Module):
 # %% ../nbs/03a_decoding.ipynb #d3c0a017
 def decoding_refusal(
     model: nn.Module,  # a 🤗 causal LM, or a peft model around one
-    length: int,       # positions a row will hold: prompt width + new tokens
 ) -> str | None:       # the reason; None: `decode` samples from it
-    "Why `decode` cannot sample from `model` at this length, in a few words (None when it can)."
+    "Why `decode` cannot sample from `model`, in a few words (None when it can)."
     lm = _causal_lm(model)
     c, name = lm.config, type(lm).__name__
     if _step_for(lm) is None: return f"{name} has no decoding step here (GPT-2, GPT-NeoX, OPT, Gemma 3, the Llama family, Qwen3-MoE and Mixtral do)"
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False): return "prompt-learning adapters add virtual tokens"
     if any(t not in ("full_attention", "sliding_attention") for t in getattr(c, "layer_types", None) or ()): return "attention layers other than full or sliding-window"
     if getattr(c, "attn_logit_softcapping", None) or getattr(c, "use_bidirectional_attention", False): return "soft-capped or bidirectional attention"
-    if getattr(c, "sliding_window", None) and length > c.sliding_window: return f"{length} positions exceed the sliding window ({c.sliding_window})"
     if getattr(c, "reorder_and_upcast_attn", False) or getattr(c, "add_cross_attention", False): return "GPT-2 with upcast or cross attention"
     if len(set(getattr(lm, "hf_device_map", {}).values())) > 1: return "weights spread over several devices"
     if any(p.numel() == 0 or type(p.data).__name__ == "DTensor" for p in lm.parameters()): return "weights sharded (FSDP, ZeRO-3): gather them first"

@@ -166,7 +166,7 @@ def generate_responses(
     check_number("max_new_tokens", max_new_tokens, low=1)
     check_number("temperature", temperature, low_open=True)
     check_sampling(top_p, top_k, min_p, repetition_penalty)
-    refusal = (decoding_refusal(model, query_ids.shape[1] + max_new_tokens) or (generate_kwargs and "`generate_kwargs` are 🤗 generate's")
+    refusal = (decoding_refusal(model) or (generate_kwargs and "`generate_kwargs` are 🤗 generate's")
                or (static_cache is False and "🤗's dynamic cache was asked for (static_cache=False)"))
     if own_decoder and refusal: raise ValueError(f"`own_decoder=True`, but `decode` cannot sample from this model: {refusal}")
     if compile and (own_decoder is False or refusal):

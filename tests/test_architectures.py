@@ -26,6 +26,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from instruct_goose import (Agent, RewardConfig, RewardModel, RewardTrainer, RLHFConfig, RLHFTrainer, RLOOConfig,
@@ -188,7 +189,7 @@ OWN_DECODING = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox"
 
 def test_decode_takes_the_families_it_has_a_step_for(causal):
     for family in CAUSAL_NAMES:
-        refusal = decoding_refusal(causal(family), 64)
+        refusal = decoding_refusal(causal(family))
         assert (refusal is None) == (family in OWN_DECODING), (family, refusal)
 
 
@@ -251,6 +252,39 @@ def test_fused_projections_draw_the_scored_distribution(family, causal, tokenize
     for fuse in (False, True):
         with drawing_with(by_argmax), eval_mode(agent.model):
             runs.append(decoding.decode(agent.model, q, m, 12, agent.model.config.vocab_size, tokenizer.pad_token_id, fuse=fuse))
+    assert torch.equal(*runs), family
+
+
+# sliding windows of 6 positions, past which every row reads (prompts up to 9 wide + 12 new tokens): on every layer where the family
+# reads the config's window (Mistral, Mixtral, Phi-3, Qwen3-MoE), on the second of two (Qwen2, Qwen3: `max_window_layers`), on the first (Gemma 3)
+WINDOWED = {"mistral": dict(sliding_window=6), "mixtral": dict(sliding_window=6), "phi3": dict(sliding_window=6),
+            "qwen3_moe": dict(use_sliding_window=True, sliding_window=6),
+            **dict.fromkeys(("qwen2", "qwen3"), dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+            "gemma3": dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])}
+
+
+@pytest.mark.parametrize("family", marked(list(WINDOWED)))
+def test_decode_reads_sliding_windows_as_generate_and_the_scoring_pass_do(family, tokenizer):
+    "Past a sliding window: `decode` gives 🤗 `generate`'s tokens (its draw, its seed), each token's p is exp log π_old as the trainers score it, and graphs change no token."
+    spec = BY_NAME[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, spec.causal_class)(spec.config(tokenizer, **WINDOWED[family])).eval()
+    windows = [decoding._window_of(layer.self_attn) for layer in model.model.layers]
+    assert 6 in windows and decoding_refusal(model) is None, windows
+    q, m = encode_prompts(tokenizer, PROMPTS)
+    never, samples, drawn = model.config.vocab_size, [], []
+    for own in (False, True):
+        torch.manual_seed(0)
+        with drawing_with(lambda p: (drawn.append(p) if own else None) or torch.multinomial(p, 1).squeeze(1)):
+            samples.append(generate_responses(model, q, m, 12, never, tokenizer.pad_token_id, own_decoder=own)[0])
+    assert torch.equal(samples[0], samples[1]), family
+    r = samples[1]
+    sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
+    scored = Agent(model).response_stats(q, m, r, torch.ones_like(r, dtype=torch.bool), entropy="skip").logprobs
+    assert (sampled - scored).abs().max().item() <= 1e-5, family
+    runs = []
+    for graphs in (False, True):                                        # the windows of a tensor-held write position, as a graph replays it
+        with drawing_with(by_argmax): runs.append(decoding.decode(model, q, m, 12, never, tokenizer.pad_token_id, graphs=graphs))
     assert torch.equal(*runs), family
 
 def by_argmax(p):

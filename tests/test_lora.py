@@ -98,7 +98,7 @@ def test_decode_samples_through_the_adapters(base_dir):
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                                                          init_lora_weights=False))   # adapters that change the output
-    assert decoding.decoding_refusal(model, 64) is None
+    assert decoding.decoding_refusal(model) is None
     q, m = encode_prompts(tok, ["Review: The editing in this western", "Review: a"])
     drawn, inverse_cdf = [], decoding._draw
     with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)):
