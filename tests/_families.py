@@ -57,6 +57,9 @@ CAUSAL = [
     Family("qwen3_moe", "Qwen3MoeConfig", _decoder(head_dim=WIDTH // HEADS, moe_intermediate_size=MLP // 4, num_experts=4, num_experts_per_tok=2),
            "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
     Family("mixtral", "MixtralConfig", _decoder(num_local_experts=4, num_experts_per_tok=2), "MixtralForCausalLM", "MixtralForSequenceClassification"),
+    # GPT-OSS: biases on q, k, v, o, a learned sink logit per head, sliding and full layers in turn (window 128), 4 experts, 2 a token
+    Family("gpt_oss", "GptOssConfig", _decoder(head_dim=WIDTH // HEADS, num_local_experts=4, num_experts_per_tok=2), "GptOssForCausalLM",
+           "GptOssForSequenceClassification"),
     # OPTConfig's default dropout=0.1 is kept: OPT reads it from a float attribute of each layer, not an nn.Dropout
     Family("opt", "OPTConfig", dict(num_hidden_layers=LAYERS, hidden_size=WIDTH, word_embed_proj_dim=WIDTH, ffn_dim=MLP,
                                     num_attention_heads=HEADS, max_position_embeddings=CONTEXT),
