@@ -50,6 +50,8 @@ CAUSAL = [
     Family("qwen2", "Qwen2Config", _decoder(), "Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     Family("qwen3", "Qwen3Config", _decoder(head_dim=WIDTH // HEADS), "Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
     Family("mistral", "MistralConfig", _decoder(), "MistralForCausalLM", "MistralForSequenceClassification"),
+    # Gemma 2: attention logits soft-capped (50), the final ones too (30), sliding and full layers in turn
+    Family("gemma2", "Gemma2Config", _decoder(head_dim=WIDTH // HEADS), "Gemma2ForCausalLM", "Gemma2ForSequenceClassification"),
     Family("gemma3", "Gemma3TextConfig", _decoder(head_dim=WIDTH // HEADS), "Gemma3ForCausalLM",
            "Gemma3TextForSequenceClassification"),
     Family("phi3", "Phi3Config", _decoder(), "Phi3ForCausalLM", "Phi3ForSequenceClassification"),
