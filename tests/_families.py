@@ -50,6 +50,9 @@ CAUSAL = [
     Family("qwen2", "Qwen2Config", _decoder(), "Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     Family("qwen3", "Qwen3Config", _decoder(head_dim=WIDTH // HEADS), "Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
     Family("mistral", "MistralConfig", _decoder(), "MistralForCausalLM", "MistralForSequenceClassification"),
+    # OLMo 2 and 3: q, k normalised over all heads, norms after attention and MLP; OLMo 3 with sliding and full layers in turn
+    Family("olmo2", "Olmo2Config", _decoder(), "Olmo2ForCausalLM", "Olmo2ForSequenceClassification"),
+    Family("olmo3", "Olmo3Config", _decoder(), "Olmo3ForCausalLM", "Olmo3ForSequenceClassification"),
     # Gemma 2: attention logits soft-capped (50), the final ones too (30), sliding and full layers in turn
     Family("gemma2", "Gemma2Config", _decoder(head_dim=WIDTH // HEADS), "Gemma2ForCausalLM", "Gemma2ForSequenceClassification"),
     Family("gemma3", "Gemma3TextConfig", _decoder(head_dim=WIDTH // HEADS), "Gemma3ForCausalLM",
