@@ -50,6 +50,8 @@ CAUSAL = [
     Family("qwen2", "Qwen2Config", _decoder(), "Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     Family("qwen3", "Qwen3Config", _decoder(head_dim=WIDTH // HEADS), "Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
     Family("mistral", "MistralConfig", _decoder(), "MistralForCausalLM", "MistralForSequenceClassification"),
+    # SmolLM3: Llama without rotary positions on every 4th layer (NoPE): 4 layers here, so that one is
+    Family("smollm3", "SmolLM3Config", {**_decoder(), "num_hidden_layers": 4}, "SmolLM3ForCausalLM", "SmolLM3ForSequenceClassification"),
     # OLMo 2 and 3: q, k normalised over all heads, norms after attention and MLP; OLMo 3 with sliding and full layers in turn
     Family("olmo2", "Olmo2Config", _decoder(), "Olmo2ForCausalLM", "Olmo2ForSequenceClassification"),
     Family("olmo3", "Olmo3Config", _decoder(), "Olmo3ForCausalLM", "Olmo3ForSequenceClassification"),
