@@ -68,9 +68,10 @@ def _rotate(attention: nn.Module, q, k, cos, sin):
 
 
 # %% ../nbs/03a_decoding.ipynb #432001b0
-def _window_of(attention: nn.Module) -> int | None:
-    "The sliding window W of `attention`'s layer, as its family reads it: the module's own `sliding_window` (None on a full layer), else its config's; None: full attention."
-    return getattr(attention, "sliding_window", getattr(getattr(attention, "config", None), "sliding_window", None))
+def _windows(config) -> list[int | None]:
+    "Each layer's sliding window W (None: full attention), as 🤗 builds the masks: by the config's `layer_types` where it has them, else its `sliding_window` (None or 0: none) for every layer."
+    window, kinds = getattr(config, "sliding_window", None) or None, getattr(config, "layer_types", None)
+    return [window] * config.num_hidden_layers if kinds is None else [window if kind == "sliding_attention" else None for kind in kinds]
 
 def _windowed(mask, start, window: int):
     "`mask` (batch, 1, new, keys) narrowed to a sliding window: the new position written at start + i reads the keys j > start + i − window (🤗's `sliding_window_overlay`)."
@@ -114,9 +115,9 @@ def _llama_step(lm, ids, pos, cache, start, mask):
     base = lm.model
     h = base.embed_tokens(ids)
     cos, sin = base.rotary_emb(h, pos)
-    masks = {None: mask}                                                                           # window -> its mask, made once a step
+    masks, windows = {None: mask}, _windows(lm.config)                                            # window -> its mask, made once a step
     for i, layer in enumerate(base.layers):
-        a, window = layer.self_attn, _window_of(layer.self_attn)
+        a, window = layer.self_attn, windows[i]
         if window not in masks: masks[window] = _windowed(mask, start, window)
         q, k, v = (x.unflatten(-1, (-1, a.head_dim)) for x in _qkv(a, layer.input_layernorm(h)))   # (batch, new, heads, head_dim)
         if hasattr(a, "q_norm"): q, k = a.q_norm(q), a.k_norm(k)                                    # Qwen3
@@ -175,9 +176,9 @@ def _gemma_step(lm, ids, pos, cache, start, mask):
     kinds = set(lm.config.layer_types)
     rope = ({kind: base.rotary_emb(h, pos, kind) for kind in kinds} if hasattr(base.rotary_emb, "layer_types")   # Gemma 3: a base per layer type
             else dict.fromkeys(kinds, base.rotary_emb(h, pos)))
-    masks = {None: mask}
+    masks, windows = {None: mask}, _windows(lm.config)
     for i, layer in enumerate(base.layers):
-        a, window = layer.self_attn, _window_of(layer.self_attn)
+        a, window = layer.self_attn, windows[i]
         if window not in masks: masks[window] = _windowed(mask, start, window)
         x = layer.input_layernorm(h)
         q, k, v = (p.unflatten(-1, (-1, a.head_dim)).transpose(1, 2) for p in _qkv(a, x))
@@ -198,9 +199,9 @@ def _olmo_step(lm, ids, pos, cache, start, mask):
     h = base.embed_tokens(ids)
     per_type = hasattr(base.rotary_emb, "layer_types")                                  # OLMo 3
     rope = {kind: base.rotary_emb(h, pos, kind) for kind in base.rotary_emb.layer_types} if per_type else {None: base.rotary_emb(h, pos)}
-    masks = {None: mask}
+    masks, windows = {None: mask}, _windows(lm.config)
     for i, layer in enumerate(base.layers):
-        a, window = layer.self_attn, _window_of(layer.self_attn)
+        a, window = layer.self_attn, windows[i]
         if window not in masks: masks[window] = _windowed(mask, start, window)
         q, k, v = _qkv(a, h)
         q, k, v = (x.unflatten(-1, (-1, a.head_dim)).transpose(1, 2) for x in (a.q_norm(q), a.k_norm(k), v))

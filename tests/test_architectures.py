@@ -271,7 +271,7 @@ def test_decode_reads_sliding_windows_as_generate_and_the_scoring_pass_do(family
     spec = BY_NAME[family]
     torch.manual_seed(0)
     model = getattr(transformers, spec.causal_class)(spec.config(tokenizer, **WINDOWED[family])).eval()
-    windows = [decoding._window_of(layer.self_attn) for layer in model.model.layers]
+    windows = decoding._windows(model.config)
     assert 6 in windows and decoding_refusal(model) is None, windows
     q, m = encode_prompts(tokenizer, PROMPTS)
     never, samples, drawn = model.config.vocab_size, [], []
