@@ -63,6 +63,9 @@ CAUSAL = [
     # mixture-of-experts: every MLP a sparse block of 4 experts, 2 per token (routing in float32, 🤗's grouped_mm experts)
     Family("qwen3_moe", "Qwen3MoeConfig", _decoder(head_dim=WIDTH // HEADS, moe_intermediate_size=MLP // 4, num_experts=4, num_experts_per_tok=2),
            "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
+    # Qwen2-MoE: Qwen2's attention, a sparse block of 4 experts (2 a token) plus a shared expert every token passes through
+    Family("qwen2_moe", "Qwen2MoeConfig", _decoder(moe_intermediate_size=MLP // 4, shared_expert_intermediate_size=MLP // 2, num_experts=4,
+                                                   num_experts_per_tok=2), "Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification"),
     Family("mixtral", "MixtralConfig", _decoder(num_local_experts=4, num_experts_per_tok=2), "MixtralForCausalLM", "MixtralForSequenceClassification"),
     # GPT-OSS: biases on q, k, v, o, a learned sink logit per head, sliding and full layers in turn (window 128), 4 experts, 2 a token
     Family("gpt_oss", "GptOssConfig", _decoder(head_dim=WIDTH // HEADS, num_local_experts=4, num_experts_per_tok=2), "GptOssForCausalLM",

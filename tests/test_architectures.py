@@ -15,10 +15,10 @@ no-repeat n-grams). The expected numbers need no reference implementation:
 
 The whole SFT → RM → PPO → RLOO pipeline runs by default for two families (Llama: rotary/GQA, the shape of most
 current checkpoints; OPT: dropout held in float attributes); the others are marked `slow` (run them with `-m ""`).
-Three mixtures of experts (Qwen3-MoE, Mixtral, GPT-OSS) are among the families. Mixtral's, GPT-OSS's, Gemma 2's, OLMo 2 and 3's and
-SmolLM3's cases are all `slow`: Mixtral's code paths are Qwen3-MoE's sparse blocks and Mistral's attention, both checked by default;
-GPT-OSS's attention sinks, Gemma 2's soft-capped attention, OLMo 2 and 3's and SmolLM3's layers are checked by default in
-chapter 03a.
+Four mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS) are among the families. The cases of Qwen2-MoE,
+Mixtral, GPT-OSS, Gemma 2, OLMo 2 and 3 and SmolLM3 are all `slow`: their code paths are checked by default elsewhere
+(Qwen2's and Mistral's attention and Qwen3-MoE's sparse blocks in this matrix; GPT-OSS's sinks, Gemma 2's soft-capped
+attention and the OLMo and SmolLM3 layers in chapter 03a).
 """
 import contextlib
 import copy
@@ -42,7 +42,7 @@ from _families import BY_NAME, CAUSAL, ENCODERS, build_causal, build_classifier
 CAUSAL_NAMES = [f.name for f in CAUSAL]
 ENCODER_NAMES = [f.name for f in ENCODERS]
 PIPELINE_BY_DEFAULT = {"llama", "opt"}
-SLOW_FAMILIES = {"mixtral", "gpt_oss", "gemma2", "olmo2", "olmo3", "smollm3"}   # in the full matrix only: the code paths of each are checked by default elsewhere (see above)
+SLOW_FAMILIES = {"qwen2_moe", "mixtral", "gpt_oss", "gemma2", "olmo2", "olmo3", "smollm3"}   # in the full matrix only: the code paths of each are checked by default elsewhere (see above)
 
 
 def marked(names):
@@ -186,7 +186,7 @@ def test_packed_linears_sample_the_same_tokens(family, causal, tokenizer):
 
 # ------------------------------------------------------- 2b. our own decoding loop samples what `generate` samples
 
-OWN_DECODING = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "opt", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "qwen3_moe", "mixtral", "gpt_oss"]
+OWN_DECODING = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "opt", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"]
 
 
 def test_decode_takes_the_families_it_has_a_step_for(causal):
@@ -228,7 +228,7 @@ def test_decode_draws_from_the_scored_distribution(family, causal, tokenizer):
 
 
 
-FUSED = {"llama", "qwen2", "qwen3", "mistral", "opt", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "qwen3_moe", "mixtral", "gpt_oss"}   # q, k, v apart (gpt2, gpt_neox, phi3: one layer already)
+FUSED = {"llama", "qwen2", "qwen3", "mistral", "opt", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"}   # q, k, v apart (gpt2, gpt_neox, phi3: one layer already)
 
 
 @pytest.mark.parametrize("family", marked(OWN_DECODING))
@@ -262,6 +262,7 @@ def test_fused_projections_draw_the_scored_distribution(family, causal, tokenize
 WINDOWED = {"mistral": dict(sliding_window=6), "mixtral": dict(sliding_window=6), "phi3": dict(sliding_window=6),
             "qwen3_moe": dict(use_sliding_window=True, sliding_window=6), "smollm3": dict(use_sliding_window=True, sliding_window=6),
             **dict.fromkeys(("qwen2", "qwen3"), dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+            "qwen2_moe": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
             **dict.fromkeys(("gemma2", "gemma3", "olmo3", "gpt_oss"), dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"]))}
 
 
