@@ -110,7 +110,7 @@ def main():
     p.add_argument("--draws", action="store_true", help="time the draw alone: our inverse CDF against an exponential race and a two-level CDF")
     p.add_argument("--no_hf", action="store_true", help="leave out 🤗 `generate` (its static cache compiles ~45 s at 0.5B on a GPU: device time)")
     p.add_argument("--compiled", action="store_true", help="a side more: `decode(compile=True)`, the step through torch.compile (inductor; its compilation in the warm-up)")
-    p.add_argument("--unfused", action="store_true", help="sides more: `decode(fuse=False)` (q, k, v and gate, up as separate multiplies), with graphs and, with --compiled, compiled; the other sides take decode's default (fused on a GPU)")
+    p.add_argument("--fused", action="store_true", help="sides more: `decode(fuse=True)` (q, k, v and gate, up each in one multiply, stacked for the call), with graphs and, with --compiled, compiled; the other sides take decode's default (no stacking over weights already in their dtype)")
     a = p.parse_args()
     warnings.filterwarnings("ignore"); T.utils.logging.set_verbosity_error()
     from instruct_goose import decode, generate_responses
@@ -124,9 +124,9 @@ def main():
     if a.sync_every > 1:
         sides[f"ours, sync {a.sync_every}"] = lambda *args: decode(*args, sync_every=a.sync_every)
         if a.compiled: sides[f"compiled, sync {a.sync_every}"] = lambda *args: decode(*args, compile=True, sync_every=a.sync_every)
-    if a.unfused:
-        sides["ours, unfused"] = lambda *args: decode(*args, fuse=False)
-        if a.compiled: sides["compiled, unfused"] = lambda *args: decode(*args, compile=True, fuse=False)
+    if a.fused:
+        sides["ours, fused"] = lambda *args: decode(*args, fuse=True)
+        if a.compiled: sides["compiled, fused"] = lambda *args: decode(*args, compile=True, fuse=True)
     if a.device == "cuda": sides["ours, no graphs"] = lambda *args: decode(*args, graphs=False)
     if not a.no_hf: sides["🤗"] = lambda *args: generate_responses(*args, own_decoder=False)
     print(f"{'shape':<11}" + "".join(f"{s + ' ms/token':>22}" for s in sides) + f" {'🤗/ours':>8} {'floor ms':>9} {'ours/floor':>10}")

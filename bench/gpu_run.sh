@@ -11,7 +11,7 @@
 #                expected peak ~13,550 MiB vs TRL's 17,883 (0.76x), at a few % of our update's time
 #   ppo          0.5B, 512 tokens, PPO shared and separate critic vs TRL 1.12's PPO (not reached 2026-11-26)
 #   decode_short the same without 🤗 (its compilation, ~45 s; measured 2026-11-26), 2 reps, at most 200 s
-#   decode_sync  decode_short with `sync_every=8` and `fuse=False` sides (graphs, compiled) and one call of each side under torch.profiler
+#   decode_sync  decode_short with `sync_every=8` and `fuse=True` sides (graphs, compiled) and one call of each side under torch.profiler
 #                (kernel time a token against the wall: how long the GPU idles between steps); ~150 s with the compilation
 #   tests_compiled  the compiled step's two tests and the GPU default's (not yet run on a GPU)
 #   ppo_shared   PPO with the shared critic alone vs TRL 1.12's PPO
@@ -55,7 +55,7 @@ for stage in "$@"; do
     tests) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m pytest tests/test_decode_cuda.py -q -p no:cacheprovider 2>&1 | tail -30 | tee $OUT/test_decode_cuda.txt ;;
     decode) timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 3 --compiled 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
     decode_short) timeout $(( $(left) < 200 ? $(left) : 200 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
-    decode_sync) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf --sync_every 8 --unfused --draws --profile $OUT/decode_profile 2>&1 | tee $OUT/decode_speed_0.5b_sync.txt ;;
+    decode_sync) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf --sync_every 8 --fused --draws --profile $OUT/decode_profile 2>&1 | tee $OUT/decode_speed_0.5b_sync.txt ;;
     tests_compiled) timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest tests/test_decode_cuda.py -q -p no:cacheprovider -k "compiled or default" 2>&1 | tail -30 | tee $OUT/test_decode_cuda_compiled.txt ;;
     grpo_rloo) $B --algos grpo rloo --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512.json ;;
     selective) $B --algos grpo --checkpointing selective --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_selective.json ;;

@@ -364,6 +364,7 @@ def _stacked(layers: list[nn.Linear], dtype: torch.dtype) -> nn.Linear:
 def _fused_projections(
     lm: nn.Module,                     # the 🤗 causal LM `decode` samples from
     dtype: torch.dtype | None = None,  # the stacked weights' dtype (autocast's); None: the weights' own
+    casts_only: bool = False,          # stack only layers whose weights are not already in `dtype`: the copy takes the place of their casts
 ):
     "Inside the block each attention whose q, k, v are plain linear layers holds them stacked as `fused_qkv`, and each gated MLP (`_GATED_MLPS`) its gate and up as `fused_gate_up`, stacked once; the layers they stand in for are marked `_merged_away`; after the block the model is as it was."
     made, away = [], []
@@ -373,6 +374,7 @@ def _fused_projections(
         else: continue
         parts = [_linear_of(p) for p in parts]
         if any(p is None for p in parts) or len({(p.bias is None, p.weight.dtype, p.weight.device) for p in parts}) > 1: continue
+        if casts_only and parts[0].weight.dtype == dtype: continue
         m.add_module(name, _stacked(parts, dtype or parts[0].weight.dtype))
         made.append((m, name))
         for p in parts: p._merged_away = True
@@ -400,7 +402,7 @@ def decode(
     graphs: bool | None = None,                           # replay each step from a CUDA graph, the batch kept at a power of two (`_Replay`); None: on a GPU, where `_graph_refusal` has no objection
     compile: bool | dict = False,                         # run that static step through `torch.compile` (`_compiled`; a dict: its options, e.g. a backend): fused kernels, recorded inside the graph on a GPU; the cache's length rounded up to a multiple of 64 so other prompt widths reuse the compiled step
     sync_every: int = 1,                                  # steps between the loop's host syncs, which drop finished rows and end the loop when no row is left; more lets a GPU queue that many steps ahead (finished rows ride along until the next sync, their tokens dropped)
-    fuse: bool | None = None,                             # q, k, v in one matrix multiply and a gated MLP's gate and up in another (`_fused_projections`, stacked copies for the call); None: on a GPU and under autocast (there in autocast's dtype, in place of its cached casts), off on the CPU in float32
+    fuse: bool | None = None,                             # q, k, v in one matrix multiply and a gated MLP's gate and up in another (`_fused_projections`, stacked copies for the call); None: only where the copy takes the place of a cast, under autocast over weights of another dtype (the trainers' mixed precision); True: wherever it can, a copy of those weights more
 ) -> Int[Tensor, "batch new"]:                            # the sampled ids, `max_new_tokens` per row, stop token included
     "Sample each row's response token by token through the family's step (`_STEPS`) and a static cache; finished rows leave the batch."
     lm = _causal_lm(model)
@@ -418,9 +420,9 @@ def decode(
     cache, step = KVCache(lm.config.num_hidden_layers, length), _step_for(lm)
     static_step = _compiled(step, compile) if compile else step
     autocast = torch.get_autocast_dtype(dev.type) if torch.amp.is_autocast_available(dev.type) and torch.is_autocast_enabled(dev.type) else None
-    if fuse is None: fuse = dev.type == "cuda" or autocast is not None
     cast_once = compile and autocast is not None                                              # else a compiled graph casts every weight every step
-    with _fused_projections(lm, autocast) if fuse else nullcontext(), _cast_once(lm, autocast) if cast_once else nullcontext():
+    stacking = _fused_projections(lm, autocast, casts_only=fuse is None) if fuse or (fuse is None and autocast is not None) else nullcontext()
+    with stacking, _cast_once(lm, autocast) if cast_once else nullcontext():
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         reads = causal & valid[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)        # the real tokens at or before; a pad reads itself
         logits = step(lm, query_ids, pos[:, :P], cache, 0, reads[:, None])

@@ -233,7 +233,7 @@ FUSED = {"llama", "qwen2", "qwen3", "mistral", "opt", "gemma2", "gemma3", "olmo2
 
 @pytest.mark.parametrize("family", marked(OWN_DECODING))
 def test_fused_projections_draw_the_scored_distribution(family, causal, tokenizer):
-    "`fuse=True` (q, k, v and a gated MLP's gate, up stacked for the call, as on a GPU): each token drawn from exp log π_old as the trainers score it, the separate layers' tokens, and the model as it was after."
+    "`fuse=True` (q, k, v and a gated MLP's gate, up stacked for the call, as under the trainers' mixed precision): each token drawn from exp log π_old as the trainers score it, the separate layers' tokens, and the model as it was after."
     agent = Agent(causal(family))
     q, m = encode_prompts(tokenizer, PROMPTS)
     drawn, stacked, inverse_cdf = [], [], decoding._draw

@@ -85,7 +85,7 @@ def test_decode_runs_on_the_models_device(family, graphs, tokenizer, monkeypatch
     mode, sizes = OnTheDevice(left), []
     record_strictly(monkeypatch, mode, sizes)
     with mode:
-        out = decoding.decode(model, q.to(META), m.to(META), steps, [0], tokenizer.pad_token_id, graphs=graphs, fuse=graphs,   # graphs: as on a GPU, fused
+        out = decoding.decode(model, q.to(META), m.to(META), steps, [0], tokenizer.pad_token_id, graphs=graphs, fuse=graphs,   # graphs: the projections stacked too
                               temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.1)
     assert out.device == META and out.shape == (4, steps)
     assert mode.syncs == steps - 1 and not mode.left                           # one host sync a step (none after the last), none elsewhere
