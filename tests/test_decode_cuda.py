@@ -66,14 +66,17 @@ def test_graphs_give_the_plain_loops_tokens(arch, precision, tokenizer):
     assert len(plain[2]) == 0 and 1 <= len(graphed[2]) <= 1 + math.log2(len(PROMPTS))
 
 
-def test_graphs_draw_from_the_scored_distribution(tokenizer):
-    "No row stops (the stop id is never drawn), so no filler: each drawn p is exp log π_old as `Agent.response_stats` scores it."
+@pytest.mark.parametrize("fuse", [None, True], ids=["default", "stacked"])
+def test_graphs_draw_from_the_scored_distribution(fuse, tokenizer):
+    "No row stops (the stop id is never drawn), so no filler: each drawn p is exp log π_old as `Agent.response_stats` scores it; with q, k, v and gate, up stacked (`fuse=True`) too."
     agent = Agent(tiny_causal_lm(tokenizer, arch="llama", seed=0).eval().cuda())
     q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
     drawn, inverse_cdf = [], decoding._draw
     torch.manual_seed(0)
     with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)):
-        r, rm = generate_responses(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, temperature=0.7, own_decoder=True)
+        if fuse: r = decoding.decode(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, temperature=0.7, fuse=True)
+        else: r = generate_responses(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, temperature=0.7, own_decoder=True)[0]
+    rm = torch.ones_like(r, dtype=torch.bool)
     sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
     scored = agent.response_stats(q, m, r, rm, temperature=0.7, entropy="skip").logprobs
     assert (sampled - scored).abs().max().item() <= 1e-4
