@@ -79,6 +79,11 @@ def _windowed(mask, start, window: int):
     at = start + torch.arange(new, device=mask.device)[:, None]                  # each new position's place in the cache
     return mask & (torch.arange(keys, device=mask.device) > at - window)
 
+def _layer_masks(config, mask, start) -> list:
+    "Each layer's mask for a step: `mask`, narrowed to the layer's sliding window where it has one (`_windows`), each window's mask made once."
+    made = {None: mask}
+    return [made[w] if w in made else made.setdefault(w, _windowed(mask, start, w)) for w in _windows(config)]
+
 # %% ../nbs/03a_decoding.ipynb #d3c0a011
 def _gpt2_step(lm, ids, pos, cache, start, mask):
     "GPT-2: the logits (batch, vocab) after the last of `ids`, the keys and values of `ids` written into `cache` at `start`."
@@ -115,16 +120,15 @@ def _llama_step(lm, ids, pos, cache, start, mask):
     base = lm.model
     h = base.embed_tokens(ids)
     cos, sin = base.rotary_emb(h, pos)
-    masks, windows = {None: mask}, _windows(lm.config)                                            # window -> its mask, made once a step
+    masks = _layer_masks(lm.config, mask, start)
     for i, layer in enumerate(base.layers):
-        a, window = layer.self_attn, windows[i]
-        if window not in masks: masks[window] = _windowed(mask, start, window)
+        a = layer.self_attn
         q, k, v = (x.unflatten(-1, (-1, a.head_dim)) for x in _qkv(a, layer.input_layernorm(h)))   # (batch, new, heads, head_dim)
         if hasattr(a, "q_norm"): q, k = a.q_norm(q), a.k_norm(k)                                    # Qwen3
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if getattr(a, "use_rope", True): q, k = _rotate(a, q, k, cos, sin)                          # SmolLM3: no positions on every 4th layer
         k, v = cache.update(i, k, v.transpose(1, 2), start)
-        o = _attend(q, k, v, masks[window], a.scaling, getattr(a, "sinks", None))     # GPT-OSS: each head's sink
+        o = _attend(q, k, v, masks[i], a.scaling, getattr(a, "sinks", None))          # GPT-OSS: each head's sink
         h = h + a.o_proj(o.transpose(1, 2).flatten(2))
         h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
     return lm.lm_head(base.norm(h[:, -1]))
@@ -169,23 +173,26 @@ def _opt_step(lm, ids, pos, cache, start, mask):
 
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a04a
+def _rotary(lm, h, pos) -> list:
+    "Each layer's rotary (cos, sin) at `pos`: by layer type where the model keeps a base per type (Gemma 3, OLMo 3), else its one for every layer."
+    emb, c = lm.model.rotary_emb, lm.config
+    if not hasattr(emb, "layer_types"): return [emb(h, pos)] * c.num_hidden_layers
+    by_kind = {kind: emb(h, pos, kind) for kind in emb.layer_types}
+    return [by_kind[kind] for kind in c.layer_types]
+
 def _gemma_step(lm, ids, pos, cache, start, mask):
     "Gemma 2 and 3: as `_llama_step`, with a window per layer type, norms after attention and MLP as well as before, and the final logits' soft-cap; Gemma 3 with a rotary base per layer type and per-head q/k norms, Gemma 2 with soft-capped attention logits."
     base, cap = lm.model, lm.config.final_logit_softcapping
     h = base.embed_tokens(ids)
-    kinds = set(lm.config.layer_types)
-    rope = ({kind: base.rotary_emb(h, pos, kind) for kind in kinds} if hasattr(base.rotary_emb, "layer_types")   # Gemma 3: a base per layer type
-            else dict.fromkeys(kinds, base.rotary_emb(h, pos)))
-    masks, windows = {None: mask}, _windows(lm.config)
+    rope, masks = _rotary(lm, h, pos), _layer_masks(lm.config, mask, start)
     for i, layer in enumerate(base.layers):
-        a, window = layer.self_attn, windows[i]
-        if window not in masks: masks[window] = _windowed(mask, start, window)
+        a = layer.self_attn
         x = layer.input_layernorm(h)
         q, k, v = (p.unflatten(-1, (-1, a.head_dim)).transpose(1, 2) for p in _qkv(a, x))
         if hasattr(a, "q_norm"): q, k = a.q_norm(q), a.k_norm(k)                     # Gemma 3
-        q, k = _rotate(a, q, k, *rope[a.layer_type])
+        q, k = _rotate(a, q, k, *rope[i])
         k, v = cache.update(i, k, v, start)
-        o = _attend(q, k, v, masks[window], a.scaling, softcap=getattr(a, "attn_logit_softcapping", None))   # Gemma 2
+        o = _attend(q, k, v, masks[i], a.scaling, softcap=getattr(a, "attn_logit_softcapping", None))   # Gemma 2
         h = h + layer.post_attention_layernorm(a.o_proj(o.transpose(1, 2).flatten(2)))
         h = h + layer.post_feedforward_layernorm(_mlp(layer.mlp, layer.pre_feedforward_layernorm(h)))
     z = lm.lm_head(base.norm(h[:, -1]))
@@ -197,17 +204,14 @@ def _olmo_step(lm, ids, pos, cache, start, mask):
     "OLMo 2 and 3: as `_llama_step`, with q and k normalised over all heads before the heads are split, and norms after attention and MLP in place of before them; OLMo 3 with a window and a rotary base per layer type."
     base = lm.model
     h = base.embed_tokens(ids)
-    per_type = hasattr(base.rotary_emb, "layer_types")                                  # OLMo 3
-    rope = {kind: base.rotary_emb(h, pos, kind) for kind in base.rotary_emb.layer_types} if per_type else {None: base.rotary_emb(h, pos)}
-    masks, windows = {None: mask}, _windows(lm.config)
+    rope, masks = _rotary(lm, h, pos), _layer_masks(lm.config, mask, start)
     for i, layer in enumerate(base.layers):
-        a, window = layer.self_attn, windows[i]
-        if window not in masks: masks[window] = _windowed(mask, start, window)
+        a = layer.self_attn
         q, k, v = _qkv(a, h)
         q, k, v = (x.unflatten(-1, (-1, a.head_dim)).transpose(1, 2) for x in (a.q_norm(q), a.k_norm(k), v))
-        q, k = _rotate(a, q, k, *rope[a.attention_type if per_type else None])
+        q, k = _rotate(a, q, k, *rope[i])
         k, v = cache.update(i, k, v, start)
-        o = _attend(q, k, v, masks[window], a.scaling)
+        o = _attend(q, k, v, masks[i], a.scaling)
         h = h + layer.post_attention_layernorm(a.o_proj(o.transpose(1, 2).flatten(2)))
         h = h + layer.post_feedforward_layernorm(_mlp(layer.mlp, h))
     return lm.lm_head(base.norm(h[:, -1]))
