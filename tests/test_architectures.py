@@ -312,6 +312,28 @@ def test_decode_under_graphs_gives_the_plain_loops_tokens(family, causal, tokeni
     assert runs[False][1][-1] < 8 <= runs[False][1][0], runs[False][1]   # rows did leave the batch
     assert all(n <= b < 2 * n for b, n in zip(runs[True][1], runs[False][1])), runs
 
+@pytest.mark.parametrize("family", marked(OWN_DECODING))
+def test_decode_step_traces_as_one_graph(family, causal, tokenizer):
+    "`compile` (what `compile_generation=True` runs on a GPU), q, k, v and gate, up stacked: dynamo traces the step whole (`fullgraph`, run as traced: no inductor here) once per batch size the rows pass through, the tokens are the plain loop's, and a second call traces nothing new."
+    model = causal(family)
+    q, m = encode_prompts(tokenizer, PROMPTS * 2)
+    stops = list(range(3, model.config.vocab_size, 4))                  # one id in 4: rows stop at different steps
+    traced = []
+    def backend(graph, example_inputs):
+        traced.append(graph)
+        return graph.forward
+    with drawing_with(by_argmax): plain = decoding.decode(model, q, m, 16, stops, tokenizer.pad_token_id, graphs=False)
+    try:
+        for call in range(2):
+            sizes = []
+            with drawing_with(lambda p: sizes.append(len(p)) or by_argmax(p)):
+                ids = decoding.decode(model, q, m, 16, stops, tokenizer.pad_token_id, compile=dict(backend=backend), fuse=True)
+            assert torch.equal(ids, plain), (family, call)
+            if call == 0: first = len(traced)
+        assert first == len(set(sizes[1:])) > 1 and len(traced) == first, (family, first, len(traced), sizes)   # after the prompt's pass, each step the compiled one
+    finally: torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------ 3. left padding and batching change nothing
 
 @pytest.mark.parametrize("family", marked(CAUSAL_NAMES))
