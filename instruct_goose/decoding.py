@@ -6,6 +6,7 @@
 __all__ = ['KVCache', 'decoding_refusal', 'narrow', 'decode', 'drawing_with']
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a003
+import gc
 import sys
 from contextlib import contextmanager, nullcontext
 from typing import Callable
@@ -286,23 +287,45 @@ class _Replay:
         self.start = torch.zeros((), dtype=torch.long, device=device)                    # the position written
         self.mask = torch.zeros(rows, 1, 1, cache.length, dtype=torch.bool, device=device)
         self.at = torch.arange(cache.length, device=device)
-        self.run = lambda: step(lm, self.tok, self.pos, cache, self.start, self.mask)
+        self.step, self.lm, self.cache = step, lm, cache                                  # no closure over self: dropped, a replay and its graph go at once, not when Python's collector finds a cycle
         self.graph = self.out = None
+
+    def run(self) -> Tensor: return self.step(self.lm, self.tok, self.pos, self.cache, self.start, self.mask)
 
     def __call__(self, tok: Tensor, pos: Tensor, start: int, valid: Tensor) -> Tensor:
         "The logits after `tok` (rows) at positions `pos`, written into the cache at `start`; `valid` (rows, length): the keys a row may read."
         self.tok.copy_(tok[:, None]); self.pos.copy_(pos[:, None]); self.start.fill_(start)
         torch.logical_and(valid[:, None, None], self.at <= start, out=self.mask)
         if not self.tok.is_cuda: return self.run()
-        if self.graph is None:                          # warm up on a side stream (it writes what the replay writes), then record
-            side = torch.cuda.Stream(self.tok.device)
-            side.wait_stream(torch.cuda.current_stream(self.tok.device))
-            with torch.cuda.stream(side): self.run()
-            torch.cuda.current_stream(self.tok.device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph): self.out = self.run()
+        if self.graph is None: self.graph, self.out = _record(self.run, self.tok.device)
         self.graph.replay()
         return self.out.clone()
+
+
+# %% ../nbs/03a_decoding.ipynb #4cb497fb
+_ROOM = 1 << 30   # free device bytes under which `_record` empties the allocator's cache first (as `torch.cuda.graph` always does)
+
+def _record(
+    fn: Callable[[], Tensor],   # the step over its static inputs
+    device: torch.device,       # a CUDA device
+) -> tuple[torch.cuda.CUDAGraph, Tensor]:   # the graph and the output tensor it writes at each replay
+    "`fn` warmed up on a side stream (it writes what the replay writes), then recorded as a CUDA graph as `torch.cuda.graph` records, less its `torch.cuda.empty_cache()` (done only when less than `_ROOM` is free), with Python's garbage collector held off while it records."
+    side, now = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(now)
+    with torch.cuda.stream(side): fn()
+    now.wait_stream(side)
+    torch.cuda.synchronize(device)
+    if torch.cuda.mem_get_info(device)[0] < _ROOM: torch.cuda.empty_cache()   # what the graph allocates cannot come from blocks cached for others while it records
+    graph, collecting = torch.cuda.CUDAGraph(), gc.isenabled()
+    gc.disable()                                  # a graph the collector frees while another records is a CUDA error
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin()
+            try: out = fn()
+            finally: graph.capture_end()
+    finally:
+        if collecting: gc.enable()
+    return graph, out
 
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a04d
