@@ -298,40 +298,28 @@ def by_argmax(p):
 
 @pytest.mark.parametrize("family", marked(OWN_DECODING))
 def test_decode_under_graphs_gives_the_plain_loops_tokens(family, causal, tokenizer):
-    "`graphs=True` (static inputs, full-length masks, a tensor-held write position, power-of-two batches with filler rows; eager here on the CPU) changes no row's tokens, with rows stopping at different steps."
+    "`graphs=True` (static inputs, full-length masks, a tensor-held write position, power-of-two batches with filler rows; eager here on the CPU) changes no row's tokens, with rows stopping at different steps. So does `compile` (what `compile_generation=True` runs on a GPU), q, k, v and gate, up stacked: dynamo traces the step whole (`fullgraph`; run as traced, no inductor here) once per batch size the rows pass through, and a second call traces nothing new."
     model = causal(family)
     q, m = encode_prompts(tokenizer, PROMPTS * 2)
     stops = list(range(3, model.config.vocab_size, 8))                  # one id in 8: rows stop at different steps
-    runs = {}
-    for graphs in (False, True):
-        rows = []
-        with drawing_with(lambda p: rows.append(len(p)) or by_argmax(p)):
-            ids = decoding.decode(model, q, m, 16, stops, tokenizer.pad_token_id, graphs=graphs, repetition_penalty=1.1)
-        runs[graphs] = ids, rows
-    assert torch.equal(runs[False][0], runs[True][0]), family
-    assert runs[False][1][-1] < 8 <= runs[False][1][0], runs[False][1]   # rows did leave the batch
-    assert all(n <= b < 2 * n for b, n in zip(runs[True][1], runs[False][1])), runs
-
-@pytest.mark.parametrize("family", marked(OWN_DECODING))
-def test_decode_step_traces_as_one_graph(family, causal, tokenizer):
-    "`compile` (what `compile_generation=True` runs on a GPU), q, k, v and gate, up stacked: dynamo traces the step whole (`fullgraph`, run as traced: no inductor here) once per batch size the rows pass through, the tokens are the plain loop's, and a second call traces nothing new."
-    model = causal(family)
-    q, m = encode_prompts(tokenizer, PROMPTS * 2)
-    stops = list(range(3, model.config.vocab_size, 4))                  # one id in 4: rows stop at different steps
     traced = []
     def backend(graph, example_inputs):
         traced.append(graph)
         return graph.forward
-    with drawing_with(by_argmax): plain = decoding.decode(model, q, m, 16, stops, tokenizer.pad_token_id, graphs=False)
+    runs = {}
     try:
-        for call in range(2):
-            sizes = []
-            with drawing_with(lambda p: sizes.append(len(p)) or by_argmax(p)):
-                ids = decoding.decode(model, q, m, 16, stops, tokenizer.pad_token_id, compile=dict(backend=backend), fuse=True)
-            assert torch.equal(ids, plain), (family, call)
-            if call == 0: first = len(traced)
-        assert first == len(set(sizes[1:])) > 1 and len(traced) == first, (family, first, len(traced), sizes)   # after the prompt's pass, each step the compiled one
+        for run, options in [("plain", dict(graphs=False)), ("graphs", dict(graphs=True)),
+                             *[(f"compiled {call}", dict(compile=dict(backend=backend), fuse=True)) for call in (1, 2)]]:
+            rows = []
+            with drawing_with(lambda p: rows.append(len(p)) or by_argmax(p)):
+                ids = decoding.decode(model, q, m, 16, stops, tokenizer.pad_token_id, repetition_penalty=1.1, **options)
+            runs[run] = ids, rows, len(traced)
     finally: torch._dynamo.reset()
+    for run in ("graphs", "compiled 1", "compiled 2"): assert torch.equal(runs["plain"][0], runs[run][0]), (family, run)
+    assert runs["plain"][1][-1] < 8 <= runs["plain"][1][0], runs["plain"][1]   # rows did leave the batch
+    assert all(n <= b < 2 * n for b, n in zip(runs["graphs"][1], runs["plain"][1])), runs
+    assert runs["compiled 1"][1] == runs["graphs"][1], runs                  # the same batch sizes
+    assert runs["compiled 1"][2] == len(set(runs["graphs"][1][1:])) == runs["compiled 2"][2], runs   # one trace per size after the prompt's pass, none anew
 
 
 # ------------------------------------------------------------------------ 3. left padding and batching change nothing
