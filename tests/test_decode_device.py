@@ -109,12 +109,12 @@ def test_the_device_check_catches_a_cpu_tensor_and_a_sync(tokenizer, monkeypatch
     "The check is not vacuous: a position range made on the CPU, or a sync inside the recorded step, fails it."
     model = on_meta("llama", tokenizer)
     q, m = encode_prompts(tokenizer, ["Review: The editing", "Review: a"])
-    update = decoding.KVCache.update
+    update = decoding.LayerCache.update
     for bug, message in [(lambda k, start: start + torch.arange(k.shape[2]), "a CPU tensor"), (lambda k, start: start.item(), "a host sync")]:
-        def buggy(self, layer, k, v, start, bug=bug):
+        def buggy(self, k, v, start, bug=bug):
             if isinstance(start, torch.Tensor): bug(k, start)
-            return update(self, layer, k, v, start)
-        monkeypatch.setattr(decoding.KVCache, "update", buggy)
+            return update(self, k, v, start)
+        monkeypatch.setattr(decoding.LayerCache, "update", buggy)
         mode = OnTheDevice([2, 2, 2])
         record_strictly(monkeypatch, mode, [])
         with pytest.raises(AssertionError, match=message), mode:
