@@ -111,6 +111,7 @@ def main():
     p.add_argument("--no_hf", action="store_true", help="leave out 🤗 `generate` (its static cache compiles ~45 s at 0.5B on a GPU: device time)")
     p.add_argument("--compiled", action="store_true", help="a side more: `decode(compile=True)`, the step through torch.compile (inductor; its compilation in the warm-up)")
     p.add_argument("--fused", action="store_true", help="sides more: `decode(fuse=True)` (q, k, v and gate, up each in one multiply, stacked for the call), with graphs and, with --compiled, compiled; the other sides take decode's default (no stacking over weights already in their dtype)")
+    p.add_argument("--autotune", action="store_true", help="a side more: `decode(compile=dict(mode=\"max-autotune-no-cudagraphs\"), fuse=True)`: inductor times its matrix-multiply kernels for these shapes and keeps the fastest (Triton templates with the elementwise work after them fused in, against cuBLAS); compiled a layer at a time, one tuning serves every layer")
     a = p.parse_args()
     warnings.filterwarnings("ignore"); T.utils.logging.set_verbosity_error()
     from instruct_goose import decode, generate_responses
@@ -127,6 +128,7 @@ def main():
     if a.fused:
         sides["ours, fused"] = lambda *args: decode(*args, fuse=True)
         if a.compiled: sides["compiled, fused"] = lambda *args: decode(*args, compile=True, fuse=True)
+    if a.autotune: sides["compiled, fused, autotuned"] = lambda *args: decode(*args, compile=dict(mode="max-autotune-no-cudagraphs"), fuse=True)
     if a.device == "cuda": sides["ours, no graphs"] = lambda *args: decode(*args, graphs=False)
     if not a.no_hf: sides["🤗"] = lambda *args: generate_responses(*args, own_decoder=False)
     print(f"{'shape':<11}" + "".join(f"{s + ' ms/token':>22}" for s in sides) + f" {'🤗/ours':>8} {'floor ms':>9} {'ours/floor':>10}")

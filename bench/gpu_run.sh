@@ -13,6 +13,9 @@
 #   decode_short the same without 🤗 (its compilation, ~45 s; measured 2026-11-26), 2 reps, at most 200 s
 #   decode_sync  decode_short with `sync_every=8` and `fuse=True` sides (graphs, compiled) and one call of each side under torch.profiler
 #                (kernel time a token against the wall: how long the GPU idles between steps); ~150 s with the compilation
+#   decode_autotune decode_short with `fuse=True` sides and a compiled one under inductor's max-autotune (its matrix multiplies
+#                as Triton templates timed against cuBLAS at these shapes, once for all layers since the step compiles a layer
+#                at a time); the warm-up lines give each compiled side's compilation time; ~200 s
 #   tests_compiled  the compiled step's two tests and the GPU default's (not yet run on a GPU)
 #   ppo_shared   PPO with the shared critic alone vs TRL 1.12's PPO
 #   profile      GRPO, ours alone, selective then no checkpointing, one more step's generation and update under torch.profiler
@@ -28,7 +31,7 @@
 #                the image has none): 2 bytes of optimizer moments a parameter instead of 8 (embeddings excepted), ~7.9 GB less at 1.5B
 # 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). 2026-11-27 (an H200) ran selective,
 # decode_short, ppo_shared, tests_compiled, maxbatch (bench/README.md §5). Next, in one ~9-minute call:
-#   profile decode_sync ppo_separate rloo_selective     then, in a second call if time is left:   tests maxbatch_lora maxbatch_trl
+#   profile decode_sync ppo_separate rloo_selective     then, in a second call if time is left:   tests decode_autotune maxbatch_lora maxbatch_trl
 #   (tests: graphs record through `_record` since 2026-11-27's ninth session, not `torch.cuda.graph`)
 set -u
 SHA=${1:-unknown}; DIRTY=${2:-unknown}; BUDGET=${3:-570}; shift 3; START=$SECONDS
@@ -57,6 +60,7 @@ for stage in "$@"; do
     decode) timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 3 --compiled 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
     decode_short) timeout $(( $(left) < 200 ? $(left) : 200 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
     decode_sync) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf --sync_every 8 --fused --draws --profile $OUT/decode_profile 2>&1 | tee $OUT/decode_speed_0.5b_sync.txt ;;
+    decode_autotune) timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf --fused --autotune 2>&1 | tee $OUT/decode_speed_0.5b_autotune.txt ;;
     tests_compiled) timeout $(( $(left) < 150 ? $(left) : 150 )) python3 -m pytest tests/test_decode_cuda.py -q -p no:cacheprovider -k "compiled or default" 2>&1 | tail -30 | tee $OUT/test_decode_cuda_compiled.txt ;;
     grpo_rloo) $B --algos grpo rloo --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512.json ;;
     selective) $B --algos grpo --checkpointing selective --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_selective.json ;;
