@@ -379,12 +379,12 @@ def _graph_refusal(lm: nn.Module) -> str | None:
 _COMPILED = {}   # (part, options) -> its torch.compile wrapper: one per pair, kept, so every layer and later calls reuse its compiled graphs
 
 def _compiled(step, options: bool | dict):
-    "`step` with each part it runs through `run` (a layer, the rotary table, the output layer) through `torch.compile`: a part is one graph (`fullgraph`), its shapes static, compiled once for all the layers that run its code; `options` (a dict) go to `torch.compile`, e.g. `backend`."
+    "`step` with each part it runs through `run` (a layer, the rotary table, the output layer) through `torch.compile`: a part is one graph (`fullgraph`), compiled once for all the layers that run its code, first for its first shapes, then once more with the sizes that changed (the batch, the cache's length) as symbols; `options` (a dict) go to `torch.compile`, e.g. `backend`."
     options = {} if options is True else dict(options)
     def run(part, *args):
         key = (part, repr(sorted(options.items())))
-        if key not in _COMPILED: _COMPILED[key] = torch.compile(part, fullgraph=True, dynamic=False, **options)
-        with torch._dynamo.config.patch(recompile_limit=64): return _COMPILED[key](*args)   # dynamo's 8 would run eagerly past 2 cache lengths at 4 batch sizes
+        if key not in _COMPILED: _COMPILED[key] = torch.compile(part, fullgraph=True, dynamic=None, **options)
+        with torch._dynamo.config.patch(recompile_limit=64): return _COMPILED[key](*args)   # dynamo's 8: headroom for many models in one process
     return partial(step, run=run)
 
 # %% ../nbs/03a_decoding.ipynb #0604e012
