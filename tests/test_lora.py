@@ -108,3 +108,27 @@ def test_decode_samples_through_the_adapters(base_dir):
     assert (sampled - scored).abs().max().item() <= 1e-5
     with model.disable_adapter(): base = Agent(model).response_stats(q, m, r, rm, entropy="skip").logprobs
     assert (sampled - base).abs().max().item() > 1e-2                   # the adapters do change the distribution
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_compiled_decode_samples_through_the_adapters_a_layer_at_a_time(arch):
+    "Compiled (`generate_responses(compile=...)`: dynamo, each graph run as traced), a LoRA policy samples the tokens the uncompiled `decode` samples through its merged adapters, and compiles as many graphs at 4 layers as at 2: its layers, adapters and all, share one layer graph."
+    from instruct_goose import drawing_with, encode_prompts, generate_responses, tiny_causal_lm
+    tok = task_tokenizer()
+    q, m = encode_prompts(tok, [f"Review: {w} film" for w in ("a", "the", "one", "my", "dull", "great", "long", "short")])
+    def by_argmax(p):   # a draw that depends on p alone: the same tokens from the same probabilities
+        cdf = p.double().cumsum(-1)
+        return torch.searchsorted(cdf, (p.argmax(-1, keepdim=True).double() * 0.618034 + 0.3) % 1 * cdf[:, -1:], right=True).squeeze(1)
+    graphs = []
+    for n_layer in (2, 4):
+        model = get_peft_model(tiny_causal_lm(tok, arch=arch, n_layer=n_layer, seed=0),
+                               LoraConfig(r=4, target_modules="all-linear", fan_in_fan_out=arch == "gpt2", init_lora_weights=False)).eval()
+        noted = []
+        torch._dynamo.reset()
+        try:
+            with drawing_with(by_argmax): compiled, _ = generate_responses(model, q, m, 12, [tok.eos_token_id], tok.pad_token_id, compile=dict(backend=lambda g, ex: noted.append(g) or g.forward))
+        finally: torch._dynamo.reset()
+        with drawing_with(by_argmax): eager, _ = generate_responses(model, q, m, 12, [tok.eos_token_id], tok.pad_token_id, own_decoder=True)
+        assert torch.equal(compiled, eager), (arch, n_layer)
+        graphs.append(len(noted))
+    assert graphs == ([3, 3] if arch == "llama" else [1, 1]), graphs   # Llama: the rotary table, a layer, the output layer; GPT-2: a layer
