@@ -31,8 +31,9 @@
 #                the image has none): 2 bytes of optimizer moments a parameter instead of 8 (embeddings excepted), ~7.9 GB less at 1.5B
 # 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). 2026-11-27 (an H200) ran selective,
 # decode_short, ppo_shared, tests_compiled, maxbatch (bench/README.md §5). Next, in one ~9-minute call:
-#   profile decode_sync ppo_separate rloo_selective     then, in a second call if time is left:   tests decode_autotune maxbatch_lora maxbatch_trl
-#   (tests: graphs record through `_record` since 2026-11-27's ninth session, not `torch.cuda.graph`)
+#   tests decode_sync ppo_separate rloo_selective     then, in a second call if time is left:   decode_autotune maxbatch_lora maxbatch_trl profile
+#   (tests first: since 2026-11-27 graphs record through `_record`, not `torch.cuda.graph`, and `compile` compiles a layer
+#   at a time with automatic dynamic shapes; none of it has run on a GPU)
 set -u
 SHA=${1:-unknown}; DIRTY=${2:-unknown}; BUDGET=${3:-570}; shift 3; START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
