@@ -383,7 +383,7 @@ def _compiled(step, options: bool | dict):
     options = {} if options is True else dict(options)
     def run(part, *args):
         key = (part, repr(sorted(options.items())))
-        if key not in _COMPILED: _COMPILED[key] = torch.compile(part, fullgraph=True, dynamic=None, **options)
+        if key not in _COMPILED: _COMPILED[key] = torch.compile(part, **{"fullgraph": True, "dynamic": None, **options})   # the options may set these too
         with torch._dynamo.config.patch(recompile_limit=64): return _COMPILED[key](*args)   # dynamo's 8: headroom for many models in one process
     return partial(step, run=run)
 
