@@ -9,7 +9,6 @@ __all__ = ['LayerCache', 'KVCache', 'decoding_refusal', 'narrow', 'decode', 'dra
 import gc
 import sys
 from contextlib import contextmanager, nullcontext
-from functools import partial
 from typing import Callable
 
 import torch
@@ -381,11 +380,13 @@ _COMPILED = {}   # (part, options) -> its torch.compile wrapper: one per pair, k
 def _compiled(step, options: bool | dict):
     "`step` with each part it runs through `run` (a layer, the rotary table, the output layer) through `torch.compile`: a part is one graph (`fullgraph`), compiled once for all the layers that run its code, first for its first shapes, then once more with the sizes that changed (the batch, the cache's length) as symbols; `options` (a dict) go to `torch.compile`, e.g. `backend`."
     options = {} if options is True else dict(options)
+    tag = repr(sorted(options.items()))
     def run(part, *args):
-        key = (part, repr(sorted(options.items())))
-        if key not in _COMPILED: _COMPILED[key] = torch.compile(part, **{"fullgraph": True, "dynamic": None, **options})   # the options may set these too
-        with torch._dynamo.config.patch(recompile_limit=64): return _COMPILED[key](*args)   # dynamo's 8: headroom for many models in one process
-    return partial(step, run=run)
+        if (part, tag) not in _COMPILED: _COMPILED[part, tag] = torch.compile(part, **{"fullgraph": True, "dynamic": None, **options})   # the options may set these too
+        return _COMPILED[part, tag](*args)
+    def compiled_step(*args):
+        with torch._dynamo.config.patch(recompile_limit=64): return step(*args, run=run)   # dynamo's 8: headroom for many models in one process
+    return compiled_step
 
 # %% ../nbs/03a_decoding.ipynb #0604e012
 @contextmanager
