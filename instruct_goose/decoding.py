@@ -21,7 +21,7 @@ from .core import _causal_lm, typecheck
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a007
 class LayerCache:
-    "One layer's keys and values, allocated at its first write at the cache's full length and written in place."
+    "One layer's keys and values, allocated at its first write at the cache's full length and written in place; bfloat16 ones on the CPU kept in float32, the dtype `_attend` reads them in there."
     def __init__(self,
                  length: int):  # positions it holds: prompt width + new tokens
         self.keys = self.values = None
@@ -30,11 +30,12 @@ class LayerCache:
     def update(self, k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
         "Write `k`, `v` (batch, heads, new, head_dim) at positions `start`…; return the keys and values of every position so far (views), or of all `length` positions when `start` is a tensor."
         if self.keys is None:
-            self.keys = k.new_zeros(*k.shape[:2], self.length, k.shape[-1])
-            self.values = v.new_zeros(*v.shape[:2], self.length, v.shape[-1])
+            dtype = torch.float32 if k.device.type == "cpu" and k.dtype == torch.bfloat16 else k.dtype   # exact: a bfloat16 is a float32 with its last 16 bits 0
+            self.keys = k.new_zeros(*k.shape[:2], self.length, k.shape[-1], dtype=dtype)
+            self.values = v.new_zeros(*v.shape[:2], self.length, v.shape[-1], dtype=dtype)
         if isinstance(start, Tensor):                  # a position held in a tensor (a CUDA graph replays it): read every position
             at = start + torch.arange(k.shape[2], device=k.device)
-            return self.keys.index_copy_(2, at, k), self.values.index_copy_(2, at, v)
+            return self.keys.index_copy_(2, at, k.to(self.keys.dtype)), self.values.index_copy_(2, at, v.to(self.values.dtype))
         end = start + k.shape[2]
         self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -54,6 +55,8 @@ class KVCache:
 # %% ../nbs/03a_decoding.ipynb #d3c0a04f
 def _attend(q, k, v, mask, scale: float, sinks=None, softcap: float | None = None):
     "softmax(q kᵀ · scale + M) v over the cache's keys and values (`mask` False: -inf), the logits soft-capped to c·tanh(z/c) where `softcap` c is given (Gemma 2), with each head's learned sink logit in the softmax where `sinks` (heads,) is (GPT-OSS); where G query heads share a key head, the G heads read it as G times the queries (no copy of the cache)."
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:                         # the CPU's bfloat16 kernel takes a single query 4-7× as long as float32's: the same bfloat16 numbers, attended in float32
+        with torch.autocast("cpu", enabled=False): return _attend(q.float(), k.float(), v.float(), mask, scale, sinks, softcap).to(q.dtype)
     P, G = q.shape[2], q.shape[1] // k.shape[1]                                      # new positions; query heads per key head
     plain = sinks is None and softcap is None                                        # PyTorch's kernel; else by hand
     if G == 1 and plain: return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

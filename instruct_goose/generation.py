@@ -45,15 +45,17 @@ def packed_linears(
     model: nn.Module,  # any model; only its plain float32 linear layers on the CPU change, and only inside the block
     rows: int,         # rows a call will multiply (the batch of a decoding step): oneDNN picks its layout for it
     min_features: int = 512,  # pack only layers with at least this many inputs: below, oneDNN's call costs more than it saves
+    dtype: torch.dtype | None = None,  # the dtype the packed weights multiply in: None, float32, their own; bfloat16 under CPU autocast at that dtype, whose linear layers cast input, weight and bias to it
 ):
-    "Inside the block (no gradients), the model's linear layers multiply through oneDNN with their weights packed once: faster at the few rows of a decoding step on the CPU, the same numbers up to float rounding."
+    "Inside the block (no gradients), the model's linear layers multiply through oneDNN with their weights packed once (cast to `dtype` first): faster at the few rows of a decoding step on the CPU, the same numbers up to float rounding."
     if torch.is_grad_enabled(): raise ValueError("packed_linears: packed weights have no gradient; use it under torch.no_grad()")
-    packed = []
+    if dtype not in (None, torch.float32, torch.bfloat16): raise ValueError(f"packed_linears: `dtype` must be None, torch.float32 or torch.bfloat16, got {dtype}")
+    packed, cast = [], (lambda t: t) if dtype in (None, torch.float32) else (lambda t: None if t is None else t.to(dtype))
     if torch.backends.mkldnn.is_available():
         for m in model.modules():
             if (w := _packable_weight(m, min_features)) is None: continue
-            p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-            m.forward = lambda x, p=p, b=m.bias: torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+            p = torch.ops.mkldnn._reorder_linear_weight(cast(w.detach()), rows)
+            m.forward = lambda x, p=p, b=cast(m.bias): torch.ops.mkldnn._linear_pointwise(cast(x), p, b, "none", [], "")
             packed.append(m)
     try: yield model
     finally:
@@ -152,7 +154,7 @@ def generate_responses(
     pad_token_id: int,                                    # id written after each response's first stop token
     temperature: float = 1.0,                             # T: sample from softmax(z / T)
     static_cache: bool | None = None,                     # 🤗 `generate`'s preallocated KV cache (`cache_implementation="static"`), several times faster on a GPU; None: on when the prompts are on a GPU; False (TRL's "dynamic") also keeps `decode` out
-    packed: bool | None = None,                           # linear layers through oneDNN with packed weights (`packed_linears`), faster on the CPU; None: on when the prompts are on the CPU and no CPU autocast is active
+    packed: bool | None = None,                           # linear layers through oneDNN with packed weights (`packed_linears`; under CPU autocast packed in its dtype), faster on the CPU; None: on when the prompts are on the CPU, unless a CPU autocast is active in a dtype other than bfloat16 or oneDNN has no bfloat16 kernels here
     top_p: float = 1.0,                                   # nucleus: keep the most likely tokens until their probabilities reach top_p (1: all); see `check_sampling`
     top_k: int = 0,                                       # keep the k most likely tokens (0: all)
     min_p: float | None = None,                           # keep the tokens at least min_p × as likely as the most likely one (None: all)
@@ -172,9 +174,11 @@ def generate_responses(
     if compile and (own_decoder is False or refusal):
         raise ValueError(f"`compile` compiles `decode`'s step, but {'own_decoder=False samples with 🤗 generate' if own_decoder is False else 'decode cannot sample from this model: ' + refusal}")
     if own_decoder is None: own_decoder = not refusal
-    if packed is None: packed = query_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not compile   # compiled: plain weights
+    half = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None                 # CPU autocast's dtype: the packed weights' too
+    if packed is None: packed = (query_ids.device.type == "cpu" and not compile                           # compiled: plain weights
+                                 and half in (None, torch.bfloat16) and (half is None or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
-    with eval_mode(model), merged_adapters(model), packed_linears(model, len(query_ids)) if packed else nullcontext():
+    with eval_mode(model), merged_adapters(model), packed_linears(model, len(query_ids), dtype=half) if packed else nullcontext():
         response = (decode(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, **sampling, compile=compile) if own_decoder else
                     _hf_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, static_cache, sampling, generate_kwargs))
     return truncate_after_stop(response, stop_token_ids, pad_token_id)
