@@ -175,6 +175,7 @@ def generate_responses(
         raise ValueError(f"`compile` compiles `decode`'s step, but {'own_decoder=False samples with 🤗 generate' if own_decoder is False else 'decode cannot sample from this model: ' + refusal}")
     if own_decoder is None: own_decoder = not refusal
     half = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None                 # CPU autocast's dtype: the packed weights' too
+    if packed and half not in (None, torch.bfloat16): raise ValueError(f"`packed=True` packs float32 or bfloat16 weights, but CPU autocast is on in {half}: leave `packed` at None")
     if packed is None: packed = (query_ids.device.type == "cpu" and not compile                           # compiled: plain weights
                                  and half in (None, torch.bfloat16) and (half is None or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
