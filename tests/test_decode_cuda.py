@@ -122,3 +122,25 @@ def test_the_compiled_step_under_autocast_draws_the_scored_p(tokenizer):
         errors.append((torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log() - scored).abs().max().item())
     assert errors[1] <= max(2 * errors[0], 0.05), errors
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_under_autocast_the_cache_holds_autocasts_dtype(arch, tokenizer, monkeypatch):
+    "Under bf16 autocast over float32 weights the cache holds bf16 keys and values: a rotary family's (Llama) leave the rotation in float32 and are rounded as written, what autocast's attention would round at every read (GPT-2's are bf16 already). Each drawn p is still the scored p, as closely as with the plain loop, graphs replaying."
+    made, plain = [], decoding.KVCache
+    class Kept(plain):
+        def __init__(self, *args): super().__init__(*args); made.append(self)
+    monkeypatch.setattr(decoding, "KVCache", Kept)
+    agent = Agent(tiny_causal_lm(tokenizer, arch=arch, seed=0).eval().cuda())
+    q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
+    errors = []
+    for graphs in (False, True):
+        drawn, inverse_cdf = [], decoding._draw
+        torch.manual_seed(0)
+        with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)), torch.autocast("cuda", torch.bfloat16):
+            r = decoding.decode(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, graphs=graphs)
+            scored = agent.response_stats(q, m, r, torch.ones_like(r, dtype=torch.bool), entropy="skip").logprobs
+        errors.append((torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log() - scored).abs().max().item())
+    assert [layer.keys.dtype for cache in made for layer in cache.layers] == [torch.bfloat16] * (2 * len(made[0].layers))
+    assert [layer.rounds_to for layer in made[0].layers] == [torch.bfloat16 if arch == "llama" else None] * len(made[0].layers)
+    assert errors[0] <= 1e-2 and errors[1] <= max(2 * errors[0], 1e-2), errors
