@@ -211,37 +211,36 @@ def test_decode_samples_the_tokens_generate_samples(family, options, causal, tok
     assert torch.equal(samples[0], samples[1]), family
 
 
-@pytest.mark.parametrize("family", marked(OWN_DECODING))
-def test_decode_draws_from_the_scored_distribution(family, causal, tokenizer):
-    "Each token's probability as `decode` drew it = exp log π_old as `Agent.response_stats` scores it (T = 0.7)."
-    agent = Agent(causal(family))
+def drawn_and_scored(agent, tokenizer, around=contextlib.nullcontext, **options):
+    "`generate_responses` at T = 0.7 (inside `around()`), each step's p kept: log p of each drawn token as drawn, and log π_old of it as `Agent.response_stats` scores it (under the caller's autocast, if any)."
     q, m = encode_prompts(tokenizer, PROMPTS)
     drawn, inverse_cdf = [], decoding._draw
     torch.manual_seed(0)
-    with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)):
-        r, rm = generate_responses(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, temperature=0.7)
+    with torch.no_grad(), around(), drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)):
+        r, rm = generate_responses(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, temperature=0.7, **options)
     assert rm.all() and len(drawn) == 10
     sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
-    scored = agent.response_stats(q, m, r, rm, temperature=0.7, entropy="skip").logprobs
+    return sampled, agent.response_stats(q, m, r, rm, temperature=0.7, entropy="skip").logprobs
+
+
+@pytest.mark.parametrize("family", marked(OWN_DECODING))
+def test_decode_draws_from_the_scored_distribution(family, causal, tokenizer):
+    "Each token's probability as `decode` drew it = exp log π_old as `Agent.response_stats` scores it (T = 0.7)."
+    sampled, scored = drawn_and_scored(Agent(causal(family)), tokenizer)
     assert (sampled - scored).abs().max().item() <= 1e-5, family
-
-
 
 
 @pytest.mark.parametrize("family", marked(OWN_DECODING))
 def test_decode_draws_the_scored_distribution_under_cpu_bf16_autocast(family, causal, tokenizer):
-    "Under CPU autocast to bf16 (the trainers' mixed precision there), with every linear layer packed in bf16 and `_attend` attending in float32 over a float32 cache: each token drawn from exp log π_old as the trainers score it under the same autocast, to bf16's rounding (≤ 0.0042 measured on the 17 families)."
+    "Under CPU autocast to bf16 (the trainers' mixed precision there), with every linear layer packed in bf16 and `_attend` attending bf16 queries in float32 over a float32 cache: each token drawn from exp log π_old as the trainers score it under the same autocast, to bf16's rounding (≤ 0.0042 measured on the 17 families)."
     agent = Agent(causal(family))
-    q, m = encode_prompts(tokenizer, PROMPTS)
-    drawn, inverse_cdf = [], decoding._draw
-    torch.manual_seed(0)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with torch.no_grad(), drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)), packed_linears(agent.model, len(q), min_features=1, dtype=torch.bfloat16):
+    @contextlib.contextmanager
+    def packed():
+        with packed_linears(agent.model, len(PROMPTS), min_features=1, dtype=torch.bfloat16):
             assert any("forward" in vars(mod) for mod in agent.model.modules())                      # the tiny layers packed too
-            r, rm = generate_responses(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, temperature=0.7, packed=False)
-        sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
-        scored = agent.response_stats(q, m, r, rm, temperature=0.7, entropy="skip").logprobs
-    assert scored.dtype == torch.float32 and len(drawn) == 10
+            yield
+    with torch.autocast("cpu", dtype=torch.bfloat16): sampled, scored = drawn_and_scored(agent, tokenizer, packed, packed=False)
+    assert scored.dtype == torch.float32
     assert (sampled - scored).abs().max().item() <= 1e-2, family
 
 

@@ -108,18 +108,21 @@ def test_the_compiled_step_gives_the_graphs_tokens(tokenizer):
     torch._dynamo.reset()
 
 
+def autocast_draw_error(agent, q, m, tokenizer, **options):
+    "Under bf16 autocast, `decode` with `options` (no row stops): the largest |log p drawn - log π_old scored| over the drawn tokens."
+    drawn, inverse_cdf = [], decoding._draw
+    torch.manual_seed(0)
+    with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)), torch.autocast("cuda", torch.bfloat16):
+        r = decoding.decode(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, **options)
+        scored = agent.response_stats(q, m, r, torch.ones_like(r, dtype=torch.bool), entropy="skip").logprobs
+    return (torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log() - scored).abs().max().item()
+
+
 def test_the_compiled_step_under_autocast_draws_the_scored_p(tokenizer):
     "`compile=True` under bf16 autocast (the trainers' mixed precision): each drawn p is the scored p to bf16's rounding, as the uncompiled graph's is."
     agent = Agent(tiny_causal_lm(tokenizer, arch="llama", seed=0).eval().cuda())
     q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
-    errors = []
-    for compile in (False, True):
-        drawn, inverse_cdf = [], decoding._draw
-        torch.manual_seed(0)
-        with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)), torch.autocast("cuda", torch.bfloat16):
-            r = decoding.decode(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, compile=compile)
-            scored = agent.response_stats(q, m, r, torch.ones_like(r, dtype=torch.bool), entropy="skip").logprobs
-        errors.append((torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log() - scored).abs().max().item())
+    errors = [autocast_draw_error(agent, q, m, tokenizer, compile=compile) for compile in (False, True)]
     assert errors[1] <= max(2 * errors[0], 0.05), errors
     torch._dynamo.reset()
 
@@ -133,14 +136,7 @@ def test_under_autocast_the_cache_holds_autocasts_dtype(arch, tokenizer, monkeyp
     monkeypatch.setattr(decoding, "KVCache", Kept)
     agent = Agent(tiny_causal_lm(tokenizer, arch=arch, seed=0).eval().cuda())
     q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
-    errors = []
-    for graphs in (False, True):
-        drawn, inverse_cdf = [], decoding._draw
-        torch.manual_seed(0)
-        with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)), torch.autocast("cuda", torch.bfloat16):
-            r = decoding.decode(agent.model, q, m, 10, agent.model.config.vocab_size, tokenizer.pad_token_id, graphs=graphs)
-            scored = agent.response_stats(q, m, r, torch.ones_like(r, dtype=torch.bool), entropy="skip").logprobs
-        errors.append((torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log() - scored).abs().max().item())
+    errors = [autocast_draw_error(agent, q, m, tokenizer, graphs=graphs) for graphs in (False, True)]
     assert [layer.keys.dtype for cache in made for layer in cache.layers] == [torch.bfloat16] * (2 * len(made[0].layers))
     assert [layer.rounds_to for layer in made[0].layers] == [torch.bfloat16 if arch == "llama" else None] * len(made[0].layers)
     assert errors[0] <= 1e-2 and errors[1] <= max(2 * errors[0], 1e-2), errors
