@@ -232,7 +232,7 @@ def test_decode_draws_from_the_scored_distribution(family, causal, tokenizer):
 
 @pytest.mark.parametrize("family", marked(OWN_DECODING))
 def test_decode_draws_the_scored_distribution_under_cpu_bf16_autocast(family, causal, tokenizer):
-    "Under CPU autocast to bf16 (the trainers' mixed precision there), with every linear layer packed in bf16 and `_attend` attending bf16 queries in float32 over a float32 cache: each token drawn from exp log π_old as the trainers score it under the same autocast, to bf16's rounding (≤ 0.0042 measured on the 17 families)."
+    "Under CPU autocast to bf16 (the trainers' mixed precision there), with every linear layer packed in bf16 and `_attend` attending bf16 queries in float32 over a float32 cache: each token drawn from exp log π_old as the trainers score it under the same autocast, to bf16's rounding (≤ 0.0042 measured on the 17 families on this CPU)."
     agent = Agent(causal(family))
     @contextlib.contextmanager
     def packed():
@@ -241,7 +241,7 @@ def test_decode_draws_the_scored_distribution_under_cpu_bf16_autocast(family, ca
             yield
     with torch.autocast("cpu", dtype=torch.bfloat16): sampled, scored = drawn_and_scored(agent, tokenizer, packed, packed=False)
     assert scored.dtype == torch.float32
-    assert (sampled - scored).abs().max().item() <= 1e-2, family
+    assert (sampled - scored).abs().max().item() <= 3e-2, family          # 7× the 0.0042 measured here, for other CPUs' kernels; the bf16 path's mask ignored gives 0.19-0.28 (GPT-2, OPT)
 
 
 FUSED = {"llama", "qwen2", "qwen3", "mistral", "opt", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"}   # q, k, v apart (gpt2, gpt_neox, phi3: one layer already)
