@@ -21,7 +21,7 @@ from .core import _causal_lm, typecheck
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a007
 class LayerCache:
-    "One layer's keys and values, allocated at its first write at the cache's full length and written in place; float32 ones under autocast rounded to its dtype as they are written (what autocast's attention would do at every read), bfloat16 ones on the CPU kept in float32, the dtype `_attend` reads them in there."
+    "One layer's keys and values, allocated at its first write at the cache's full length and written in place; float32 ones under autocast rounded to its dtype as they are written and held in it (what autocast's attention would do at every read); bfloat16 ones on the CPU held in float32, the dtype `_attend` reads them in there."
     def __init__(self,
                  length: int):  # positions it holds: prompt width + new tokens
         self.keys = self.values = self.rounds_to = None
@@ -33,8 +33,7 @@ class LayerCache:
             dev = k.device.type
             if k.dtype == torch.float32 and torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):   # a rotary family's k under autocast: float32 (🤗's cos, sin follow the float32 residual stream)
                 self.rounds_to = torch.get_autocast_dtype(dev)
-            dtype = self.rounds_to or k.dtype
-            if dev == "cpu" and dtype == torch.bfloat16: dtype = torch.float32   # exact: a bfloat16 is a float32 with its last 16 bits 0
+            dtype = self.rounds_to or (torch.float32 if dev == "cpu" and k.dtype == torch.bfloat16 else k.dtype)   # exact: a bfloat16 is a float32 with its last 16 bits 0
             self.keys = k.new_zeros(*k.shape[:2], self.length, k.shape[-1], dtype=dtype)
             self.values = v.new_zeros(*v.shape[:2], self.length, v.shape[-1], dtype=dtype)
         if self.rounds_to is not None: k, v = k.to(self.rounds_to), v.to(self.rounds_to)
