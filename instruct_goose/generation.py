@@ -50,6 +50,8 @@ def packed_linears(
     "Inside the block (no gradients), the model's linear layers multiply through oneDNN with their weights packed once (cast to `dtype` first): faster at the few rows of a decoding step on the CPU, the same numbers up to float rounding."
     if torch.is_grad_enabled(): raise ValueError("packed_linears: packed weights have no gradient; use it under torch.no_grad()")
     if dtype not in (None, torch.float32, torch.bfloat16): raise ValueError(f"packed_linears: `dtype` must be None, torch.float32 or torch.bfloat16, got {dtype}")
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        raise ValueError("packed_linears: `dtype=torch.bfloat16`, but oneDNN has no bfloat16 kernels on this CPU (they need AVX-512 or AVX-NE-CONVERT)")
     packed, cast = [], (lambda t: t) if dtype in (None, torch.float32) else (lambda t: None if t is None else t.to(dtype))
     if torch.backends.mkldnn.is_available():
         for m in model.modules():
