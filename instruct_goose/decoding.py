@@ -24,22 +24,22 @@ class LayerCache:
     "One layer's keys and values, allocated at its first write at the cache's full length and written in place; float32 ones under autocast rounded to its dtype as they are written and held in it (what autocast's attention would do at every read); bfloat16 ones on the CPU held in float32, the dtype `_attend` reads them in there."
     def __init__(self,
                  length: int):  # positions it holds: prompt width + new tokens
-        self.keys = self.values = self.rounds_to = None
+        self.keys = self.values = None
         self.length = length
 
     def update(self, k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
         "Write `k`, `v` (batch, heads, new, head_dim) at positions `start`…; return the keys and values of every position so far (views), or of all `length` positions when `start` is a tensor."
         if self.keys is None:
             dev = k.device.type
-            if k.dtype == torch.float32 and torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):   # a rotary family's k under autocast: float32 (🤗's cos, sin follow the float32 residual stream)
-                self.rounds_to = torch.get_autocast_dtype(dev)
-            dtype = self.rounds_to or (torch.float32 if dev == "cpu" and k.dtype == torch.bfloat16 else k.dtype)   # exact: a bfloat16 is a float32 with its last 16 bits 0
+            rounded = (torch.get_autocast_dtype(dev) if k.dtype == torch.float32 and torch.amp.is_autocast_available(dev)
+                       and torch.is_autocast_enabled(dev) else None)   # a rotary family's k under autocast: float32 (🤗's cos, sin follow the float32 residual stream)
+            dtype = rounded or (torch.float32 if dev == "cpu" and k.dtype == torch.bfloat16 else k.dtype)   # exact: a bfloat16 is a float32 with its last 16 bits 0
             self.keys = k.new_zeros(*k.shape[:2], self.length, k.shape[-1], dtype=dtype)
             self.values = v.new_zeros(*v.shape[:2], self.length, v.shape[-1], dtype=dtype)
-        if self.rounds_to is not None: k, v = k.to(self.rounds_to), v.to(self.rounds_to)
+        k, v = k.to(self.keys.dtype), v.to(self.values.dtype)   # autocast's rounding, done once here; nothing where the dtypes agree
         if isinstance(start, Tensor):                  # a position held in a tensor (a CUDA graph replays it): read every position
             at = start + torch.arange(k.shape[2], device=k.device)
-            return self.keys.index_copy_(2, at, k.to(self.keys.dtype)), self.values.index_copy_(2, at, v.to(self.values.dtype))
+            return self.keys.index_copy_(2, at, k), self.values.index_copy_(2, at, v)
         end = start + k.shape[2]
         self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
         return self.keys[:, :, :end], self.values[:, :, :end]
