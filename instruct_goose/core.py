@@ -251,15 +251,38 @@ _LOGITS_PER_CHUNK = 2 ** 24   # (positions × vocab) logits `logprobs_from_hidde
 
 
 # %% ../nbs/00_core.ipynb #c7a1e003
-def _head_stats(hidden, weight, bias, labels, temperature: float, entropy: str, top1: bool = False):
-    "log π(label) and the entropy (None for \"skip\"; no graph for \"no_grad\") of each row of the float32 logits (h Wᵀ + b) / T; with `top1` a third: whether the label is the most likely token."
+_LOG_P_FLOOR = -1e4   # log p is clamped here for the entropy: exp of anything below −104 is 0 in float32 anyway, and 0 · (−10⁴) is 0 where 0 · (−∞) is NaN
+
+def _head_logits(hidden, weight, bias, temperature: float) -> Tensor:
+    "The logits (h Wᵀ + b) / T of a chunk of positions as float32 (h Wᵀ + b in autocast's dtype under autocast)."
     z = torch.nn.functional.linear(hidden, weight, bias).float()
-    if temperature != 1.0: z = z.div_(temperature)       # in place: the layer's backward needs its inputs, not z
-    lse = torch.logsumexp(z, -1)
-    label_z = z.gather(-1, labels[:, None]).squeeze(-1)
-    logprobs, best = label_z - lse, ((label_z >= z.amax(-1)),) if top1 else ()
-    if entropy == "skip": return logprobs, None, *best
-    return logprobs, _entropy(z, lse) if entropy == "grad" else _entropy(z.detach(), lse.detach()), *best
+    return z if temperature == 1.0 else z.div_(temperature)
+
+def _without_autocast(x: Tensor):
+    "A block in which autocast is off on `x`'s device (nothing to switch off where it is not on, or not available: `meta`)."
+    d = x.device.type
+    return torch.autocast(d, enabled=False) if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d) else contextlib.nullcontext()
+
+def _log_softmax_(z: Tensor) -> Tensor:
+    "log softmax(z) of float32 logits, in z's own memory: no second (positions × vocab) tensor."
+    with _without_autocast(z): return z.sub_(torch.logsumexp(z, -1)[:, None])
+
+def _entropy_(log_p: Tensor) -> Tensor:
+    "H = −Σ p log p of rows of log-probabilities, summed in float32 (not in autocast's dtype); clamps `log_p` in place at `_LOG_P_FLOOR`."
+    with _without_autocast(log_p): return -torch.linalg.vecdot(log_p.clamp_(min=_LOG_P_FLOOR).exp(), log_p)
+
+def _head_forward(hidden, weight, bias, labels, temperature: float, size: int, entropy: str, top1: bool = False, keep: bool = False):
+    "(log π(label), the entropy or None for \"skip\", whether each label is the most likely token or None, log p or None) of (h Wᵀ + b) / T, `size` positions at a time, without a graph; log p (positions × vocab) only with `keep` and one chunk."
+    logprobs, entropies, best = [], [], []
+    with torch.no_grad():
+        for h, y in zip(hidden.split(size), labels.split(size)):
+            z = _head_logits(h, weight, bias, temperature)
+            if top1: best.append(z.gather(-1, y[:, None]).squeeze(-1) >= z.amax(-1))
+            log_p = _log_softmax_(z)
+            logprobs.append(log_p.gather(-1, y[:, None]).squeeze(-1))
+            if entropy != "skip": entropies.append(_entropy_(log_p))
+    return (torch.cat(logprobs), torch.cat(entropies) if entropies else None, torch.cat(best) if top1 else None,
+            log_p if keep and len(logprobs) == 1 else None)
 
 
 # %% ../nbs/00_core.ipynb #c7a1e003c
@@ -286,44 +309,46 @@ def _add_into(
 
 
 # %% ../nbs/00_core.ipynb #c7a1e004
-class _ChunkedHead(torch.autograd.Function):
-    "`_head_stats` over chunks of positions. The forward keeps (hidden, weight, bias, labels); the backward recomputes each chunk's logits under the forward's autocast and pushes that chunk's gradient through them (weight and bias gradients summed in float32, from W and b cast once: `_autocast_once`)."
+class _Head(torch.autograd.Function):
+    "`_head_forward` with its backward written out, a chunk at a time: ∂/∂z = g_π (onehot(label) − p) − g_H p (log p + H), then through h Wᵀ + b under the forward's autocast. One chunk keeps its log p; more keep (hidden, weight, bias, labels) and recompute each chunk's logits. ∂W and ∂b are summed in float32 from W and b cast once (`_autocast_once`)."
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature: float, size: int, entropy: str, top1: bool = False):
         ctx.set_materialize_grads(False)                      # a logging-only entropy brings no gradient
-        with torch.no_grad():
-            parts = [_head_stats(h, weight, bias, y, temperature, entropy, top1) for h, y in zip(hidden.split(size), labels.split(size))]
-        logprobs = torch.cat([p[0] for p in parts])
-        entropies = logprobs.new_zeros(0) if entropy == "skip" else torch.cat([p[1] for p in parts])
-        best = torch.cat([p[2] for p in parts]) if top1 else labels.new_zeros(0, dtype=torch.bool)
+        logprobs, entropies, best, log_p = _head_forward(hidden, weight, bias, labels, temperature, size, entropy, top1, keep=True)
+        entropies = logprobs.new_zeros(0) if entropies is None else entropies
+        best = labels.new_zeros(0, dtype=torch.bool) if best is None else best
         ctx.mark_non_differentiable(best, *([entropies] if entropy != "grad" else []))
-        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.save_for_backward(hidden, weight, bias, labels, log_p, entropies if entropy == "grad" else None)
         device = hidden.device.type
-        ctx.args = temperature, size, (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)   # `meta` has no autocast
+        ctx.args = temperature, size, (device, torch.get_autocast_dtype(device) if autocast else None, autocast)
         return logprobs, entropies, best
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, grad_top1):
-        hidden, weight, bias, labels = ctx.saved_tensors
+        hidden, weight, bias, labels, kept, entropies = ctx.saved_tensors
         temperature, size, (device, dtype, autocast) = ctx.args
         wants = ctx.needs_input_grad[:3]
-        grads = [torch.zeros_like(x, dtype=torch.float32 if i else x.dtype) if w else None
-                 for i, (x, w) in enumerate(zip((hidden, weight, bias), wants))]
+        dh = torch.empty_like(hidden) if wants[0] else None
+        dW, db = (torch.zeros_like(x, dtype=torch.float32) if x is not None and w else None for x, w in zip((weight, bias), wants[1:]))
         weight, bias = (_autocast_once(x, device, dtype, autocast) for x in (weight, bias))   # the casts autocast would make in every chunk
         for start in range(0, len(hidden), size):
             rows = slice(start, start + size)
-            inputs = [None if x is None else x.detach().requires_grad_(w) for x, w in zip((hidden[rows], weight, bias), wants)]
-            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
-                logprobs, entropies = _head_stats(*inputs, labels[rows], temperature, "skip" if grad_entropy is None else "grad")
-            outs = [(o, g[rows]) for o, g in ((logprobs, grad_logprobs), (entropies, grad_entropy)) if g is not None]
-            got = iter(torch.autograd.grad([o for o, _ in outs], [x for x, w in zip(inputs, wants) if w],
-                                           [g for _, g in outs], allow_unused=True))
-            for i, w in enumerate(wants):
-                g = next(got) if w else None
-                if g is None: continue
-                if i == 0: grads[0][rows] = g
-                else: _add_into(grads[i], g)           # a bf16 g is added in float32: its exact float32 value, as its cast would be
-        return (grads[0], *(None if g is None else g.to(x.dtype) for g, x in zip(grads[1:], ctx.saved_tensors[1:3])), None, None, None, None, None)
+            h = _autocast_once(hidden[rows], device, dtype, autocast)
+            g = grad_logprobs[rows] if grad_logprobs is not None else h.new_zeros(len(h), dtype=torch.float32)
+            log_p = kept if kept is not None else _log_softmax_(_head_logits(h, weight, bias, temperature))
+            if grad_entropy is None: dz = (log_p.exp() if kept is not None else log_p.exp_()).mul_(-g[:, None])
+            else:
+                if kept is None: log_p.clamp_(min=_LOG_P_FLOOR)   # as the forward's entropy read it
+                coef = (log_p + entropies[rows, None]).mul_(grad_entropy[rows, None]).add_(g[:, None])   # g_π + g_H (log p + H)
+                dz = (log_p.exp() if kept is not None else log_p.exp_()).mul_(coef).neg_()
+            dz[torch.arange(len(dz), device=dz.device), labels[rows]] += g
+            if temperature != 1.0: dz.div_(temperature)
+            dz = dz.to(h.dtype)                               # the float32 cast's backward: autocast's dtype under autocast
+            if dh is not None: dh[rows] = (dz @ weight).to(dh.dtype)
+            if dW is not None: _add_into(dW, dz.t() @ h)      # a bf16 ∂W is added in float32: its exact float32 value, as its cast would be
+            if db is not None: _add_into(db, dz.sum(0))
+        return (dh, *(None if d is None else d.to(x.dtype) for d, x in zip((dW, db), ctx.saved_tensors[1:3])), None, None, None, None, None)
 
 
 # %% ../nbs/00_core.ipynb #c7a1e006
@@ -343,10 +368,11 @@ def logprobs_from_hidden(
     check_number("temperature", temperature, low_open=True)
     size = max(1, _LOGITS_PER_CHUNK // weight.shape[0]) if chunk_size is None else int(check_number("chunk_size", chunk_size, low=1))
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    if len(flat) <= size: logprobs, entropies, *best = _head_stats(flat, weight, bias, flat_labels, temperature, entropy, top1)
-    else: logprobs, entropies, *best = _ChunkedHead.apply(flat, weight, bias, flat_labels, temperature, size, entropy, top1)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (flat, weight, bias)):
+        logprobs, entropies, best = _Head.apply(flat, weight, bias, flat_labels, temperature, size, entropy, top1)
+    else: logprobs, entropies, best, _ = _head_forward(flat, weight, bias, flat_labels, temperature, size, entropy, top1)
     out = logprobs.view_as(labels), None if entropy == "skip" else entropies.view_as(labels)
-    return (*out, best[0].view_as(labels)) if top1 else out
+    return (*out, best.view_as(labels)) if top1 else out
 
 
 # %% ../nbs/00_core.ipynb #579d85f0
