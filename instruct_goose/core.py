@@ -232,10 +232,15 @@ def logprobs_from_logits(
                         for row, lab in zip(_float_rows(logits, temperature), labels)])
 
 # %% ../nbs/00_core.ipynb #ee789499
+def _without_autocast(x: Tensor):
+    "A block in which autocast is off on `x`'s device (nothing to switch off where it is not on, or not available: `meta`)."
+    d = x.device.type
+    return torch.autocast(d, enabled=False) if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d) else contextlib.nullcontext()
+
 def _entropy(z: Tensor, lse: Tensor) -> Tensor:
-    "Entropy of softmax(z) along the last axis, given lse = logsumexp(z): finite value and gradient where a probability underflows."
+    "Entropy of softmax(z) along the last axis, given lse = logsumexp(z): finite value and gradient where a probability underflows; summed in float32 under autocast too."
     z_finite = z.masked_fill(~torch.isfinite(z), 0.0)   # a −inf logit has probability 0: it adds nothing, and no 0·∞ to the gradient
-    return lse - torch.linalg.vecdot(z.softmax(-1), z_finite)   # Σ p·z without a third (rows × vocab) tensor
+    with _without_autocast(z): return lse - torch.linalg.vecdot(z.softmax(-1), z_finite)   # Σ p·z without a third (rows × vocab) tensor; vecdot is one of autocast's bf16 operations
 
 @typecheck
 def entropy_from_logits(
@@ -258,18 +263,13 @@ def _head_logits(hidden, weight, bias, temperature: float) -> Tensor:
     z = torch.nn.functional.linear(hidden, weight, bias).float()
     return z if temperature == 1.0 else z.div_(temperature)
 
-def _without_autocast(x: Tensor):
-    "A block in which autocast is off on `x`'s device (nothing to switch off where it is not on, or not available: `meta`)."
-    d = x.device.type
-    return torch.autocast(d, enabled=False) if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d) else contextlib.nullcontext()
-
 def _log_softmax_(z: Tensor) -> Tensor:
     "log softmax(z) of float32 logits, in z's own memory: no second (positions × vocab) tensor."
     with _without_autocast(z): return z.sub_(torch.logsumexp(z, -1)[:, None])
 
 def _entropy_(log_p: Tensor) -> Tensor:
     "H = −Σ p log p of rows of log-probabilities, summed in float32 (not in autocast's dtype); clamps `log_p` in place at `_LOG_P_FLOOR`."
-    with _without_autocast(log_p): return -torch.linalg.vecdot(log_p.clamp_(min=_LOG_P_FLOOR).exp(), log_p)
+    with _without_autocast(log_p): return -log_p.clamp_(min=_LOG_P_FLOOR).exp().mul_(log_p).sum(-1)   # one (positions × vocab) tensor made, not two
 
 def _head_forward(hidden, weight, bias, labels, temperature: float, size: int, entropy: str, top1: bool = False, keep: bool = False):
     "(log π(label), the entropy or None for \"skip\", whether each label is the most likely token or None, log p or None) of (h Wᵀ + b) / T, `size` positions at a time, without a graph; log p (positions × vocab) only with `keep` and one chunk."
@@ -329,8 +329,7 @@ class _Head(torch.autograd.Function):
         hidden, weight, bias, labels, kept, entropies = ctx.saved_tensors
         temperature, size, (device, dtype, autocast) = ctx.args
         wants = ctx.needs_input_grad[:3]
-        dh = torch.empty_like(hidden) if wants[0] else None
-        dW, db = (torch.zeros_like(x, dtype=torch.float32) if x is not None and w else None for x, w in zip((weight, bias), wants[1:]))
+        dh, dW, db = torch.empty_like(hidden) if wants[0] else None, None, None
         weight, bias = (_autocast_once(x, device, dtype, autocast) for x in (weight, bias))   # the casts autocast would make in every chunk
         for start in range(0, len(hidden), size):
             rows = slice(start, start + size)
@@ -346,8 +345,11 @@ class _Head(torch.autograd.Function):
             if temperature != 1.0: dz.div_(temperature)
             dz = dz.to(h.dtype)                               # the float32 cast's backward: autocast's dtype under autocast
             if dh is not None: dh[rows] = (dz @ weight).to(dh.dtype)
-            if dW is not None: _add_into(dW, dz.t() @ h)      # a bf16 ∂W is added in float32: its exact float32 value, as its cast would be
-            if db is not None: _add_into(db, dz.sum(0))
+            if wants[1]:
+                if dW is None: dW = (dz.t() @ h).float()      # the first chunk's ∂W is the sum so far: no zeros, no addition
+                elif dz.dtype == dW.dtype: dW.addmm_(dz.t(), h)   # float32: added inside the multiply, no (vocab × hidden) product made
+                else: _add_into(dW, dz.t() @ h)               # a bf16 ∂W is added in float32: its exact float32 value, as its cast would be
+            if wants[2] and bias is not None: db = dz.sum(0).float() if db is None else db.add_(dz.sum(0))
         return (dh, *(None if d is None else d.to(x.dtype) for d, x in zip((dW, db), ctx.saved_tensors[1:3])), None, None, None, None, None)
 
 

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 
 from .agent import (_load_model, _load_tokenizer, disable_dropout, eval_mode, load_tokenizer, loss_token_states, pack_bins,
                                   packed_forward, positions_for, router_aux_coef, router_aux_losses, states_logps, states_stats, with_peft)
-from .core import _LOGITS_PER_CHUNK, check_number, typecheck
+from .core import _LOGITS_PER_CHUNK, _without_autocast, check_number, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, pad_to_multiple, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
@@ -238,8 +238,8 @@ class CompletionLogps(NamedTuple):
 
 # %% ../nbs/09c_dpo.ipynb #d4f0c001
 def _mean_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    "The mean over the vocabulary of each position's logits h Wᵀ + b, without them: h · mean_v W_v + mean(b)."
-    mean = hidden.float() @ weight.float().mean(0)
+    "The mean over the vocabulary of each position's logits h Wᵀ + b, without them: h · mean_v W_v + mean(b), in float32 (under autocast too)."
+    with _without_autocast(hidden): mean = hidden.float() @ weight.float().mean(0)   # a matmul: autocast's bf16 otherwise
     return mean if bias is None else mean + bias.float().mean()
 
 

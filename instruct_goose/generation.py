@@ -18,7 +18,7 @@ from jaxtyping import Bool, Int
 from transformers import GenerationConfig
 from transformers.pytorch_utils import Conv1D
 
-from .core import _causal_lm, check_number, truncate_after_stop, typecheck
+from .core import _causal_lm, _without_autocast, check_number, truncate_after_stop, typecheck
 from .agent import Agent, _check_left_padded, eval_mode
 from .decoding import decode, decoding_refusal
 
@@ -86,7 +86,7 @@ def merged_adapters(
         w = base.weight.float()
         for a in (a for a in m.active_adapters if a in m.lora_A):                # W + s·BA in one pass (Conv1D stores Wᵀ: + s·AᵀBᵀ)
             A, B = m.lora_A[a].weight.float(), m.lora_B[a].weight.float()
-            w = torch.addmm(w, *((A.T, B.T) if m.fan_in_fan_out else (B, A)), alpha=m.scaling[a])
+            with _without_autocast(w): w = torch.addmm(w, *((A.T, B.T) if m.fan_in_fan_out else (B, A)), alpha=m.scaling[a])   # in float32 under autocast too
         stand_in = copy.copy(base)                                       # the base layer's class and bias, the merged weight
         stand_in._parameters = {**base._parameters, "weight": nn.Parameter(w.to(base.weight.dtype))}   # a leaf: autocast caches its cast
         m.add_module("merged_for_sampling", stand_in)

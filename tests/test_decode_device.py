@@ -149,7 +149,7 @@ class AnswerAll(OnTheDevice):
 @pytest.mark.parametrize("critic", ["shared", "separate"])
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3"])
 def test_the_policy_pass_runs_on_the_models_device(family, critic, tokenizer):
-    "The update's pass: log-probabilities from the last hidden state in chunks (`_ChunkedHead`), entropies and values, forward and backward, on `meta`: every operation and every gradient on the model's device."
+    "The update's pass: log-probabilities from the last hidden state in chunks (`_Head`), entropies and values, forward and backward, on `meta`: every operation and every gradient on the model's device."
     from instruct_goose import Agent
     value_model = None
     if critic == "separate":
