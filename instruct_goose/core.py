@@ -350,7 +350,9 @@ class _Head(torch.autograd.Function):
                 elif dz.dtype == dW.dtype: dW.addmm_(dz.t(), h)   # float32: added inside the multiply, no (vocab × hidden) product made
                 else: _add_into(dW, dz.t() @ h)               # a bf16 ∂W is added in float32: its exact float32 value, as its cast would be
             if wants[2] and bias is not None: db = dz.sum(0).float() if db is None else db.add_(dz.sum(0))
-        return (dh, *(None if d is None else d.to(x.dtype) for d, x in zip((dW, db), ctx.saved_tensors[1:3])), None, None, None, None, None)
+        dW, db = (torch.zeros_like(x) if d is None and w and x is not None else None if d is None else d.to(x.dtype)   # no positions: zeros, as autograd gives
+                  for d, x, w in zip((dW, db), ctx.saved_tensors[1:3], wants[1:]))
+        return dh, dW, db, None, None, None, None, None
 
 
 # %% ../nbs/00_core.ipynb #c7a1e006
