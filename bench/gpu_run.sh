@@ -5,6 +5,7 @@
 #   run: bash bench/gpu_run.sh <SHA> <DIRTY> <budget s> <stage>...      carry: [".whl", ".toks"]   timeout_s: budget + 30
 # Stages:
 #   tests        tests/test_decode_cuda.py (graphs == plain loop, rows leaving, drawn p == scored p, the GPU default, compile)
+#                and tests/test_head_cuda.py (the head's written-out backward and float32 entropy under CUDA autocast)
 #   decode       bench/decode_speed.py at 0.5B, bf16 weights: graphs, no graphs, 🤗 static, compiled (inductor)
 #   grpo_rloo    0.5B, 512 tokens, GRPO and RLOO vs TRL 1.16 (ran 2026-11-26: 10.8x, 14.2x)
 #   selective    0.5B, 512 tokens, GRPO vs TRL 1.16, ours with selective checkpointing (TRL without: it has none);
@@ -57,7 +58,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 for stage in "$@"; do
   echo "== [$((SECONDS - START)) s, $(left) s left] $stage"
   case $stage in
-    tests) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m pytest tests/test_decode_cuda.py -q -p no:cacheprovider 2>&1 | tail -30 | tee $OUT/test_decode_cuda.txt ;;
+    tests) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m pytest tests/test_decode_cuda.py tests/test_head_cuda.py -q -p no:cacheprovider 2>&1 | tail -30 | tee $OUT/test_decode_cuda.txt ;;
     decode) timeout $(( $(left) < 300 ? $(left) : 300 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 3 --compiled 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
     decode_short) timeout $(( $(left) < 200 ? $(left) : 200 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf 2>&1 | tee $OUT/decode_speed_0.5b.txt ;;
     decode_sync) timeout $(( $(left) < 240 ? $(left) : 240 )) python3 bench/decode_speed.py --device cuda --shapes 0.5b --batch 8 --tokens 128 --reps 2 --compiled --no_hf --sync_every 8 --fused --draws --profile $OUT/decode_profile 2>&1 | tee $OUT/decode_speed_0.5b_sync.txt ;;
