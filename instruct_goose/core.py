@@ -232,10 +232,13 @@ def logprobs_from_logits(
                         for row, lab in zip(_float_rows(logits, temperature), labels)])
 
 # %% ../nbs/00_core.ipynb #ee789499
+def _autocast_dtype(device: str) -> torch.dtype | None:
+    "The dtype autocast casts to on `device` (a device type: \"cpu\", \"cuda\"), or None where it is off, or not available there (`meta`)."
+    return torch.get_autocast_dtype(device) if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device) else None
+
 def _without_autocast(x: Tensor):
-    "A block in which autocast is off on `x`'s device (nothing to switch off where it is not on, or not available: `meta`)."
-    d = x.device.type
-    return torch.autocast(d, enabled=False) if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d) else contextlib.nullcontext()
+    "A block in which autocast is off on `x`'s device (nothing to switch off where it is not on)."
+    return torch.autocast(x.device.type, enabled=False) if _autocast_dtype(x.device.type) else contextlib.nullcontext()
 
 def _entropy(z: Tensor, lse: Tensor) -> Tensor:
     "Entropy of softmax(z) along the last axis, given lse = logsumexp(z): finite value and gradient where a probability underflows; summed in float32 under autocast too."
@@ -289,11 +292,10 @@ def _head_forward(hidden, weight, bias, labels, temperature: float, size: int, e
 def _autocast_once(
     x: Tensor | None,        # the output layer's weight or bias (float32 master weights under mixed precision)
     device: str,             # autocast's device type
-    dtype: torch.dtype,      # autocast's dtype
-    enabled: bool,           # whether autocast was on in the forward
+    dtype: torch.dtype | None,   # autocast's dtype in the forward (`_autocast_dtype`); None: it was off
 ) -> Tensor | None:          # `x` as the layer reads it under that autocast
     "The cast autocast makes of `x` for a linear layer (`x.to(dtype)` of a float32/float16/bfloat16 tensor on its device), made once."
-    if x is None or not enabled or x.device.type != device or x.dtype not in (torch.float32, torch.float16, torch.bfloat16): return x
+    if x is None or dtype is None or x.device.type != device or x.dtype not in (torch.float32, torch.float16, torch.bfloat16): return x
     return x.to(dtype)
 
 _ADD_BLOCK = 2 ** 22   # elements `_add_into` converts at a time: 16 MiB in float32
@@ -319,21 +321,19 @@ class _Head(torch.autograd.Function):
         best = labels.new_zeros(0, dtype=torch.bool) if best is None else best
         ctx.mark_non_differentiable(best, *([entropies] if entropy != "grad" else []))
         ctx.save_for_backward(hidden, weight, bias, labels, log_p, entropies if entropy == "grad" else None)
-        device = hidden.device.type
-        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)   # `meta` has no autocast
-        ctx.args = temperature, size, (device, torch.get_autocast_dtype(device) if autocast else None, autocast)
+        ctx.args = temperature, size, hidden.device.type, _autocast_dtype(hidden.device.type)
         return logprobs, entropies, best
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, grad_top1):
         hidden, weight, bias, labels, kept, entropies = ctx.saved_tensors
-        temperature, size, (device, dtype, autocast) = ctx.args
+        temperature, size, device, dtype = ctx.args
         wants = ctx.needs_input_grad[:3]
         dh, dW, db = torch.empty_like(hidden) if wants[0] else None, None, None
-        weight, bias = (_autocast_once(x, device, dtype, autocast) for x in (weight, bias))   # the casts autocast would make in every chunk
+        weight, bias = (_autocast_once(x, device, dtype) for x in (weight, bias))   # the casts autocast would make in every chunk
         for start in range(0, len(hidden), size):
             rows = slice(start, start + size)
-            h = _autocast_once(hidden[rows], device, dtype, autocast)
+            h = _autocast_once(hidden[rows], device, dtype)
             g = grad_logprobs[rows] if grad_logprobs is not None else h.new_zeros(len(h), dtype=torch.float32)
             log_p = kept if kept is not None else _log_softmax_(_head_logits(h, weight, bias, temperature))
             if grad_entropy is None: dz = (log_p.exp() if kept is not None else log_p.exp_()).mul_(-g[:, None])

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers.pytorch_utils import Conv1D
 
-from .core import _causal_lm, typecheck
+from .core import _autocast_dtype, _causal_lm, typecheck
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a007
 class LayerCache:
@@ -31,8 +31,7 @@ class LayerCache:
         "Write `k`, `v` (batch, heads, new, head_dim) at positions `start`…; return the keys and values of every position so far (views), or of all `length` positions when `start` is a tensor."
         if self.keys is None:
             dev = k.device.type
-            rounded = (torch.get_autocast_dtype(dev) if k.dtype == torch.float32 and torch.amp.is_autocast_available(dev)
-                       and torch.is_autocast_enabled(dev) else None)   # a rotary family's k under autocast: float32 (🤗's cos, sin follow the float32 residual stream)
+            rounded = _autocast_dtype(dev) if k.dtype == torch.float32 else None   # a rotary family's k under autocast: float32 (🤗's cos, sin follow the float32 residual stream)
             dtype = rounded or (torch.float32 if dev == "cpu" and k.dtype == torch.bfloat16 else k.dtype)   # exact: a bfloat16 is a float32 with its last 16 bits 0
             self.keys = k.new_zeros(*k.shape[:2], self.length, k.shape[-1], dtype=dtype)
             self.values = v.new_zeros(*v.shape[:2], self.length, v.shape[-1], dtype=dtype)
@@ -486,7 +485,7 @@ def decode(
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
     cache, step = KVCache(lm.config.num_hidden_layers, length), _step_for(lm)
     static_step = _compiled(step, compile) if compile else step
-    autocast = torch.get_autocast_dtype(dev.type) if torch.amp.is_autocast_available(dev.type) and torch.is_autocast_enabled(dev.type) else None
+    autocast = _autocast_dtype(dev.type)
     cast_once = compile and autocast is not None                                              # else a compiled graph casts every weight every step
     stacking = _fused_projections(lm, autocast, casts_only=fuse is None) if fuse or (fuse is None and autocast is not None) else nullcontext()
     with stacking, _cast_once(lm, autocast) if cast_once else nullcontext():

@@ -18,7 +18,7 @@ from jaxtyping import Bool, Int
 from transformers import GenerationConfig
 from transformers.pytorch_utils import Conv1D
 
-from .core import _causal_lm, _without_autocast, check_number, truncate_after_stop, typecheck
+from .core import _autocast_dtype, _causal_lm, _without_autocast, check_number, truncate_after_stop, typecheck
 from .agent import Agent, _check_left_padded, eval_mode
 from .decoding import decode, decoding_refusal
 
@@ -176,7 +176,7 @@ def generate_responses(
     if compile and (own_decoder is False or refusal):
         raise ValueError(f"`compile` compiles `decode`'s step, but {'own_decoder=False samples with 🤗 generate' if own_decoder is False else 'decode cannot sample from this model: ' + refusal}")
     if own_decoder is None: own_decoder = not refusal
-    half = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None                 # CPU autocast's dtype: the packed weights' too
+    half = _autocast_dtype("cpu")                                                                        # CPU autocast's dtype: the packed weights' too
     if packed and half not in (None, torch.bfloat16): raise ValueError(f"`packed=True` packs float32 or bfloat16 weights, but CPU autocast is on in {half}: leave `packed` at None")
     if packed is None: packed = (query_ids.device.type == "cpu" and not compile                           # compiled: plain weights
                                  and half in (None, torch.bfloat16) and (half is None or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
