@@ -310,9 +310,41 @@ def _add_into(
     for t, x in zip(total.split(rows), g.split(rows)): t += x
 
 
+# %% ../nbs/00_core.ipynb #e82ae832
+def _as_in_forward(device: str, dtype: torch.dtype | None):
+    "A block with autocast as `_Head`'s forward had it on `device`: on with `dtype`, or off (where autocast exists there)."
+    if dtype is not None: return torch.autocast(device, dtype=dtype)
+    return torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+
+def _head_grads_with_graph(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
+    "`_Head`'s gradients (∂h, ∂W, ∂b) by autograd through the plain formula, a chunk at a time, with a graph of their own: what `create_graph=True` asks for (a second derivative), which the written-out backward cannot give."
+    hidden, weight, bias, labels, _, _ = ctx.saved_tensors
+    temperature, size, device, dtype = ctx.args
+    wants = ctx.needs_input_grad[:3]
+    dh, dW, db = [], None, None
+    for start in range(0, len(hidden), size):
+        rows = slice(start, start + size)
+        h = hidden[rows]
+        with _as_in_forward(device, dtype): z = torch.nn.functional.linear(h, weight, bias)
+        log_p = (z.float() / temperature).log_softmax(-1)
+        outputs = [log_p.gather(-1, labels[rows, None]).squeeze(-1)]
+        grads = [grad_logprobs[rows] if grad_logprobs is not None else torch.zeros_like(outputs[0])]
+        if grad_entropy is not None:
+            clamped = log_p.clamp(min=_LOG_P_FLOOR)                 # as the forward's entropy read it
+            outputs.append(-(clamped.exp() * clamped).sum(-1)); grads.append(grad_entropy[rows])
+        inputs = [x for x, w in zip((h, weight, bias), wants) if w]
+        parts = iter(torch.autograd.grad(outputs, inputs, grads, create_graph=True))
+        if wants[0]: dh.append(next(parts))
+        if wants[1]: dW = next(parts) if dW is None else dW + next(parts)
+        if wants[2]: db = next(parts) if db is None else db + next(parts)
+    dh = (torch.cat(dh) if dh else torch.zeros_like(hidden)) if wants[0] else None
+    dW, db = (torch.zeros_like(x) if d is None and w else d for d, x, w in zip((dW, db), (weight, bias), wants[1:]))
+    return dh, dW, db, None, None, None, None, None
+
+
 # %% ../nbs/00_core.ipynb #c7a1e004
 class _Head(torch.autograd.Function):
-    "`_head_forward` with its backward written out, a chunk at a time: ∂/∂z = g_π (onehot(label) − p) − g_H p (log p + H), then through h Wᵀ + b under the forward's autocast. One chunk keeps its log p; more keep (hidden, weight, bias, labels) and recompute each chunk's logits. ∂W and ∂b are summed in float32 from W and b cast once (`_autocast_once`)."
+    "`_head_forward` with its backward written out, a chunk at a time: ∂/∂z = g_π (onehot(label) − p) − g_H p (log p + H), then through h Wᵀ + b under the forward's autocast. One chunk keeps its log p; more keep (hidden, weight, bias, labels) and recompute each chunk's logits. ∂W and ∂b are summed in float32 from W and b cast once (`_autocast_once`). Under `create_graph=True`, autograd's backward of the plain formula (`_head_grads_with_graph`)."
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature: float, size: int, entropy: str, top1: bool = False):
         ctx.set_materialize_grads(False)                      # a logging-only entropy brings no gradient
@@ -326,6 +358,7 @@ class _Head(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, grad_top1):
+        if torch.is_grad_enabled(): return _head_grads_with_graph(ctx, grad_logprobs, grad_entropy)   # `create_graph=True`: a graph of the backward too
         hidden, weight, bias, labels, kept, entropies = ctx.saved_tensors
         temperature, size, device, dtype = ctx.args
         wants = ctx.needs_input_grad[:3]
