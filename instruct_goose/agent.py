@@ -10,9 +10,10 @@ __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'respons
            'loss_token_states', 'states_logps', 'states_stats']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
-import copy, inspect, itertools, os
+import copy, functools, inspect, itertools, os
 from contextlib import contextmanager
 from pathlib import Path
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
@@ -81,18 +82,49 @@ def response_logits(
     return out.logits[:, -n_resp - 1:-1], hidden
 
 # %% ../nbs/03_agent.ipynb #a93c0e01
-# config fields that change the logits after the output layer (soft-capping, scaling): such models are scored from their logits
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+def _softcapped(z: Tensor, cap: float) -> Tensor: return torch.tanh(z / cap) * cap   # Gemma 2: logits / c, tanh, × c
+def _times(z: Tensor, scale: float) -> Tensor: return z * scale
+def _over(z: Tensor, scale: float) -> Tensor: return z / scale
 
-def _output_layer(model: nn.Module) -> nn.Linear | None:
-    "The output layer `logprobs_from_hidden` can apply in chunks: a plain `nn.Linear` with its whole weight here (not a LoRA layer, not sharded by FSDP or ZeRO-3), on a model that computes only the logits asked for (`logits_to_keep`) and changes none after the layer; else None."
+# config fields that change the logits after the output layer (soft-capping, scaling)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+# what 🤗's forward does with one of them, by the text config's model type: (field, the operation its modeling file writes)
+_AFTER_OUTPUT_LAYER = {
+    **dict.fromkeys(("gemma2", "gemma3_text"), ("final_logit_softcapping", _softcapped)),
+    **dict.fromkeys(("cohere", "cohere2"), ("logit_scale", _times)),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granitemoehybrid"), ("logits_scaling", _over)),
+    "hyperclovax": ("logits_scaling", _times), "falcon_h1": ("lm_head_multiplier", _times)}
+
+class _OutputLayer(NamedTuple):
+    "The output layer as `logprobs_from_hidden` applies it: logits = after(h Wᵀ + b)."
+    weight: Tensor
+    bias: Tensor | None
+    after: Callable[[Tensor], Tensor] | None   # what the model's forward does to the layer's logits (soft-capping, scaling); None: nothing
+    @property
+    def out_features(self) -> int: return self.weight.shape[0]
+    def logits(self, hidden: Tensor) -> Tensor:
+        "The model's logits at `hidden` (in autocast's dtype under autocast, as the model computes them)."
+        z = F.linear(hidden, self.weight, self.bias)
+        return z if self.after is None else self.after(z)
+
+def _logits_after(config) -> Callable[[Tensor], Tensor] | None | bool:
+    "What the model does to its output layer's logits (`_AFTER_OUTPUT_LAYER`): a function, None for nothing, False where a field of `_LOGIT_TRANSFORMS` is set that the table does not cover."
+    config = config.get_text_config()
+    field, op = _AFTER_OUTPUT_LAYER.get(config.model_type, (None, None))
+    if any(getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS if name != field): return False
+    value = getattr(config, field, None) if field else None
+    return None if value is None or (op is not _softcapped and value == 1) else functools.partial(op, **{"cap" if op is _softcapped else "scale": value})
+
+def _output_layer(model: nn.Module) -> _OutputLayer | None:
+    "The output layer `logprobs_from_hidden` can apply in chunks: a plain `nn.Linear` with its whole weight here (not a LoRA layer, not sharded by FSDP or ZeRO-3), on a model that computes only the logits asked for (`logits_to_keep`), with the soft-capping or scaling that follows it where `_logits_after` knows it; else None."
     base = _causal_lm(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if type(head) is not nn.Linear or not _accepts(model, "logits_to_keep"): return None
-    if any(getattr(base.config.get_text_config(), name, None) is not None for name in _LOGIT_TRANSFORMS): return None
+    after = _logits_after(base.config)
+    if after is False: return None
     if hasattr(head.weight, "ds_id"): return None      # DeepSpeed ZeRO-3 partitions it: only the module's own forward gathers it
     whole = type(head.weight.data) is Tensor and head.weight.shape == (head.out_features, head.in_features)
-    return head if whole else None
+    return _OutputLayer(head.weight, head.bias, after) if whole else None
 
 
 # %% ../nbs/03_agent.ipynb #a93c0e02
@@ -125,7 +157,7 @@ def response_logprobs(
     n_resp = response_ids.shape[1]
     hidden = _final_hidden(model, torch.cat([query_ids, response_ids], 1),
                            torch.cat([query_attention_mask.long(), response_attention_mask.long()], 1))[:, -n_resp - 1:-1]
-    logprobs, entropies = logprobs_from_hidden(hidden, head.weight, head.bias, response_ids, temperature, entropy)
+    logprobs, entropies = logprobs_from_hidden(hidden, head.weight, head.bias, response_ids, temperature, entropy, after=head.after)
     return logprobs, entropies, hidden if output_hidden_states else None
 
 
@@ -141,7 +173,7 @@ def token_logprobs(
     head = _output_layer(model)
     if head is not None:
         hidden = _final_hidden(model, input_ids, attention_mask)[:, :-1]
-        return F.pad(logprobs_from_hidden(hidden, head.weight, head.bias, input_ids[:, 1:], temperature)[0], (1, 0))
+        return F.pad(logprobs_from_hidden(hidden, head.weight, head.bias, input_ids[:, 1:], temperature, after=head.after)[0], (1, 0))
     out = model(input_ids=input_ids, attention_mask=attention_mask, **positions_for(model, attention_mask),
                 use_cache=False)
     return F.pad(logprobs_from_logits(out.logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
@@ -597,7 +629,7 @@ def loss_token_states(
     loss_mask: Bool[Tensor, "batch seq"],            # the tokens to score (never position 0); on the CPU, no device sync
     padding_free: bool = False,                      # one forward of the sequences packed in bins (`packed_forward`)
     capacity: int | None = None,                     # with `padding_free`: tokens per bin (None: the longest row's)
-) -> tuple[Tensor, Tensor, Tensor, nn.Module | None]:  # (outputs, labels, each token's row, the output layer or None)
+) -> tuple[Tensor, Tensor, Tensor, _OutputLayer | None]:  # (outputs, labels, each token's row, the output layer or None)
     "What the output layer reads at each loss token, row after row (the last hidden state, or the logits where `_output_layer` is None), the token it predicts, its row, and that layer."
     row, col = (i.to(input_ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))  # the output at col predicts token col + 1
     labels, head = input_ids[row, col + 1], _output_layer(model)
@@ -612,21 +644,21 @@ def loss_token_states(
 def states_logps(
     out: Tensor,             # `loss_token_states`' outputs: (tokens, hidden) last hidden states, or (tokens, vocab) logits
     labels: Tensor,          # the token each predicts
-    head: nn.Module | None,  # the output layer (None: `out` are logits)
+    head: _OutputLayer | None,  # the output layer (`loss_token_states`; None: `out` are logits)
 ) -> Tensor:                 # log π(label) of each token, float32
     "log-probabilities of the loss tokens from `loss_token_states`: the output layer applied in chunks, or the logits given."
-    if head is not None: return logprobs_from_hidden(out[None], head.weight, head.bias, labels[None])[0][0]
+    if head is not None: return logprobs_from_hidden(out[None], head.weight, head.bias, labels[None], after=head.after)[0][0]
     return logprobs_from_logits(out[None], labels[None])[0]
 
 # %% ../nbs/03_agent.ipynb #eda7b21e
 def states_stats(
     out: Tensor,             # `loss_token_states`' outputs
     labels: Tensor,          # the token each predicts
-    head: nn.Module | None,  # the output layer (None: `out` are logits)
+    head: _OutputLayer | None,  # the output layer (`loss_token_states`; None: `out` are logits)
 ) -> tuple[Tensor, Tensor, Tensor]:   # (log π(label) with its graph, entropy, label is the argmax), each (tokens,)
     "`states_logps` and, without a graph, each loss token's entropy and whether its label is the most likely token (TRL's SFT `entropy`, `mean_token_accuracy`)."
     if head is not None:
-        logps, entropy, top1 = logprobs_from_hidden(out[None], head.weight, head.bias, labels[None], entropy="no_grad", top1=True)
+        logps, entropy, top1 = logprobs_from_hidden(out[None], head.weight, head.bias, labels[None], entropy="no_grad", top1=True, after=head.after)
         return logps[0], entropy[0], top1[0]
     with torch.no_grad(): entropy, top1 = entropy_from_logits(out[None])[0], out.argmax(-1) == labels
     return logprobs_from_logits(out[None], labels[None])[0], entropy, top1

@@ -9,7 +9,7 @@ __all__ = ['assert_tensor', 'ShapeError', 'typecheck', 'check_number', 'masked_s
 
 # %% ../nbs/00_core.ipynb #27f526c8
 import contextlib, functools, inspect, math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
@@ -261,10 +261,20 @@ _LOGITS_PER_CHUNK = 2 ** 24   # (positions × vocab) logits `logprobs_from_hidde
 # %% ../nbs/00_core.ipynb #c7a1e003
 _LOG_P_FLOOR = -1e4   # log p is clamped here for the entropy: exp of anything below −104 is 0 in float32 anyway, and 0 · (−10⁴) is 0 where 0 · (−∞) is NaN
 
-def _head_logits(hidden, weight, bias, temperature: float) -> Tensor:
-    "The logits (h Wᵀ + b) / T of a chunk of positions as float32 (h Wᵀ + b in autocast's dtype under autocast)."
-    z = torch.nn.functional.linear(hidden, weight, bias).float()
+def _tempered(u: Tensor, temperature: float, after=None) -> Tensor:
+    "The logits the softmax reads, after(u) / T as float32, from the output layer's u = h Wᵀ + b (`after`: what the model does to u, in u's dtype; None: nothing)."
+    z = (u if after is None else after(u)).float()
     return z if temperature == 1.0 else z.div_(temperature)
+
+def _head_logits(hidden, weight, bias, temperature: float, after=None) -> Tensor:
+    "The logits after(h Wᵀ + b) / T of a chunk of positions as float32 (h Wᵀ + b and `after` in autocast's dtype under autocast)."
+    return _tempered(torch.nn.functional.linear(hidden, weight, bias), temperature, after)
+
+def _through(after, u: Tensor, dz: Tensor) -> Tensor:
+    "∂L/∂u from ∂L/∂after(u) (`dz`, float32) for an elementwise `after`: its derivative by autograd at u in float32."
+    with torch.enable_grad():
+        x = u.detach().float().requires_grad_()
+        return torch.autograd.grad(after(x), x, dz)[0]
 
 def _log_softmax_(z: Tensor) -> Tensor:
     "log softmax(z) of float32 logits, in z's own memory: no second (positions × vocab) tensor."
@@ -274,18 +284,18 @@ def _entropy_(log_p: Tensor) -> Tensor:
     "H = −Σ p log p of rows of log-probabilities, summed in float32 (not in autocast's dtype); clamps `log_p` in place at `_LOG_P_FLOOR`."
     with _without_autocast(log_p): return -log_p.clamp_(min=_LOG_P_FLOOR).exp().mul_(log_p).sum(-1)   # one (positions × vocab) tensor made, not two
 
-def _head_forward(hidden, weight, bias, labels, temperature: float, size: int, entropy: str, top1: bool = False, keep: bool = False):
-    "(log π(label), the entropy or None for \"skip\", whether each label is the most likely token or None, log p or None) of (h Wᵀ + b) / T, `size` positions at a time, without a graph; log p (positions × vocab) only with `keep` and one chunk."
+def _head_forward(hidden, weight, bias, labels, temperature: float, size: int, entropy: str, top1: bool = False, keep: bool = False, after=None):
+    "(log π(label), the entropy or None for \"skip\", whether each label is the most likely token or None, log p or None) of after(h Wᵀ + b) / T, `size` positions at a time, without a graph; log p (positions × vocab) only with `keep`, one chunk and no `after`."
     logprobs, entropies, best = [], [], []
     with torch.no_grad():
         for h, y in zip(hidden.split(size), labels.split(size)):
-            z = _head_logits(h, weight, bias, temperature)
+            z = _head_logits(h, weight, bias, temperature, after)
             if top1: best.append(z.gather(-1, y[:, None]).squeeze(-1) >= z.amax(-1))
             log_p = _log_softmax_(z)
             logprobs.append(log_p.gather(-1, y[:, None]).squeeze(-1))
             if entropy != "skip": entropies.append(_entropy_(log_p))
     return (torch.cat(logprobs), torch.cat(entropies) if entropies else None, torch.cat(best) if top1 else None,
-            log_p if keep and len(logprobs) == 1 else None)
+            log_p if keep and len(logprobs) == 1 and after is None else None)
 
 
 # %% ../nbs/00_core.ipynb #c7a1e003c
@@ -319,13 +329,15 @@ def _as_in_forward(device: str, dtype: torch.dtype | None):
 def _head_grads_with_graph(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
     "`_Head`'s gradients (∂h, ∂W, ∂b) by autograd through the plain formula, a chunk at a time, with a graph of their own: what `create_graph=True` asks for (a second derivative), which the written-out backward cannot give."
     hidden, weight, bias, labels, _, _ = ctx.saved_tensors
-    temperature, size, device, dtype = ctx.args
+    temperature, size, device, dtype, after = ctx.args
     wants = ctx.needs_input_grad[:3]
     dh, dW, db = [], None, None
     for start in range(0, len(hidden), size):
         rows = slice(start, start + size)
         h = hidden[rows]
-        with _as_in_forward(device, dtype): z = torch.nn.functional.linear(h, weight, bias)
+        with _as_in_forward(device, dtype):
+            z = torch.nn.functional.linear(h, weight, bias)
+            if after is not None: z = after(z)
         log_p = (z.float() / temperature).log_softmax(-1)
         outputs = [log_p.gather(-1, labels[rows, None]).squeeze(-1)]
         grads = [grad_logprobs[rows] if grad_logprobs is not None else torch.zeros_like(outputs[0])]
@@ -339,28 +351,28 @@ def _head_grads_with_graph(ctx, grad_logprobs: Tensor | None, grad_entropy: Tens
         if wants[2]: db = next(parts) if db is None else db + next(parts)
     dh = (torch.cat(dh) if dh else torch.zeros_like(hidden)) if wants[0] else None
     dW, db = (torch.zeros_like(x) if d is None and w else d for d, x, w in zip((dW, db), (weight, bias), wants[1:]))
-    return dh, dW, db, None, None, None, None, None
+    return dh, dW, db, None, None, None, None, None, None
 
 
 # %% ../nbs/00_core.ipynb #c7a1e004
 class _Head(torch.autograd.Function):
-    "`_head_forward` with its backward written out, a chunk at a time: ∂/∂z = g_π (onehot(label) − p) − g_H p (log p + H), then through h Wᵀ + b under the forward's autocast. One chunk keeps its log p; more keep (hidden, weight, bias, labels) and recompute each chunk's logits. ∂W and ∂b are summed in float32 from W and b cast once (`_autocast_once`). Under `create_graph=True`, autograd's backward of the plain formula (`_head_grads_with_graph`)."
+    "`_head_forward` with its backward written out, a chunk at a time: ∂/∂z = g_π (onehot(label) − p) − g_H p (log p + H), then through h Wᵀ + b under the forward's autocast. One chunk keeps its log p (without `after`); more keep (hidden, weight, bias, labels) and recompute each chunk's logits. ∂W and ∂b are summed in float32 from W and b cast once (`_autocast_once`). Under `create_graph=True`, autograd's backward of the plain formula (`_head_grads_with_graph`)."
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature: float, size: int, entropy: str, top1: bool = False):
+    def forward(ctx, hidden, weight, bias, labels, temperature: float, size: int, entropy: str, top1: bool = False, after=None):
         ctx.set_materialize_grads(False)                      # a logging-only entropy brings no gradient
-        logprobs, entropies, best, log_p = _head_forward(hidden, weight, bias, labels, temperature, size, entropy, top1, keep=True)
+        logprobs, entropies, best, log_p = _head_forward(hidden, weight, bias, labels, temperature, size, entropy, top1, keep=True, after=after)
         entropies = logprobs.new_zeros(0) if entropies is None else entropies
         best = labels.new_zeros(0, dtype=torch.bool) if best is None else best
         ctx.mark_non_differentiable(best, *([entropies] if entropy != "grad" else []))
         ctx.save_for_backward(hidden, weight, bias, labels, log_p, entropies if entropy == "grad" else None)
-        ctx.args = temperature, size, hidden.device.type, _autocast_dtype(hidden.device.type)
+        ctx.args = temperature, size, hidden.device.type, _autocast_dtype(hidden.device.type), after
         return logprobs, entropies, best
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, grad_top1):
         if torch.is_grad_enabled(): return _head_grads_with_graph(ctx, grad_logprobs, grad_entropy)   # `create_graph=True`: a graph of the backward too
         hidden, weight, bias, labels, kept, entropies = ctx.saved_tensors
-        temperature, size, device, dtype = ctx.args
+        temperature, size, device, dtype, after = ctx.args
         wants = ctx.needs_input_grad[:3]
         dh, dW, db = torch.empty_like(hidden) if wants[0] else None, None, None
         weight, bias = (_autocast_once(x, device, dtype) for x in (weight, bias))   # the casts autocast would make in every chunk
@@ -368,7 +380,8 @@ class _Head(torch.autograd.Function):
             rows = slice(start, start + size)
             h = _autocast_once(hidden[rows], device, dtype)
             g = grad_logprobs[rows] if grad_logprobs is not None else h.new_zeros(len(h), dtype=torch.float32)
-            log_p = kept if kept is not None else _log_softmax_(_head_logits(h, weight, bias, temperature))
+            u = torch.nn.functional.linear(h, weight, bias) if kept is None else None   # the layer's output, recomputed
+            log_p = kept if kept is not None else _log_softmax_(_tempered(u, temperature, after))
             if grad_entropy is None: dz = (log_p.exp() if kept is not None else log_p.exp_()).mul_(-g[:, None])
             else:
                 if kept is None: log_p.clamp_(min=_LOG_P_FLOOR)   # as the forward's entropy read it
@@ -376,6 +389,7 @@ class _Head(torch.autograd.Function):
                 dz = (log_p.exp() if kept is not None else log_p.exp_()).mul_(coef).neg_()
             dz[torch.arange(len(dz), device=dz.device), labels[rows]] += g
             if temperature != 1.0: dz.div_(temperature)
+            if after is not None: dz = _through(after, u, dz)     # through the soft-capping or scaling after the layer
             dz = dz.to(h.dtype)                               # the float32 cast's backward: autocast's dtype under autocast
             if dh is not None: dh[rows] = (dz @ weight).to(dh.dtype)
             if wants[1]:
@@ -385,7 +399,7 @@ class _Head(torch.autograd.Function):
             if wants[2] and bias is not None: db = dz.sum(0).float() if db is None else db.add_(dz.sum(0))
         dW, db = (torch.zeros_like(x) if d is None and w and x is not None else None if d is None else d.to(x.dtype)   # no positions: zeros, as autograd gives
                   for d, x, w in zip((dW, db), ctx.saved_tensors[1:3], wants[1:]))
-        return dh, dW, db, None, None, None, None, None
+        return dh, dW, db, None, None, None, None, None, None
 
 
 # %% ../nbs/00_core.ipynb #c7a1e006
@@ -399,15 +413,16 @@ def logprobs_from_hidden(
     entropy: Literal["grad", "no_grad", "skip"] = "skip",  # the entropy too: with gradients, without, or not at all (None)
     chunk_size: int | None = None,               # positions per chunk; None: as many as `_LOGITS_PER_CHUNK` logits
     top1: bool = False,                          # a third output: whether each label is the most likely token (TRL's `mean_token_accuracy`), no graph
+    after: Callable[[Tensor], Tensor] | None = None,  # what the model does to the layer's logits before the softmax, elementwise in their dtype (🤗's soft-capping, scaling); None: nothing
 ) -> (tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None]   # (log π(label), entropy) per position, float32
       | tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None, Bool[Tensor, "batch resp"]]):   # with `top1`: and is-top-1
-    "`logprobs_from_logits` and `entropy_from_logits` of h Wᵀ + b, `chunk_size` positions at a time: never the whole (batch × resp × vocab) logits, with or without gradients."
+    "`logprobs_from_logits` and `entropy_from_logits` of after(h Wᵀ + b), `chunk_size` positions at a time: never the whole (batch × resp × vocab) logits, with or without gradients."
     check_number("temperature", temperature, low_open=True)
     size = max(1, _LOGITS_PER_CHUNK // weight.shape[0]) if chunk_size is None else int(check_number("chunk_size", chunk_size, low=1))
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (flat, weight, bias)):
-        logprobs, entropies, best = _Head.apply(flat, weight, bias, flat_labels, temperature, size, entropy, top1)
-    else: logprobs, entropies, best, _ = _head_forward(flat, weight, bias, flat_labels, temperature, size, entropy, top1)
+        logprobs, entropies, best = _Head.apply(flat, weight, bias, flat_labels, temperature, size, entropy, top1, after)
+    else: logprobs, entropies, best, _ = _head_forward(flat, weight, bias, flat_labels, temperature, size, entropy, top1, after=after)
     out = logprobs.view_as(labels), None if entropy == "skip" else entropies.view_as(labels)
     return (*out, best.view_as(labels)) if top1 else out
 

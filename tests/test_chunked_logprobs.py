@@ -2,7 +2,9 @@
 
 - The same numbers and gradients as the logits path, on GPT-2 and Qwen2, at a temperature, through `Agent.response_stats`
   (shared and separate critic), `logprobs_in_chunks`, `token_logprobs` and a LoRA policy with its adapter-off reference.
-- Models whose logits are more than the output layer's (soft-capping) are scored from their logits.
+- Models whose forward soft-caps or scales the output layer's logits (Gemma 2, Cohere, Granite, Falcon-H1, ...) are scored in
+  chunks too, with the same operation after the layer: the logits path's log-probabilities and gradients; a model whose
+  transformation the library does not know is scored from its logits.
 - At Qwen2.5's vocabulary (151,936) and 512 response tokens, autograd keeps no tensor of batch × resp × vocab elements
   (in the loss's pass, and in a GRPO and an RLOO training step, whose gradients equal the logits path's), and the peak of torch's CPU allocations in a scoring or training pass falls (`python tests/test_chunked_logprobs.py` prints them).
 """
@@ -67,7 +69,7 @@ def test_response_stats_equal_the_logits_path(arch, small_chunks):
     agent = Agent(tiny(arch, 97)).eval()
     small_chunks(agent.model)
     x = batch(97)
-    assert _output_layer(agent.model) is agent.model.get_output_embeddings()
+    assert _output_layer(agent.model).weight is agent.model.get_output_embeddings().weight
     stats = agent.response_stats(*x, temperature=0.7)
     (stats.logprobs.exp().sum() + 0.3 * stats.entropy.sum() + stats.values.pow(2).sum()).backward()
     ours = grads(agent)
@@ -144,14 +146,70 @@ def test_lora_policy_and_adapter_off_reference(small_chunks):
         assert (pol_lp - ref_lp).abs().max() > 1e-3
 
 
-def test_logit_soft_capping_is_scored_from_the_logits():
-    "Gemma 2 soft-caps its logits after the output layer: the chunked path would miss it, so such a model keeps the logits path."
-    gemma = T.Gemma2ForCausalLM(T.Gemma2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                                                num_key_value_heads=1, head_dim=8, vocab_size=97, final_logit_softcapping=3.0)).eval()
-    assert _output_layer(gemma) is None
+_DECODER = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+# family: (config class, model class, what makes the forward change the logits after the output layer, other sizes)
+TRANSFORMED = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(final_logit_softcapping=3.0), dict(head_dim=8)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(final_logit_softcapping=3.0), dict(head_dim=8)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.3), {}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(logit_scale=0.3), {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(logits_scaling=0.3), {}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(logits_scaling=0.3), _MOE),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(logits_scaling=0.3), dict(**_MOE, shared_intermediate_size=32)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(logits_scaling=0.3),
+                         dict(**_MOE, shared_intermediate_size=32, layer_types=["attention", "mamba"], mamba_n_heads=4, mamba_d_head=16,
+                              mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)),
+    "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", dict(logits_scaling=3.0), {}),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(lm_head_multiplier=0.3),
+                  dict(head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8)),
+}
+
+
+def transformed(name: str, vocab_size: int = 97, **override):
+    "A tiny model of `name` whose forward changes its logits after the output layer (soft-capping or scaling by a non-neutral value)."
+    config_class, model_class, transform, sizes = TRANSFORMED[name]
+    if not hasattr(T, config_class): pytest.skip(f"{config_class} is not in this transformers")
+    torch.manual_seed(0)
+    config = getattr(T, config_class)(**{**_DECODER, **sizes, **transform, "vocab_size": vocab_size, **override})
+    return getattr(T, model_class)(config).eval()
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMED))
+def test_soft_capped_and_scaled_logits_are_scored_in_chunks(name, small_chunks):
+    "Gemma 2's soft-capping, Cohere's, Granite's, HyperCLOVA X's and Falcon-H1's scaling: the chunked path applies the same operation after the output layer, so its log-probabilities, entropies and gradients are the logits path's, in float32 and (the log-probabilities bit for bit) under bf16 autocast."
+    model = transformed(name)
+    head = _output_layer(model)
+    assert head is not None and head.after is not None
+    small_chunks(model)
+    x = batch(97)
+    for autocast in (False, True):
+        results = []
+        for chunked in (True, False):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                if chunked: lp, H = response_logprobs(model, *x, temperature=0.7, entropy="grad")[:2]
+                else:
+                    logits = response_logits(model, *x)[0]
+                    lp, H = logprobs_from_logits(logits, x[2], 0.7), entropy_from_logits(logits, 0.7)
+            (lp.exp().sum() + H.sum()).backward()
+            results.append((lp, H, grads(model)))
+        (lp, H, ours), (ref_lp, ref_H, theirs) = results
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=0 if autocast else 1e-5)
+        torch.testing.assert_close(H, ref_H, rtol=0, atol=1e-5)
+        for a, b in zip(ours, theirs):                        # under autocast, the derivative of the capping in float32 vs autograd's in bf16
+            if b is not None: torch.testing.assert_close(a, b, rtol=0, atol=(3e-2 if autocast else 1e-4) * b.abs().max().item())
+        assert max(g.abs().max() for g in theirs if g is not None) > 1e-3
+
+
+def test_an_unknown_logit_transform_is_scored_from_the_logits():
+    "A model whose config sets a logit transformation the library does not know for its family is scored from its logits (the output layer alone would miss it)."
+    model = tiny("qwen2", 97, logit_scale=0.5)
+    assert _output_layer(model) is None
+    assert _output_layer(transformed("gemma2", final_logit_softcapping=None)).after is None   # no soft-capping: the layer alone
     x = batch(97)
     with torch.no_grad():
-        torch.testing.assert_close(response_logprobs(gemma, *x)[0], logprobs_from_logits(response_logits(gemma, *x)[0], x[2]))
+        torch.testing.assert_close(response_logprobs(model, *x)[0], logprobs_from_logits(response_logits(model, *x)[0], x[2]))
 
 
 # ------------------------------------------------------------------ memory at a real vocabulary (151,936, 512 tokens)
@@ -179,6 +237,14 @@ def test_no_saved_tensor_holds_the_logits(arch):
     x = batch(QWEN_VOCAB, n_resp=512)
     ours, (lp, H) = saved_tensor_sizes(lambda: training_pass(model, x, chunked=True))
     assert ours[0] <= QWEN_VOCAB * 16, ours[:3]                  # the largest: the output weight (V × 16), 1/64 of the logits
+    (lp.sum() + H.sum()).backward()
+
+
+def test_a_soft_capped_model_keeps_no_logits():
+    "Gemma 2 (its logits soft-capped after the output layer) at V = 151,936 and 512 response tokens: the chunked pass keeps nothing near batch × resp × vocab either (before, such a model was scored from its whole logits)."
+    model = transformed("gemma2", vocab_size=QWEN_VOCAB, hidden_size=16, intermediate_size=32, head_dim=4).train()
+    ours, (lp, H) = saved_tensor_sizes(lambda: training_pass(model, batch(QWEN_VOCAB, n_resp=512), chunked=True))
+    assert ours[0] <= QWEN_VOCAB * 16, ours[:3]                  # the largest: the output weight (V × 16)
     (lp.sum() + H.sum()).backward()
 
 
