@@ -237,3 +237,32 @@ def test_padding_free_bins_give_the_padded_loss_and_gradient(family, tmp_path):
     for key, value in padded_stats.items(): assert float(packed_stats[key].detach()) == pytest.approx(float(value.detach()), rel=1e-5, abs=1e-6), key
     scale = max(g.abs().max().item() for g in padded_grad.values())
     assert scale > 0 and max((packed_grad[n] - g).abs().max().item() for n, g in padded_grad.items()) <= 1e-5 * max(scale, 1.0)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_soft_capped_logits_give_the_logits_paths_loss_statistics_and_gradient(padding_free, tmp_path, monkeypatch):
+    "Gemma 2 soft-caps its logits after the output layer: DPO in chunks (the capping applied to each, WPO's weight and the logged mean logit included) gives the loss, statistics and gradient of the whole logits."
+    from datasets import Dataset
+    from _families import BY_NAME, build_causal
+    import instruct_goose.agent as agent_module
+    from instruct_goose.toy import task_tokenizer
+    from instruct_goose.dpo import DPOConfig, DPOTrainer
+    tok = task_tokenizer()
+    policy, ref = build_causal(BY_NAME["gemma2"], tok, seed=0), build_causal(BY_NAME["gemma2"], tok, seed=1)
+    assert agent_module._output_layer(policy).after is not None          # the family's final_logit_softcapping (30)
+    trainer = DPOTrainer(policy, ref_model=ref, processing_class=tok, train_dataset=Dataset.from_list(RAGGED), args=DPOConfig(
+        output_dir=str(tmp_path), max_length=256, padding_free=padding_free, loss_type=["sigmoid", "sft"], use_weighting=True))
+    batch, n_pairs = trainer.encode(trainer.train_dataset[:])
+    results = []
+    for chunked in (True, False):
+        if not chunked: monkeypatch.setattr(agent_module, "_output_layer", lambda model: None)
+        trainer.model.zero_grad()
+        loss_sum, stats = trainer.pair_loss_sum(trainer.model, batch)
+        (loss_sum / n_pairs).backward()
+        results.append((loss_sum.item(), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    (ours, our_stats, our_grad), (theirs, their_stats, their_grad) = results
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+    assert "logits/chosen" in their_stats
+    for key, value in their_stats.items(): assert float(our_stats[key].detach()) == pytest.approx(float(value.detach()), rel=1e-4, abs=1e-5), key
+    scale = max(g.abs().max().item() for g in their_grad.values())
+    assert scale > 0 and max((our_grad[n] - g).abs().max().item() for n, g in their_grad.items()) <= 1e-4 * scale
