@@ -5,7 +5,7 @@
 #   run: bash bench/gpu_run.sh <SHA> <DIRTY> <budget s> <stage>...      carry: [".whl", ".toks"]   timeout_s: budget + 30
 # Stages:
 #   tests        tests/test_decode_cuda.py (graphs == plain loop, rows leaving, drawn p == scored p, the GPU default, compile)
-#                and tests/test_head_cuda.py (the head's written-out backward and float32 entropy under CUDA autocast)
+#                and tests/test_head_cuda.py (the head's written-out backward, float32 entropy, soft-capped logits under CUDA autocast)
 #   decode       bench/decode_speed.py at 0.5B, bf16 weights: graphs, no graphs, 🤗 static, compiled (inductor)
 #   grpo_rloo    0.5B, 512 tokens, GRPO and RLOO vs TRL 1.16 (ran 2026-11-26: 10.8x, 14.2x)
 #   selective    0.5B, 512 tokens, GRPO vs TRL 1.16, ours with selective checkpointing (TRL without: it has none);

@@ -1,7 +1,8 @@
 """The output layer's written-out backward on a GPU (chapter 00, "The backward, written out"), skipped without CUDA;
 `bench/gpu_run.sh tests` runs it. Under CUDA bf16 autocast: the gradients of `logprobs_from_hidden` are those of autograd
 through the plain formula (one chunk and several), and the entropy is summed in float32 (CUDA autocasts
-`torch.linalg.vecdot` as it does matmul, pytorch/pytorch#108165, so a bf16 sum would be ~1e-3 off)."""
+`torch.linalg.vecdot` as it does matmul, pytorch/pytorch#108165, so a bf16 sum would be ~1e-3 off); Gemma 2's soft-capping
+after the layer (`after`) gives the capped logits' log-probabilities bit for bit, and their gradients to bf16 rounding."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,3 +46,24 @@ def test_entropy_is_summed_in_float32_under_cuda_autocast():
         from_logits = entropy_from_logits(3 * z)
     assert (entropy.double() - torch.special.entr(z.double().softmax(-1)).sum(-1)).abs().max() < 1e-4
     assert torch.equal(from_logits, entropy_from_logits(3 * z))   # the same numbers as without autocast
+
+
+@pytest.mark.parametrize("chunk", [None, 37])
+def test_soft_capped_head_under_cuda_autocast(chunk):
+    g = torch.Generator().manual_seed(1)
+    h0, W0 = torch.randn(96, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    labels = torch.randint(0, V, (96,), generator=g).cuda()
+    cap = lambda z: torch.tanh(z / 3.0) * 3.0
+    results = []
+    for ours in (True, False):
+        h, W = (x.cuda().requires_grad_() for x in (h0, W0))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if ours: lp, ent = (x[0] for x in logprobs_from_hidden(h[None], W, None, labels[None], 0.7, "grad", chunk, after=cap))
+            else:
+                z = cap(F.linear(h, W)).float() / 0.7
+                lp, ent = z.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1), entropy_from_logits(z[None])[0]
+        (lp.exp().sum() + ent.sum()).backward()
+        results.append((lp, h.grad, W.grad))
+    (lp, *ours), (ref_lp, *theirs) = results
+    assert (lp - ref_lp).abs().max() <= 1e-5                 # the same bf16 operations on the same numbers
+    for got, expected in zip(ours, theirs): assert (got - expected).abs().max() <= 1e-6 + 3e-2 * expected.abs().max()
