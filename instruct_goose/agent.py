@@ -115,10 +115,21 @@ def _logits_after(config) -> Callable[[Tensor], Tensor] | None | bool:
     value = getattr(config, field, None) if field else None
     return None if value is None or (op is not _softcapped and value == 1) else functools.partial(op, **{"cap" if op is _softcapped else "scale": value})
 
+def _running_layer(
+    head: nn.Module | None,    # the output layer, maybe wrapped by peft
+    adapters_off: bool,        # the call runs with the adapters off (`AdapterOffReference`)
+) -> nn.Module | None:
+    "The module a peft `ModulesToSaveWrapper` (`modules_to_save=[\"lm_head\"]`) runs, picked as its `forward` picks it: the active adapter's trained copy, or the original with the adapters off; any other module itself."
+    if type(head).__name__ != "ModulesToSaveWrapper": return head
+    active = list(head.active_adapters)
+    if adapters_off or head.disable_adapters or not active or any(a not in head.modules_to_save for a in active): return head.original_module
+    return head.modules_to_save[active[0]]
+
 def _output_layer(model: nn.Module) -> _OutputLayer | None:
-    "The output layer `logprobs_from_hidden` can apply in chunks: a plain `nn.Linear` with its whole weight here (not a LoRA layer, not sharded by FSDP or ZeRO-3), on a model that computes only the logits asked for (`logits_to_keep`), with the soft-capping or scaling that follows it where `_logits_after` knows it; else None."
+    "The output layer `logprobs_from_hidden` can apply in chunks: a plain `nn.Linear` with its whole weight here (not a LoRA layer, not sharded by FSDP or ZeRO-3; peft's `modules_to_save` copy, or the original with the adapters off), on a model that computes only the logits asked for (`logits_to_keep`), with the soft-capping or scaling that follows it where `_logits_after` knows it; else None."
     base = _causal_lm(model)
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    head = _running_layer(base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None,
+                          adapters_off=getattr(model, "adapters_off", False))   # `AdapterOffReference`: its forward turns them off
     if type(head) is not nn.Linear or not _accepts(model, "logits_to_keep"): return None
     after = _logits_after(base.config)
     if after is False: return None
@@ -432,6 +443,7 @@ Agent.fsdp_forward_methods = ("response_stats",)   # run the wrapped models othe
 # %% ../nbs/03_agent.ipynb #5f832ebd
 class AdapterOffReference(nn.Module):
     "π_ref for a LoRA policy: the policy's own base weights, its adapter disabled during each call (no second copy)."
+    adapters_off = True          # what `_output_layer` reads: a peft `modules_to_save` copy is not this model's output layer
     def __init__(
         self,
         peft_model: nn.Module,   # the LoRA-wrapped policy (a peft `PeftModel`)

@@ -146,6 +146,31 @@ def test_lora_policy_and_adapter_off_reference(small_chunks):
         assert (pol_lp - ref_lp).abs().max() > 1e-3
 
 
+def test_a_trained_copy_of_the_output_layer_is_scored_in_chunks(small_chunks, monkeypatch):
+    "peft's `modules_to_save=[\"lm_head\"]` (the output layer trained in full beside LoRA adapters, as when tokens were added): the policy is scored in chunks through the trained copy, its reference (adapters off) through the original, with the logits path's numbers and gradients."
+    peft = pytest.importorskip("peft")
+    base = tiny("qwen2", 97)
+    policy = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with torch.no_grad(): policy.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)   # the copy, trained
+    reference = create_reference_model(policy)
+    small_chunks(base)
+    x = batch(97)
+    assert _output_layer(policy).weight is policy.base_model.model.lm_head.modules_to_save["default"].weight
+    with torch.no_grad():
+        torch.testing.assert_close(response_logprobs(reference, *x)[0], logprobs_from_logits(response_logits(base, *x)[0], x[2]), rtol=0, atol=1e-5)
+    results = []
+    for chunked in (True, False):
+        if not chunked: monkeypatch.setattr(agent_module, "_output_layer", lambda model: None)
+        policy.zero_grad()
+        lp, H = training_pass(policy, x, chunked)
+        (lp.exp().sum() + H.sum()).backward()
+        results.append((lp, [p.grad.clone() for p in policy.parameters() if p.grad is not None]))
+    (lp, ours), (ref_lp, theirs) = results
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
+    assert len(ours) == len(theirs) > 2                        # the LoRA factors and the output layer's copy
+    for a, b in zip(ours, theirs): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+
+
 _DECODER = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 # family: (config class, model class, what makes the forward change the logits after the output layer, other sizes)
