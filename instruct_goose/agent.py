@@ -126,7 +126,7 @@ def _running_layer(
     return head.modules_to_save[active[0]]
 
 def _output_layer(model: nn.Module) -> _OutputLayer | None:
-    "The output layer `logprobs_from_hidden` can apply in chunks: a plain `nn.Linear` with its whole weight here (not a LoRA layer, not sharded by FSDP or ZeRO-3; peft's `modules_to_save` copy, or the original with the adapters off), on a model that computes only the logits asked for (`logits_to_keep`), with the soft-capping or scaling that follows it where `_logits_after` knows it; else None."
+    "The output layer `logprobs_from_hidden` can apply in chunks: a plain `nn.Linear` with its whole weight here (not a LoRA layer, not sharded by FSDP or ZeRO-3; peft's `modules_to_save` copy, or the original with the adapters off), on a model that computes only the logits asked for (`logits_to_keep`), with the soft-capping or scaling that follows it where the table `_AFTER_OUTPUT_LAYER` has it; else None."
     base = _causal_lm(model)
     head = _running_layer(base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None,
                           adapters_off=getattr(model, "adapters_off", False))   # `AdapterOffReference`: its forward turns them off

@@ -322,12 +322,12 @@ def _add_into(
 
 # %% ../nbs/00_core.ipynb #e82ae832
 def _as_in_forward(device: str, dtype: torch.dtype | None):
-    "A block with autocast as `_Head`'s forward had it on `device`: on with `dtype`, or off (where autocast exists there)."
+    "A block with autocast as the head's forward had it on `device`: on with `dtype`, or off (where autocast exists there)."
     if dtype is not None: return torch.autocast(device, dtype=dtype)
     return torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
 
 def _head_grads_with_graph(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
-    "`_Head`'s gradients (∂h, ∂W, ∂b) by autograd through the plain formula, a chunk at a time, with a graph of their own: what `create_graph=True` asks for (a second derivative), which the written-out backward cannot give."
+    "The head's gradients (∂h, ∂W, ∂b) by autograd through the plain formula, a chunk at a time, with a graph of their own: what `create_graph=True` asks for (a second derivative), which the written-out backward cannot give."
     hidden, weight, bias, labels, _, _ = ctx.saved_tensors
     temperature, size, device, dtype, after = ctx.args
     wants = ctx.needs_input_grad[:3]
