@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['assert_tensor', 'ShapeError', 'typecheck', 'check_number', 'masked_sum', 'masked_mean', 'masked_var', 'masked_whiten',
            'last_true_index', 'pad_to_side', 'logprobs_from_logits', 'entropy_from_logits', 'logprobs_from_hidden',
-           'truncate_after_stop', 'quiet_progress']
+           'Float32Linear', 'truncate_after_stop', 'quiet_progress']
 
 # %% ../nbs/00_core.ipynb #27f526c8
 import contextlib, functools, inspect, math
@@ -426,6 +426,12 @@ def logprobs_from_hidden(
     out = logprobs.view_as(labels), None if entropy == "skip" else entropies.view_as(labels)
     return (*out, best.view_as(labels)) if top1 else out
 
+
+# %% ../nbs/00_core.ipynb #f1c1fd78
+class Float32Linear(nn.Linear):
+    "An output layer whose logits are computed in float32, under autocast too: input, weight and bias as float32, autocast off (TRL 1.16's `cast_lm_head_to_fp32`)."
+    def forward(self, x: Tensor) -> Tensor:
+        with _without_autocast(x): return torch.nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 # %% ../nbs/00_core.ipynb #579d85f0
 @typecheck

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers.pytorch_utils import Conv1D
 
-from .core import _autocast_dtype, _causal_lm, typecheck
+from .core import Float32Linear, _autocast_dtype, _causal_lm, typecheck
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a007
 class LayerCache:
@@ -400,8 +400,9 @@ def _cast_once(
     lm: nn.Module,        # the model `decode` samples from, under autocast
     dtype: torch.dtype,   # autocast's dtype
 ):
-    "Inside the block each linear layer the step calls (`nn.Linear`, GPT-2's `Conv1D`, a tied output layer too; not those `_merged_away`) holds its float weight and bias cast to `dtype`, cast once; the model's own parameters are untouched and come back after."
-    layers = [m for m in lm.modules() if isinstance(m, (nn.Linear, Conv1D)) and not getattr(m, "_merged_away", False)]   # not those a fused or merged layer stands in for
+    "Inside the block each linear layer the step calls (`nn.Linear`, GPT-2's `Conv1D`, a tied output layer too; not those `_merged_away`, not a `Float32Linear`) holds its float weight and bias cast to `dtype`, cast once; the model's own parameters are untouched and come back after."
+    layers = [m for m in lm.modules() if isinstance(m, (nn.Linear, Conv1D)) and not isinstance(m, Float32Linear)   # a float32 output layer stays float32
+              and not getattr(m, "_merged_away", False)]                                                          # not those a fused or merged layer stands in for
     saved = [m._parameters for m in layers]
     cast = lambda p: nn.Parameter(p.detach().to(dtype), requires_grad=False) if p is not None and p.is_floating_point() else p
     for m in layers: m._parameters = {name: cast(p) for name, p in m._parameters.items()}   # an output layer tied to the embedding: only its entry

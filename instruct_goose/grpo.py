@@ -61,6 +61,7 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
     entropy_coef_delta: float = 0.005      # the adaptive coefficient's change per step
     entropy_target: float = 0.2            # the mean entropy per token (nats, over the loss's tokens) at or below which the adaptive bonus applies
     use_bias_correction_kl: bool = True    # weight the k3 KL by the importance ratio (DeepSeek-V3.2), TRL 1.16's default: the unbiased reverse-KL gradient
+    cast_lm_head_to_fp32: bool = False     # the policy's and the reference's output layer compute the logits in float32, for sampling and scoring alike (`cast_lm_head_to_fp32`, ScaleRL)
     kl_coef: float = 0.0                   # the shared name of `beta`
     response_length: int = 512             # the shared name of `max_completion_length`
     num_ppo_epochs: int = 1                # the shared name of `num_iterations`

@@ -19,7 +19,7 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from accelerate import Accelerator
 
-from .agent import (Agent, _is_peft, _load_model, _load_tokenizer, context_length, create_reference_model, disable_dropout, eval_mode,
+from .agent import (Agent, _is_peft, _load_model, _load_tokenizer, cast_lm_head_to_fp32, context_length, create_reference_model, disable_dropout, eval_mode,
                                   response_logprobs, router_aux_coef, router_aux_losses, with_peft)
 from transformers import AutoModelForCausalLM, TrainerCallback
 from accelerate.utils import gather_object
@@ -259,7 +259,10 @@ class OnPolicyTrainer(Trainer):
         self.model = fuse_activations(self.policy_from(model, peft_config))   # before anything samples or scores with it
         policy = self.model.model if isinstance(self.model, Agent) else self.model
         if isinstance(self.args, TRLOptions): self.router_aux_loss_coef = router_aux_coef(policy, self.args.router_aux_loss_coef)   # RLOO, GRPO: MoE's c·L_aux
+        float32_head = getattr(self.args, "cast_lm_head_to_fp32", False)   # GRPO's field
+        if float32_head: cast_lm_head_to_fp32(policy)
         self.ref_model = frozen_reference(policy, ref_model) if self.needs_reference else None
+        if float32_head and self.ref_model is not None: cast_lm_head_to_fp32(self.ref_model)
         self.ref_is_copy = self.ref_model is not None and ref_model is None and not _is_peft(policy)   # our own copy (`setup` may hold it in half precision)
 
     needs_reference: bool = True      # whether the algorithm uses π_ref (GRPO: only when `beta` > 0)

@@ -28,7 +28,6 @@ _VLLM = ("vLLM does not run here: generation is built in; set `temperature`, `ma
 
 _TRL_REFUSED: dict[str, str] = {
     "disable_dropout": "dropout is always off here (the first pass's ratio is exactly 1); it cannot be turned back on",
-    "cast_lm_head_to_fp32": f"{_LATER} (the head runs in the model's dtype, bf16 under mixed precision; the log-softmax of its logits is float32)",
     "ds3_gather_for_generation": f"{_LATER} (ZeRO-3 generation always gathers the full weights)",
     "pad_to_multiple_of": ("padding only widens tensors (for Neuron's one compile per shape), it changes no number; widths here are the "
                            "longest prompt and `max_completion_length`; leave it at 'auto' (TRL's: no padding off Neuron)"),
@@ -72,7 +71,6 @@ class TRLNotYet:
 @dataclass
 class GRPONotYet(TRLNotYet):
     "The further fields of TRL 1.16's `GRPOConfig` that this library does not run yet, at TRL's defaults (see `_TRL_REFUSED`)."
-    cast_lm_head_to_fp32: bool = False             # refused (_TRL_REFUSED): not implemented yet, issue 28
     vllm_importance_sampling_correction: bool = True  # refused (_TRL_REFUSED) unless True: vLLM does not run here
     vllm_importance_sampling_mode: str = "sequence_mask"  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_clip_max: float | None = 3.0  # refused (_TRL_REFUSED): vLLM does not run here

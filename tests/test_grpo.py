@@ -211,3 +211,24 @@ def test_logged_loss_is_the_minibatch_mean_whatever_the_cut(cut, policy_dir, tmp
     assert abs(seen[-1][0]) > 1e-5
     by_hand = sum(mean * tokens for mean, tokens in seen) / sum(tokens for _, tokens in seen)
     assert trainer.loop.state.history[0]["loss"] == pytest.approx(by_hand, rel=1e-5, abs=1e-7)
+
+
+def test_cast_lm_head_to_fp32_samples_and_scores_in_float32(policy_dir, tmp_path, monkeypatch):
+    "TRL 1.16's `cast_lm_head_to_fp32` under bf16 mixed precision: the policy's and the reference's output layers are `Float32Linear`s; the sampler calls the policy's with its float32 weight (not the bf16 cast it makes of every other layer) and gets float32 logits; π_θ = π_ref at the first step gives a KL of exactly 0 (a reference scored through a bf16 head would not)."
+    from instruct_goose.core import Float32Linear
+    calls, forward = [], Float32Linear.forward
+    def recording(self, x):
+        out = forward(self, x)
+        calls.append((self.weight.dtype, out.dtype, torch.is_grad_enabled()))
+        return out
+    monkeypatch.setattr(Float32Linear, "forward", recording)
+    trainer = _tiny_trainer(policy_dir, tmp_path, length, cast_lm_head_to_fp32=True, beta=0.1, mixed_precision="bf16")
+    heads = [m.get_output_embeddings() for m in (trainer.model, trainer.ref_model)]
+    assert [type(h) for h in heads] == [Float32Linear, Float32Linear] and heads[0] is not heads[1]
+    trainer.train()
+    sampling = [c for c in calls if not c[2]]
+    assert len(sampling) >= 8 and all(c[:2] == (torch.float32, torch.float32) for c in sampling), sampling[:3]
+    row = trainer.loop.state.history[0]
+    assert row["kl"] == 0.0, row                                                  # one pass: the KL before any update
+    plain = _tiny_trainer(policy_dir, tmp_path / "plain", length, beta=0.1)
+    assert type(plain.model.get_output_embeddings()) is torch.nn.Linear          # off by default, as TRL's
