@@ -139,3 +139,19 @@ def test_under_autocast_the_cache_holds_autocasts_dtype(arch, tokenizer, monkeyp
     errors = [autocast_draw_error(agent, q, m, tokenizer, graphs=graphs) for graphs in (False, True)]
     assert [layer.keys.dtype for cache in made for layer in cache.layers] == [torch.bfloat16] * (2 * len(made[0].layers))
     assert errors[0] <= 1e-2 and errors[1] <= max(2 * errors[0], 1e-2), errors
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled"])
+def test_a_float32_head_under_autocast_draws_the_scored_p(compile, tokenizer):
+    "GRPO's `cast_lm_head_to_fp32`: under bf16 autocast the replayed (and the compiled) step calls the output layer in float32, its weight float32, and each drawn p is the scored p at least as closely as with the bf16 layer."
+    from instruct_goose import Float32Linear, cast_lm_head_to_fp32
+    agents = [Agent(tiny_causal_lm(tokenizer, arch="llama", seed=0).eval().cuda()) for _ in range(2)]
+    cast_lm_head_to_fp32(agents[1].model)
+    q, m = (t.cuda() for t in encode_prompts(tokenizer, PROMPTS))
+    weights, forward = [], Float32Linear.forward
+    Float32Linear.forward = lambda self, x: weights.append(self.weight.dtype) or forward(self, x)
+    try: errors = [autocast_draw_error(agent, q, m, tokenizer, compile=compile) for agent in agents]
+    finally: Float32Linear.forward = forward
+    assert weights and set(weights) == {torch.float32}
+    assert errors[1] <= max(errors[0], 1e-2), errors
+    torch._dynamo.reset()
