@@ -107,6 +107,7 @@ class _OutputLayer(NamedTuple):
         "(hidden, weight, bias) as the layer multiplies them: float32 for a `Float32Linear` (the caller turns autocast off)."
         return (hidden, self.weight, self.bias) if not self.float32 else (hidden.float(), self.weight.float(), None if self.bias is None else self.bias.float())
     def _precision(self, hidden: Tensor):
+        "Autocast off for a `Float32Linear`; as it is otherwise."
         return _without_autocast(hidden) if self.float32 else contextlib.nullcontext()
     def logits(self, hidden: Tensor) -> Tensor:
         "The model's logits at `hidden` (in autocast's dtype under autocast, as the model computes them; float32 for a `Float32Linear`)."
