@@ -25,7 +25,7 @@ from jaxtyping import Bool, Float, Int
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedModel, PretrainedConfig)
 
-from .core import (Float32Linear, _causal_lm, _without_autocast, check_number, entropy_from_logits, logprobs_from_hidden, logprobs_from_logits, masked_mean,
+from .core import (_LOGITS_PER_CHUNK, Float32Linear, _as_float32, _causal_lm, _without_autocast, check_number, entropy_from_logits, logprobs_from_hidden, logprobs_from_logits, masked_mean,
                                   masked_sum, typecheck)
 
 # %% ../nbs/03_agent.ipynb #758228eb
@@ -82,9 +82,9 @@ def response_logits(
     return out.logits[:, -n_resp - 1:-1], hidden
 
 # %% ../nbs/03_agent.ipynb #a93c0e01
-def _softcapped(z: Tensor, cap: float) -> Tensor: return torch.tanh(z / cap) * cap   # Gemma 2: logits / c, tanh, × c
-def _times(z: Tensor, scale: float) -> Tensor: return z * scale
-def _over(z: Tensor, scale: float) -> Tensor: return z / scale
+def _softcapped(z: Tensor, value: float) -> Tensor: return torch.tanh(z / value) * value   # Gemma 2: logits / c, tanh, × c
+def _times(z: Tensor, value: float) -> Tensor: return z * value
+def _over(z: Tensor, value: float) -> Tensor: return z / value
 
 # config fields that change the logits after the output layer (soft-capping, scaling)
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
@@ -103,9 +103,12 @@ class _OutputLayer(NamedTuple):
     float32: bool = False                      # the layer computes in float32 under autocast too (`cast_lm_head_to_fp32`)
     @property
     def out_features(self) -> int: return self.weight.shape[0]
+    def chunks(self, hidden: Tensor) -> tuple:
+        "`hidden` cut into chunks whose logits hold at most `_LOGITS_PER_CHUNK` numbers."
+        return hidden.split(max(1, _LOGITS_PER_CHUNK // self.out_features))
     def _inputs(self, hidden: Tensor) -> tuple:
         "(hidden, weight, bias) as the layer multiplies them: float32 for a `Float32Linear` (the caller turns autocast off)."
-        return (hidden, self.weight, self.bias) if not self.float32 else (hidden.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return _as_float32(hidden, self.weight, self.bias) if self.float32 else (hidden, self.weight, self.bias)
     def _precision(self, hidden: Tensor):
         "Autocast off for a `Float32Linear`; as it is otherwise."
         return _without_autocast(hidden) if self.float32 else contextlib.nullcontext()
@@ -124,7 +127,7 @@ def _logits_after(config) -> Callable[[Tensor], Tensor] | None | bool:
     field, op = _AFTER_OUTPUT_LAYER.get(config.model_type, (None, None))
     if any(getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS if name != field): return False
     value = getattr(config, field, None) if field else None
-    return None if value is None or (op is not _softcapped and value == 1) else functools.partial(op, **{"cap" if op is _softcapped else "scale": value})
+    return None if value is None or (op is not _softcapped and value == 1) else functools.partial(op, value=value)   # a scale of 1: nothing
 
 def _running_layer(
     head: nn.Module | None,    # the output layer, maybe wrapped by peft

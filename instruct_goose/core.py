@@ -321,24 +321,20 @@ def _add_into(
 
 
 # %% ../nbs/00_core.ipynb #e82ae832
-def _as_in_forward(device: str, dtype: torch.dtype | None):
-    "A block with autocast as the head's forward had it on `device`: on with `dtype`, or off (where autocast exists there)."
-    if dtype is not None: return torch.autocast(device, dtype=dtype)
-    return torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+def _as_in_forward(x: Tensor, dtype: torch.dtype | None):
+    "A block with autocast as the head's forward had it on `x`'s device: on with `dtype`, or off (`_without_autocast`)."
+    return torch.autocast(x.device.type, dtype=dtype) if dtype is not None else _without_autocast(x)
 
 def _head_grads_with_graph(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple:
     "The head's gradients (∂h, ∂W, ∂b) by autograd through the plain formula, a chunk at a time, with a graph of their own: what `create_graph=True` asks for (a second derivative), which the written-out backward cannot give."
     hidden, weight, bias, labels, _, _ = ctx.saved_tensors
-    temperature, size, device, dtype, after = ctx.args
+    temperature, size, _, dtype, after = ctx.args
     wants = ctx.needs_input_grad[:3]
     dh, dW, db = [], None, None
     for start in range(0, len(hidden), size):
         rows = slice(start, start + size)
         h = hidden[rows]
-        with _as_in_forward(device, dtype):
-            z = torch.nn.functional.linear(h, weight, bias)
-            if after is not None: z = after(z)
-        log_p = (z.float() / temperature).log_softmax(-1)
+        with _as_in_forward(h, dtype): log_p = _head_logits(h, weight, bias, temperature, after).log_softmax(-1)
         outputs = [log_p.gather(-1, labels[rows, None]).squeeze(-1)]
         grads = [grad_logprobs[rows] if grad_logprobs is not None else torch.zeros_like(outputs[0])]
         if grad_entropy is not None:
@@ -382,11 +378,11 @@ class _Head(torch.autograd.Function):
             g = grad_logprobs[rows] if grad_logprobs is not None else h.new_zeros(len(h), dtype=torch.float32)
             u = torch.nn.functional.linear(h, weight, bias) if kept is None else None   # the layer's output, recomputed
             log_p = kept if kept is not None else _log_softmax_(_tempered(u, temperature, after))
-            if grad_entropy is None: dz = (log_p.exp() if kept is not None else log_p.exp_()).mul_(-g[:, None])
-            else:
+            if grad_entropy is not None:
                 if kept is None: log_p.clamp_(min=_LOG_P_FLOOR)   # as the forward's entropy read it
                 coef = (log_p + entropies[rows, None]).mul_(grad_entropy[rows, None]).add_(g[:, None])   # g_π + g_H (log p + H)
-                dz = (log_p.exp() if kept is not None else log_p.exp_()).mul_(coef).neg_()
+            p = log_p.exp() if kept is not None else log_p.exp_()   # a kept log p is read, not overwritten
+            dz = p.mul_(-g[:, None]) if grad_entropy is None else p.mul_(coef).neg_()
             dz[torch.arange(len(dz), device=dz.device), labels[rows]] += g
             if temperature != 1.0: dz.div_(temperature)
             if after is not None: dz = _through(after, u, dz)     # through the soft-capping or scaling after the layer
@@ -428,10 +424,14 @@ def logprobs_from_hidden(
 
 
 # %% ../nbs/00_core.ipynb #f1c1fd78
+def _as_float32(*xs: Tensor | None) -> tuple:
+    "Each tensor as float32 (None stays None)."
+    return tuple(None if x is None else x.float() for x in xs)
+
 class Float32Linear(nn.Linear):
     "An output layer whose logits are computed in float32, under autocast too: input, weight and bias as float32, autocast off (TRL 1.16's `cast_lm_head_to_fp32`)."
     def forward(self, x: Tensor) -> Tensor:
-        with _without_autocast(x): return torch.nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        with _without_autocast(x): return torch.nn.functional.linear(*_as_float32(x, self.weight, self.bias))
 
 # %% ../nbs/00_core.ipynb #579d85f0
 @typecheck

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 
 from .agent import (_OutputLayer, _load_model, _load_tokenizer, disable_dropout, eval_mode, load_tokenizer, loss_token_states, pack_bins,
                                   packed_forward, positions_for, router_aux_coef, router_aux_losses, states_logps, states_stats, with_peft)
-from .core import _LOGITS_PER_CHUNK, _without_autocast, check_number, typecheck
+from .core import _without_autocast, check_number, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, pad_to_multiple, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
@@ -239,7 +239,7 @@ class CompletionLogps(NamedTuple):
 # %% ../nbs/09c_dpo.ipynb #d4f0c001
 def _mean_logits(hidden: Tensor, head: _OutputLayer) -> Tensor:
     "The mean over the vocabulary of each position's logits, in float32: h · mean_v W_v + mean(b) without the logits (under autocast too), or, after a soft-capping or scaling (`head.after`), from the logits a chunk at a time."
-    if head.after is not None: return torch.cat([head.logits(h).float().mean(-1) for h in hidden.split(max(1, _LOGITS_PER_CHUNK // head.out_features))])
+    if head.after is not None: return torch.cat([head.logits(h).float().mean(-1) for h in head.chunks(hidden)])
     with _without_autocast(hidden): mean = hidden.float() @ head.weight.float().mean(0)   # a matmul: autocast's bf16 otherwise
     return mean if head.bias is None else mean + head.bias.float().mean()
 
@@ -267,7 +267,7 @@ def completion_logps(
     token_logps, entropy, top1 = states_stats(out, labels, head) if stats else (states_logps(out, labels, head), None, None)
     if head is not None:                                                                   # out: (tokens, hidden); the head in chunks
         mean_logits = _mean_logits(out.detach(), head)
-        log_sum_sq = lambda: torch.cat([_log_sum_sq(head.logits(h)) for h in out.split(max(1, _LOGITS_PER_CHUNK // head.out_features))])
+        log_sum_sq = lambda: torch.cat([_log_sum_sq(head.logits(h)) for h in head.chunks(out)])
     else:                                                                                  # out: (tokens, vocab) logits
         mean_logits, log_sum_sq = out.detach().float().mean(-1), lambda: _log_sum_sq(out)
     per_row = lambda x: torch.zeros(len(input_ids), device=x.device).index_add(0, row, x)

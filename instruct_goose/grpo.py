@@ -27,9 +27,10 @@ from .agent import response_logprobs
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, _prompt_columns
 from .tools import ToolConfig
 
-# %% ../nbs/09b_grpo.ipynb #89eed8c0
+# %% ../nbs/09b_grpo.ipynb #b7dc7cdd
 _LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")   # TRL 1.16's `loss_type`s
 
+# %% ../nbs/09b_grpo.ipynb #89eed8c0
 @dataclass
 class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
     "GRPO's knobs under TRL's `GRPOConfig` names and defaults (TRL 1.16), each kept equal to its shared on-policy field (`merge_names`)."
