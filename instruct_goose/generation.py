@@ -16,6 +16,7 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from jaxtyping import Bool, Int
 from transformers import GenerationConfig
+from transformers.generation import ContinuousBatchingConfig
 from transformers.pytorch_utils import Conv1D
 
 from .core import _autocast_dtype, _causal_lm, _without_autocast, check_number, truncate_after_stop, typecheck
@@ -144,6 +145,47 @@ def _hf_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_to
                              **config.update(**generate_kwargs))   # GenerationConfig options go into the config, the rest to `generate`
     return F.pad(out[:, query_ids.shape[1]:], (0, max_new_tokens - (out.shape[1] - query_ids.shape[1])), value=pad_token_id)  # all rows stopped early
 
+# %% ../nbs/03b_generation.ipynb #3b21a7c9
+_LOGITS_ONLY = ("MinPLogitsWarper", "SuppressTokensLogitsProcessor")   # read the logits only: right under continuous batching, though 🤗 5.24 leaves them unmarked
+
+def _continuous_batching_refusal(model: nn.Module, config: GenerationConfig) -> str | None:
+    "Why 🤗's continuous batching would not sample from `config`: a logits processor it drops, or one that reads a row's earlier tokens (it hands each processor the last token only)."
+    wrong = [type(p).__name__ for p in model._get_logits_processor(config)   # the list 🤗's engine builds (continuous_api.py)
+             if not (getattr(p, "supports_continuous_batching", None) or type(p).__name__ in _LOGITS_ONLY)]
+    return wrong and f"🤗's continuous batching would drop or misapply {', '.join(wrong)} (its processors see each row's last token only)"
+
+@contextmanager
+def _forward_before_accelerate(model: nn.Module):
+    "`model.forward` without the mixed-precision wrapper accelerate's `prepare` puts on it (keeping the one before as `_original_forward`): 🤗's continuous batching caches keys in `model.dtype`, and would be handed bf16 ones."
+    wrapped = vars(model).get("forward")
+    if wrapped is None or not hasattr(model, "_original_forward"): yield; return
+    model.forward = model._original_forward
+    try: yield
+    finally: model.forward = wrapped
+
+
+# %% ../nbs/03b_generation.ipynb #cd2f00ba
+def _cb_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, sampling, generate_kwargs, options):
+    "🤗's continuous batching (`generate_batch`: paged KV cache, rows leave when they stop) on the unpadded prompts with our sampling options only, the responses padded to `max_new_tokens`."
+    config = GenerationConfig(do_sample=True, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id, eos_token_id=stop_token_ids, **sampling)
+    if unused := config.update(**generate_kwargs):
+        raise ValueError(f"`continuous_batching` takes GenerationConfig options only, and {sorted(unused)} are 🤗 generate's arguments: remove them")
+    lm = _causal_lm(model)
+    if refusal := _continuous_batching_refusal(lm, config): raise ValueError(f"`continuous_batching`: {refusal}; leave that option unset, or sample without it")
+    prompts = [ids[real.bool()].tolist() for ids, real in zip(query_ids, query_attention_mask)]
+    options = {} if options is True else dict(options)
+    if "num_blocks" not in options and "max_memory_percent" not in options:   # a cache for this batch, every row at once: not 🤗's share of free memory (of host RAM on the CPU)
+        options["num_blocks"] = sum(-(-(len(p) + max_new_tokens) // options.get("page_size", 256)) for p in prompts)
+    try: options = ContinuousBatchingConfig(**{"drop_unsupported_processors": False, **options})
+    except TypeError as e: raise ValueError(f"`continuous_batching` options must be ContinuousBatchingConfig fields: {e}") from None
+    with own_generation_config(model), _forward_before_accelerate(lm):   # in the weights' dtype: the caller's autocast does not reach the engine's thread
+        out = list(lm.generate_batch(prompts, generation_config=config, continuous_batching_config=options, progress_bar=False).values())
+    if len(out) != len(prompts) or any(o.error for o in out):   # 🤗 logs a failed request and returns the rest
+        raise RuntimeError(f"🤗's continuous batching returned {len(out)} of {len(prompts)} responses: {next((o.error for o in out if o.error), 'see its log')}")
+    return torch.tensor([o.generated_tokens[:max_new_tokens] + [pad_token_id] * (max_new_tokens - len(o.generated_tokens)) for o in out],
+                        dtype=query_ids.dtype, device=query_ids.device)
+
+
 # %% ../nbs/03b_generation.ipynb #aca1722a
 @torch.no_grad()
 @typecheck
@@ -163,7 +205,8 @@ def generate_responses(
     repetition_penalty: float = 1.0,                      # 🤗's: the logit z of a token already in the row becomes z/θ if z > 0, else z·θ (1: off)
     own_decoder: bool | None = None,                      # sample through `decode` (our loop; on a GPU its steps replayed from CUDA graphs) rather than 🤗 `generate`; None: whenever `decoding_refusal` has no objection, on the CPU and on a GPU
     compile: bool | dict = False,                         # `decode`'s step through `torch.compile` (its `compile`: fused kernels inside the CUDA graph), where `decode` samples; a GPU lever, compiled once per batch size and 64 prompt widths
-    **generate_kwargs,                                    # passed on to 🤗 `generate` (then `decode` is not used); like the four above they are part of the sampler, not of the scored distribution (see "How π_old is scored")
+    continuous_batching: bool | dict = False,             # sample through 🤗's continuous batching (`generate_batch`; TRL 1.16's `use_transformers_continuous_batching`); a dict: its `ContinuousBatchingConfig` options (TRL's `transformers_continuous_batching_config`; by default a KV cache sized to the batch)
+    **generate_kwargs,                                    # passed on to 🤗 `generate` or its continuous batching (then `decode` is not used); like the four above they are part of the sampler, not of the scored distribution (see "How π_old is scored")
 ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
     "Sample one response per prompt from softmax(z / T), narrowed by top-k/top-p/min-p and a repetition penalty when asked (the model's own `generation_config` ignored), cut after its first stop token, pad to `max_new_tokens`."
     _check_left_padded(query_attention_mask)
@@ -175,14 +218,19 @@ def generate_responses(
     if own_decoder and refusal: raise ValueError(f"`own_decoder=True`, but `decode` cannot sample from this model: {refusal}")
     if compile and (own_decoder is False or refusal):
         raise ValueError(f"`compile` compiles `decode`'s step, but {'own_decoder=False samples with 🤗 generate' if own_decoder is False else 'decode cannot sample from this model: ' + refusal}")
+    if continuous_batching and (other := next((n for n, v in (("own_decoder", own_decoder), ("compile", compile), ("static_cache", static_cache is not None),
+                                                                ("packed", packed)) if v), None)):
+        raise ValueError(f"`{other}` sets another sampler, and `continuous_batching` samples with 🤗's engine: leave `{other}` unset")
     if own_decoder is None: own_decoder = not refusal
     half = _autocast_dtype("cpu")                                                                        # CPU autocast's dtype: the packed weights' too
     if packed and half not in (None, torch.bfloat16): raise ValueError(f"`packed=True` packs float32 or bfloat16 weights, but CPU autocast is on in {half}: leave `packed` at None")
-    if packed is None: packed = (query_ids.device.type == "cpu" and not compile                           # compiled: plain weights
+    if packed is None: packed = (query_ids.device.type == "cpu" and not compile and not continuous_batching   # compiled, or 🤗's engine: plain weights
                                  and half in (None, torch.bfloat16) and (half is None or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
     with eval_mode(model), merged_adapters(model), packed_linears(model, len(query_ids), dtype=half) if packed else nullcontext():
-        response = (decode(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, **sampling, compile=compile) if own_decoder else
+        response = (_cb_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, sampling, generate_kwargs, continuous_batching)
+                    if continuous_batching else
+                    decode(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, **sampling, compile=compile) if own_decoder else
                     _hf_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, static_cache, sampling, generate_kwargs))
     return truncate_after_stop(response, stop_token_ids, pad_token_id)
 

@@ -31,8 +31,6 @@ _TRL_REFUSED: dict[str, str] = {
     "ds3_gather_for_generation": f"{_LATER} (ZeRO-3 generation always gathers the full weights)",
     "pad_to_multiple_of": ("padding only widens tensors (for Neuron's one compile per shape), it changes no number; widths here are the "
                            "longest prompt and `max_completion_length`; leave it at 'auto' (TRL's: no padding off Neuron)"),
-    **dict.fromkeys(("use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged"),
-                    f"{_LATER} (generation is built in)"),
     "log_multimodal": "completions here are text only: there is nothing multimodal to log or to leave out; leave it at True",
     "log_completions_hub_repo": "nothing is uploaded to the Hub from here: with `log_completions` the table is in output_dir/completions.jsonl (`goose completions`)",
     **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
@@ -63,9 +61,6 @@ class TRLNotYet:
     vllm_max_model_length: int | None = None       # refused (_TRL_REFUSED): vLLM does not run here
     vllm_tensor_parallel_size: int = 1             # refused (_TRL_REFUSED): vLLM does not run here
     log_multimodal: bool = True                    # refused (_TRL_REFUSED) unless True: text only, nothing multimodal to log
-    use_transformers_continuous_batching: bool = False  # refused (_TRL_REFUSED): not implemented yet, issue 28
-    transformers_continuous_batching_config: dict | None = None  # refused (_TRL_REFUSED): not implemented yet, issue 28
-    use_transformers_paged: bool = False           # refused (_TRL_REFUSED): not implemented yet, issue 28
 
 # %% ../nbs/09_rloo.ipynb #ce77ecce
 @dataclass

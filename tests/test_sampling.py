@@ -191,3 +191,23 @@ def test_num_tokens_counts_prompts_and_completions(policy_dir, tmp_path):
     trainer.sample_rollout = recording
     trainer.train()
     assert [row["num_tokens"] for row in trainer.loop.state.history] == [seen[0], seen[0] + seen[1]]
+
+
+@pytest.mark.parametrize("algo, precision, switch", [("grpo", "bf16", "use_transformers_continuous_batching"), ("rloo", "no", "use_transformers_paged")])
+def test_continuous_batching_samples_every_rollout(policy_dir, tmp_path, monkeypatch, algo, precision, switch):
+    """TRL's switch (or its old name) samples each rollout through 🤗's continuous batching, with the cache sized to the
+    batch. Under bf16 mixed precision the engine runs the model as loaded, float32, with accelerate's autocast wrapper
+    set aside for the call and put back; the weights stay float32 (TRL 1.16 casts them to bf16 in place for it)."""
+    from instruct_goose import generation
+    calls, wrappers, engine = [], [], generation._cb_generate
+    def noting(model, *args):
+        calls.append(args[-1]); wrappers.append(vars(model).get("forward"))   # accelerate's mixed-precision forward, if any
+        return engine(model, *args)
+    monkeypatch.setattr(generation, "_cb_generate", noting)
+    trainer = _trainer(policy_dir, tmp_path, algo, mixed_precision=precision, max_steps=2, **{switch: True})
+    trainer.train()
+    assert calls == [True, True], calls                                             # one generation a step, TRL's default options
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert vars(trainer.model).get("forward") is wrappers[0] and (wrappers[0] is not None) == (precision == "bf16")   # accelerate's wrapper given back
+    rollout, _ = trainer.sample_rollout(trainer.model, trainer.train_dataset[:2], seed=0)
+    assert rollout.response_ids.shape[1] == 8 and rollout.response_mask.any(1).all()
