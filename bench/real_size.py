@@ -450,6 +450,12 @@ def apply_levers(levers):
             gen = gm.generate_responses
             def generate_hf(*x, **k): return gen(*x, **{**k, "own_decoder": False})
             tm.generate_responses = generate_hf
+        elif lever == "continuous_batching":
+            # 🤗's continuous batching engine samples (`generate_batch`, paged KV cache sized to the batch; TRL 1.16's
+            # `use_transformers_continuous_batching`), in the weights' dtype: autocast does not reach its thread
+            gen = gm.generate_responses
+            def generate_cb(*x, **k): return gen(*x, **{**k, "continuous_batching": True})
+            tm.generate_responses = generate_cb
         elif lever == "unfused":
             # GPT-2's GELU as 🤗 writes it, seven tensor operations (the library runs PyTorch's fused kernel: `fuse_activations`)
             import instruct_goose.loop as lm
@@ -823,7 +829,7 @@ def main():
     p.add_argument("--optim", default="adamw_torch_fused", help="🤗's optimizer name on both sides, e.g. adamw_8bit (bitsandbytes: 2 bytes of moments a parameter instead of 8); the phase tables time only AdamW's step as 'optimizer' (TRL's PPO windows too): for memory and --max_batch")
     p.add_argument("--live_bytes", action="store_true",
                    help="count the training's tensor bytes with LiveBytes (a CPU stand-in for torch.cuda.max_memory_allocated, less the weights built before training; slows the run: memory only)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--params", action="store_true", help="only build the shape's policy on the meta device and print its parameter count")

@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 from transformers.generation import ContinuousBatchingConfig
 from transformers.pytorch_utils import Conv1D
 
-from .core import _autocast_dtype, _causal_lm, _without_autocast, check_number, truncate_after_stop, typecheck
+from .core import Float32Linear, _autocast_dtype, _causal_lm, _without_autocast, check_number, truncate_after_stop, typecheck
 from .agent import Agent, _check_left_padded, eval_mode
 from .decoding import decode, decoding_refusal
 
@@ -163,6 +163,17 @@ def _forward_before_accelerate(model: nn.Module):
     try: yield
     finally: model.forward = wrapped
 
+@contextmanager
+def _weights_in(model: nn.Module, dtype: torch.dtype | None):
+    "Inside the block every float parameter of `model` is a copy in `dtype` (one copy for tied ones; not a `Float32Linear`'s, nor a LoRA base layer `merged_adapters` stands in for), so `model.dtype` is `dtype`; the parameters come back after. None: nothing changes."
+    modules = [m for m in model.modules() if dtype and m._parameters and not isinstance(m, Float32Linear) and not getattr(m, "_merged_away", False)]
+    saved, copies = [m._parameters for m in modules], {}
+    def cast(p): return copies.setdefault(id(p), nn.Parameter(p.detach().to(dtype), requires_grad=False)) if p is not None and p.is_floating_point() else p
+    for m in modules: m._parameters = {name: cast(p) for name, p in m._parameters.items()}
+    try: yield
+    finally:
+        for m, own in zip(modules, saved): m._parameters = own
+
 
 # %% ../nbs/03b_generation.ipynb #cd2f00ba
 def _cb_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, sampling, generate_kwargs, options):
@@ -178,7 +189,8 @@ def _cb_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_to
         options["num_blocks"] = sum(-(-(len(p) + max_new_tokens) // options.get("page_size", 256)) for p in prompts)
     try: options = ContinuousBatchingConfig(**{"drop_unsupported_processors": False, **options})
     except TypeError as e: raise ValueError(f"`continuous_batching` options must be ContinuousBatchingConfig fields: {e}") from None
-    with own_generation_config(model), _forward_before_accelerate(lm):   # in the weights' dtype: the caller's autocast does not reach the engine's thread
+    half = _autocast_dtype(query_ids.device.type)                # the engine's thread runs without the caller's autocast: its dtype goes into the weights
+    with own_generation_config(model), _forward_before_accelerate(lm), _weights_in(lm, half if lm.dtype == torch.float32 else None):
         out = list(lm.generate_batch(prompts, generation_config=config, continuous_batching_config=options, progress_bar=False).values())
     if len(out) != len(prompts) or any(o.error for o in out):   # 🤗 logs a failed request and returns the rest
         raise RuntimeError(f"🤗's continuous batching returned {len(out)} of {len(prompts)} responses: {next((o.error for o in out if o.error), 'see its log')}")

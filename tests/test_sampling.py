@@ -196,8 +196,8 @@ def test_num_tokens_counts_prompts_and_completions(policy_dir, tmp_path):
 @pytest.mark.parametrize("algo, precision, switch", [("grpo", "bf16", "use_transformers_continuous_batching"), ("rloo", "no", "use_transformers_paged")])
 def test_continuous_batching_samples_every_rollout(policy_dir, tmp_path, monkeypatch, algo, precision, switch):
     """TRL's switch (or its old name) samples each rollout through 🤗's continuous batching, with the cache sized to the
-    batch. Under bf16 mixed precision the engine runs the model as loaded, float32, with accelerate's autocast wrapper
-    set aside for the call and put back; the weights stay float32 (TRL 1.16 casts them to bf16 in place for it)."""
+    batch. Under bf16 mixed precision the engine samples from bf16 copies of the weights, accelerate's autocast wrapper
+    set aside for the call and put back; the trained weights stay float32 (TRL 1.16 casts them to bf16 in place for it)."""
     from instruct_goose import generation
     calls, wrappers, engine = [], [], generation._cb_generate
     def noting(model, *args):
