@@ -295,6 +295,7 @@ class OnPolicyTrainer(Trainer):
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
     router_aux_loss_coef: float = 0.0 # c of a mixture-of-experts policy's load-balancing loss c·L_aux (RLOO, GRPO: `router_aux_coef` of the config's field; PPO: none, as TRL 1.12's)
+    trims_responses: bool = True      # a rollout's response columns end at its longest response (`response_width`), as TRL pads completions; False: `response_length` of them always
     keeps_first_pass: bool = True     # when the update's first micro-batch is the whole rollout, the rollout's policy pass (with gradients) is that micro-batch's pass too (`first_pass`); False: a separate no-grad pass
     progress_keys: tuple = ("objective/scores", "objective/kl", "objective/kl_coef")  # metrics shown on the progress bar
 
@@ -508,7 +509,8 @@ def sample_and_score(
         return generate_responses(model, ids, mask, c.response_length, self.stop_token_id, tok.pad_token_id, c.temperature,
                                   **sampling_options(c))
     out = chunked(sample, q_ids, q_mask, torch.arange(len(prompts)), size=c.local_rollout_forward_batch_size)
-    r_ids, r_mask = out[:2]
+    width = self.response_width(out[1], loop)                    # the columns after every response's end cost every pass of the step
+    r_ids, r_mask = out[0][:, :width], out[1][:, :width]
     completion_ids = [ids[m].tolist() for ids, m in zip(r_ids.cpu(), r_mask.cpu())]   # the tokens, up to and with the stop token
     completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
     with self.on_device(self.reward_model, None if loop is None else loop.device):   # functions may read the tokens too, as TRL passes them
@@ -519,8 +521,21 @@ def sample_and_score(
     if c.missing_eos_penalty is not None:
         stopped = ((r_ids == self.stop_token_id) & r_mask).any(1)
         scores = scores - c.missing_eos_penalty * (~stopped).float()
-    tools = (None,) * 3 if self.tools is None else (out.tool_mask, out.num_tool_calls, out.num_tool_failures)
+    tools = (None,) * 3 if self.tools is None else (out.tool_mask[:, :width], out.num_tool_calls, out.num_tool_failures)
     return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each, *tools)
+
+# %% ../nbs/08_onpolicy.ipynb #09db1515
+@patch
+def response_width(
+    self: OnPolicyTrainer,
+    response_mask: Tensor,           # (batch, response_length) True on real tokens
+    loop: TrainLoop | None = None,   # the run's loop: under several processes the width is the largest of any process's
+) -> int:                            # columns to keep: the longest response's tokens (at least 1); all of them with `trims_responses` off
+    "How many response columns a rollout keeps: up to its longest response, every process's, as TRL pads completions to the longest."
+    if not self.trims_responses: return response_mask.shape[1]
+    width = response_mask.sum(1).max().clamp(min=1)
+    if loop is not None and loop.accelerator.num_processes > 1: width = loop.accelerator.gather(width.to(loop.device)[None]).max()
+    return int(width)
 
 # %% ../nbs/08_onpolicy.ipynb #e8a39f71
 def prompt_budget(

@@ -40,6 +40,8 @@ reward = lambda prompts, completions: [len(c) / 10 for c in completions]
 common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation, total_episodes=32,
               response_length=6, local_rollout_forward_batch_size=4, num_ppo_epochs=2, num_sample_generations=0,
               disable_tqdm=True, learning_rate=1e-3, save_steps=2, resume_from_checkpoint=resume)
+if os.environ.get("EARLY_STOPS"):   # EOS likely: each process's longest response differs, the rollout keeps the longest of all
+    common["generation_kwargs"] = {"sequence_bias": [[[tokenizer.eos_token_id], 5.0]]}
 if algo == "ppo":
     torch.manual_seed(0)
     trainer = RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model),
@@ -70,8 +72,9 @@ def setup_dir(policy_dir, tmp_path_factory):
     return where
 
 
-def _run(setup_dir, out, algo, processes, accumulation, resume=None):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache"}
+def _run(setup_dir, out, algo, processes, accumulation, resume=None, early_stops=False):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache",
+           **({"EARLY_STOPS": "1"} if early_stops else {})}
     script = [str(setup_dir / "train.py"), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
     if processes == 1: command = [sys.executable] + script
     else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
@@ -115,3 +118,13 @@ def test_two_processes_equal_one(algo, setup_dir, tmp_path):
     shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     resumed = _run(setup_dir, tmp_path / "resumed", algo, processes=1, accumulation=2, resume="latest")
     _assert_same(two, resumed, "2-process run vs its checkpoint resumed by 1 process")
+
+
+def test_two_processes_equal_one_when_responses_stop_early(setup_dir, tmp_path):
+    """PPO (its whitening gathers (rows × response) tensors from every process) with responses that stop early: each
+    process's rollout keeps the response columns of the longest response of any process (`response_width`), so the
+    shapes agree and 2 processes train as 1 process with 2 micro-batches."""
+    one = _run(setup_dir, tmp_path / "one", "ppo", processes=1, accumulation=2, early_stops=True)
+    two = _run(setup_dir, tmp_path / "two", "ppo", processes=2, accumulation=1, early_stops=True)
+    _assert_same(one, two, "responses that stop early: 1 process x 2 micro-batches vs 2 processes")
+    assert any(row["val/num_eos_tokens"] > 0 for row in one[1])                          # some responses did stop
