@@ -108,8 +108,8 @@ def model_config(shape, tok, n_positions=512):
                        max_position_embeddings=n_positions, tie_word_embeddings=True, **special)
 
 
-def build_models(shape, tok, response_length=64, value=True, device="cpu"):
-    "(policy, value classifier or None when `value` is False, reward classifier): random weights, fixed seeds, identical on both sides."
+def build_models(shape, tok, response_length=64, value=True, device="cpu", eos_bias=0.0):
+    "(policy, value classifier or None when `value` is False, reward classifier): random weights, fixed seeds, identical on both sides; `eos_bias`: the policy's output layer gets a bias, `eos_bias` on the EOS logit (completions that stop early, as a trained policy's do)."
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     cfg = model_config(shape, tok, positions(response_length))
@@ -122,6 +122,10 @@ def build_models(shape, tok, response_length=64, value=True, device="cpu"):
         else: value = None   # RLOO, GRPO and our shared-critic PPO have no critic trunk: not built (the seeds keep the others as they were)
         torch.manual_seed(2); reward = AutoModelForSequenceClassification.from_config(cls_cfg)
     policy.generation_config.pad_token_id = tok.pad_token_id
+    if eos_bias:   # a trainable bias on the output layer (tied weight untouched): the same model on both sides, it samples shorter completions
+        head = policy.get_output_embeddings()
+        head.bias = torch.nn.Parameter(torch.zeros(head.out_features, device=head.weight.device))
+        with torch.no_grad(): head.bias[tok.eos_token_id] = eos_bias
     return policy, value, reward
 
 
@@ -224,7 +228,7 @@ def run_ours(algo, a, tok, out, clock):
                                 RewardModel)
     from instruct_goose.loop import TrainLoop
     from instruct_goose.onpolicy import OnPolicyTrainer
-    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo == "ppo_separate", device=a.device)
+    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo == "ppo_separate", device=a.device, eos_bias=a.eos_bias)
     clock.info["policy_params"] = n_params(policy)
     # LoRA: adapters through the trainers' `peft_config` (TRL's argument); the reference is then the adapter-off base
     # (ref_model=None), as TRL's (no second copy of the weights)
@@ -291,7 +295,7 @@ def run_trl(algo, a, tok, out, clock):
     import torch, trl
     from datasets import Dataset
     from transformers import TrainerCallback
-    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo.startswith("ppo"), device=a.device)
+    policy, value, reward = build_models(a.model_shape, tok, a.response_length, value=algo.startswith("ppo"), device=a.device, eos_bias=a.eos_bias)
     clock.info["policy_params"] = n_params(policy)
     peft = lora_config(a.model_shape) if a.lora else None
     steps = a.warmup + a.steps
@@ -460,6 +464,9 @@ def apply_levers(levers):
             # GPT-2's GELU as 🤗 writes it, seven tensor operations (the library runs PyTorch's fused kernel: `fuse_activations`)
             import instruct_goose.loop as lm
             lm._WRITTEN_OUT_GELUS = ()
+        elif lever == "untrimmed":
+            # every pass after sampling reads the whole `response_length` (the library cuts a rollout at its longest response: `response_width`)
+            tm.OnPolicyTrainer.trims_responses = False
         elif lever == "no_kept_pass":
             # a separate no-grad policy pass in the rollout (the library keeps the rollout's pass for the update: `first_pass`)
             tm.OnPolicyTrainer.keeps_first_pass = False
@@ -551,7 +558,7 @@ def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None,
     cmd = [sys.executable, __file__, "--child", side, "--algo", algo, "--tok_dir", a.tok_dir,
            "--model-shape", a.model_shape, "--device", a.device, "--dtype", a.dtype, "--batch", str(batch),
            "--response_length", str(a.response_length), "--epochs", str(a.epochs), "--steps", str(steps),
-           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing, "--optim", a.optim] + (["--live_bytes"] if a.live_bytes else []) + sum((["--lever", l] for l in a.lever or []), [])
+           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing, "--optim", a.optim, "--eos_bias", str(a.eos_bias)] + (["--live_bytes"] if a.live_bytes else []) + sum((["--lever", l] for l in a.lever or []), [])
     if lora: cmd.append("--lora")
     if a.mem_limit_mib: cmd += ["--mem_limit_mib", str(a.mem_limit_mib)]
     if a.profile and side == "ours" and not a.max_batch: cmd += ["--profile", a.profile]
@@ -807,6 +814,7 @@ def main():
     p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"], help="run only these sides (e.g. a lever on ours alone)")
     p.add_argument("--batch", type=int, default=8, help="completions per step (RLOO/GRPO: batch/4 prompts x k=4); --max_batch: the first probe")
     p.add_argument("--response_length", type=int, default=64)
+    p.add_argument("--eos_bias", type=float, default=0.0, help="a bias on the policy's EOS logit, both sides: completions that stop early (a random policy almost never stops)")
     p.add_argument("--epochs", type=int, default=4, help="PPO epochs per rollout (RLOO: 1, as TRL's num_iterations=1)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -829,7 +837,7 @@ def main():
     p.add_argument("--optim", default="adamw_torch_fused", help="🤗's optimizer name on both sides, e.g. adamw_8bit (bitsandbytes: 2 bytes of moments a parameter instead of 8); the phase tables time only AdamW's step as 'optimizer' (TRL's PPO windows too): for memory and --max_batch")
     p.add_argument("--live_bytes", action="store_true",
                    help="count the training's tensor bytes with LiveBytes (a CPU stand-in for torch.cuda.max_memory_allocated, less the weights built before training; slows the run: memory only)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache, untrimmed")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--params", action="store_true", help="only build the shape's policy on the meta device and print its parameter count")
@@ -871,7 +879,7 @@ def main():
     def meta_text():
         return (f"{a.model_shape} on {a.device} ({machine}), {a.dtype}{', LoRA r16' if a.lora and not a.max_batch else ''}; "
                 f"torch {torch.__version__}, transformers {transformers.__version__}; batch {a.batch}, response "
-                f"{a.response_length} tokens, PPO {a.epochs} epochs x 1 minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, "
+                f"{a.response_length} tokens{f' (EOS logit +{a.eos_bias})' if a.eos_bias else ''}, PPO {a.epochs} epochs x 1 minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, "
                 + (f"1 epoch; one training step per probe (a fresh process), first batch {a.batch}, at most {a.bisect} bisections; "
                    if a.max_batch else f"1 epoch; {a.warmup} warm-up + {a.steps} timed steps x {a.reps} runs per side; ")
                 + f"levers on ours: {a.lever or 'none'}; gradient checkpointing: {a.checkpointing}; "
