@@ -33,7 +33,7 @@ from .core import check_number, masked_sum, masked_whiten
 from .loop import Trainer, TrainLoop, TrainingConfig, as_callbacks, batch_indices, trainer_arguments
 from .levers import fuse_activations, half_linears
 from .losses import FixedKLController, KLEstimator
-from .rollout import Samples, chunked, micro_batch_index, minibatches, sampling_seed
+from .rollout import Samples, chunked, micro_batch_index, minibatches, sampling_seed, trim_responses
 from .tools import tool_stats, trainer_tools
 
 # %% ../nbs/08_onpolicy.ipynb #f1de586e
@@ -295,7 +295,7 @@ class OnPolicyTrainer(Trainer):
 
     samples_per_prompt: int = 1       # responses sampled for each prompt (RLOO: k)
     router_aux_loss_coef: float = 0.0 # c of a mixture-of-experts policy's load-balancing loss c·L_aux (RLOO, GRPO: `router_aux_coef` of the config's field; PPO: none, as TRL 1.12's)
-    trims_responses: bool = True      # a rollout's response columns end at its longest response (`response_width`), as TRL pads completions; False: `response_length` of them always
+    trims_responses: bool = True      # a rollout's response columns end at its longest response (`response_width`, as TRL pads completions), a micro-batch's at its own (`trim_responses`); False: `response_length` of them always
     keeps_first_pass: bool = True     # when the update's first micro-batch is the whole rollout, the rollout's policy pass (with gradients) is that micro-batch's pass too (`first_pass`); False: a separate no-grad pass
     progress_keys: tuple = ("objective/scores", "objective/kl", "objective/kl_coef")  # metrics shown on the progress bar
 
@@ -762,7 +762,7 @@ def update(
             draws = [micro_batch_index(loop.state.step, epoch, m, i, c.num_ppo_epochs, c.num_mini_batches,
                                        c.gradient_accumulation_steps, acc.num_processes, acc.process_index)
                      for i in range(len(micro_batches))]
-            parts = [rollout[rows] for rows in micro_batches]
+            parts = [trim_responses(rollout[rows]) if self.trims_responses else rollout[rows] for rows in micro_batches]   # each its own longest response
             aux = {"aux": torch.tensor(1.0)} if self.router_aux_loss_coef else {}   # MoE's c·L_aux: a mean per micro-batch's pass, averaged over them
             units = [{**self.loss_units(part, draw), **aux} for part, draw in zip(parts, draws)]
             weights = {name: _micro_batch_weights([u[name] for u in units], loop) for name in units[0]}

@@ -1,7 +1,9 @@
-"""A rollout's response columns end at its longest response (`OnPolicyTrainer.response_width`).
+"""A rollout's response columns end at its longest response (`OnPolicyTrainer.response_width`), a micro-batch's at its
+own (`trim_responses`).
 
 Responses are sampled `response_length` wide; after each one's stop token the columns are padding. The trainers keep
-them only up to the longest response, so every later pass of the step reads fewer tokens. What must hold, checked on
+them only up to the longest response, and each micro-batch of the update up to its own, so every later pass of the
+step reads fewer tokens. What must hold, checked on
 GPT-2 (Conv1D, learned positions) and Llama (rotary, no biases) built from their own config classes, with completions
 made to stop early (a bias on the EOS logit):
 
@@ -29,11 +31,12 @@ def length_reward(prompts, completions): return [len(c) / 10 for c in completion
 def tokenizer(): return task_tokenizer()
 
 
-def make(algo, family, tokenizer, tmp_path, trims, loss_type="grpo"):
+def make(algo, family, tokenizer, tmp_path, trims, loss_type="grpo", **more):
     "A tiny trainer of `algo` on `family`, 2 steps of 4 responses that often stop early, with the response columns cut or not."
     policy = build_causal(BY_NAME[family], tokenizer, seed=0)
-    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, seed=0, disable_tqdm=True,
-                  num_sample_generations=0, max_prompt_length=16, generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 6.0]]})
+    common = {**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, seed=0, disable_tqdm=True,
+                     num_sample_generations=0, max_prompt_length=16, generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 6.0]]}),
+              **more}
     value = build_classifier(BY_NAME[family], tokenizer, seed=1) if algo == "ppo_separate" else None
     model = Agent(policy, value_model=value) if algo.startswith("ppo") else policy   # PPO: the critic built here, so the optimizer can hold it
     sgd = (torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2), None)   # SGD: the parameters' change is the gradients' (Adam would make a near-zero gradient's rounding a whole step)
@@ -84,3 +87,17 @@ def test_cut_columns_train_as_the_whole_width(algo, loss_type, family, tokenizer
                 assert row_cut[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (algo, loss_type, family, key)
     assert max(widths_whole) == max(prompts) + RESPONSE, (widths_whole, prompts)  # without the cut: the whole width
     assert max(widths_cut) < max(prompts) + RESPONSE, (widths_cut, prompts)        # with it: fewer columns in every pass
+
+
+@pytest.mark.parametrize("algo", ["ppo_separate", "grpo"])
+@pytest.mark.parametrize("cut", [dict(num_mini_batches=2), dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)])
+def test_micro_batches_cut_to_their_own_longest(algo, cut, tokenizer, tmp_path):
+    "Two minibatches, or two accumulated micro-batches of 2 rows: each micro-batch's passes end at its own longest response, and the run is the run without the cut."
+    more = dict(loss_type="dapo") if algo == "grpo" else {}
+    cut_run, hist_cut, widths_cut, prompts = run(algo, "llama", tokenizer, tmp_path, True, **cut, **more)
+    whole, hist_whole, _, _ = run(algo, "llama", tokenizer, tmp_path, False, **cut, **more)
+    for name, p in whole.items():
+        torch.testing.assert_close(cut_run[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{algo} {cut} {name}: {m}")
+    for row_cut, row_whole in zip(hist_cut, hist_whole, strict=True):
+        for key, value in row_whole.items():
+            if isinstance(value, float) and key != "eps": assert row_cut[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (algo, cut, key)
