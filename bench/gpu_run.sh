@@ -27,6 +27,9 @@
 #   maxbatch_trl    TRL's side of maxbatch alone from 32 (2026-11-27 reached only its 16, 97 s a probe)
 #   (on an H200 the maxbatch stages cap a probe at 79,000 MiB: what an H100 80GB holds)
 #   compiled     GRPO, ours alone, `--lever compiled_decoder` (the step through inductor inside the graph)
+#   early_stops  0.5B, 512 tokens, GRPO and RLOO vs TRL 1.16 with completions that stop early (`--eos_bias 7.3`: EOS
+#                p ~ 1/100 a token at V = 151,936, the longest of 8 ~270 tokens), as a trained policy's do; since 2026-11-28 a
+#                rollout ends at its longest response on our side (TRL's pads to the longest too)
 #   cb           GRPO, ours alone, `--lever continuous_batching`: 🤗's continuous batching engine samples (TRL 1.16's
 #                `use_transformers_continuous_batching`, new 2026-11-28, never run on a GPU; under autocast it samples from bf16
 #                copies of the weights): its generation ms/token beside `decode`'s graphs is the number
@@ -75,6 +78,7 @@ for stage in "$@"; do
     ppo_shared) $B --algos ppo_shared --epochs 4 --deadline_s $(deadline 100) --json $OUT/real_size_gpu_0.5b_r512_ppo.json ;;
     profile) $B --algos grpo --sides ours --checkpointing selective --profile $OUT/profile_selective --deadline_s $(deadline 60) --json $OUT/real_size_gpu_0.5b_r512_profile_selective.json
       $B --algos grpo --sides ours --profile $OUT/profile_none --deadline_s $(deadline 60) --json $OUT/real_size_gpu_0.5b_r512_profile_none.json ;;
+    early_stops) $B --algos grpo rloo --eos_bias 7.3 --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_eos7.3.json ;;
     cb) $B --algos grpo --sides ours --lever continuous_batching --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_cb.json ;;
     compiled) $B --algos grpo --sides ours --lever compiled_decoder --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_compiled.json ;;
     maxbatch) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 $CAP --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full.json ;;
