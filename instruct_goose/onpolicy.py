@@ -762,7 +762,9 @@ def update(
             draws = [micro_batch_index(loop.state.step, epoch, m, i, c.num_ppo_epochs, c.num_mini_batches,
                                        c.gradient_accumulation_steps, acc.num_processes, acc.process_index)
                      for i in range(len(micro_batches))]
-            parts = [trim_responses(rollout[rows]) if self.trims_responses else rollout[rows] for rows in micro_batches]   # each its own longest response
+            parts = [rollout[rows] for rows in micro_batches]
+            if self.trims_responses:                       # each its own longest response; the kept pass's micro-batch as wide as that pass (all processes' longest)
+                parts = [part if kept is not None and (epoch, m, i) == (0, 0, 0) else trim_responses(part) for i, part in enumerate(parts)]
             aux = {"aux": torch.tensor(1.0)} if self.router_aux_loss_coef else {}   # MoE's c·L_aux: a mean per micro-batch's pass, averaged over them
             units = [{**self.loss_units(part, draw), **aux} for part, draw in zip(parts, draws)]
             weights = {name: _micro_batch_weights([u[name] for u in units], loop) for name in units[0]}

@@ -123,8 +123,10 @@ def test_two_processes_equal_one(algo, setup_dir, tmp_path):
 def test_two_processes_equal_one_when_responses_stop_early(setup_dir, tmp_path):
     """PPO (its whitening gathers (rows × response) tensors from every process) with responses that stop early: each
     process's rollout keeps the response columns of the longest response of any process (`response_width`), so the
-    shapes agree and 2 processes train as 1 process with 2 micro-batches."""
+    gathered shapes agree (without it the gather fails) and 2 processes train as 1 process with 2 micro-batches."""
     one = _run(setup_dir, tmp_path / "one", "ppo", processes=1, accumulation=2, early_stops=True)
     two = _run(setup_dir, tmp_path / "two", "ppo", processes=2, accumulation=1, early_stops=True)
-    _assert_same(one, two, "responses that stop early: 1 process x 2 micro-batches vs 2 processes")
+    # 1 process cuts each of its 2 micro-batches at its own longest response; each of 2 processes reuses its rollout pass,
+    # as wide as both processes' longest: other matrix shapes, other rounding, which Adam (lr 1e-3) makes up to ~3e-6
+    _assert_same(one, two, "responses that stop early: 1 process x 2 micro-batches vs 2 processes", eps=1e-5)
     assert any(row["val/num_eos_tokens"] > 0 for row in one[1])                          # some responses did stop
