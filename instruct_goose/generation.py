@@ -152,7 +152,7 @@ def _continuous_batching_refusal(model: nn.Module, config: GenerationConfig) -> 
     "Why 🤗's continuous batching would not sample from `config`: a logits processor it drops, or one that reads a row's earlier tokens (it hands each processor the last token only)."
     wrong = [type(p).__name__ for p in model._get_logits_processor(config)   # the list 🤗's engine builds (continuous_api.py)
              if not (getattr(p, "supports_continuous_batching", None) or type(p).__name__ in _LOGITS_ONLY)]
-    return wrong and f"🤗's continuous batching would drop or misapply {', '.join(wrong)} (its processors see each row's last token only)"
+    return f"🤗's continuous batching would drop or misapply {', '.join(wrong)} (its processors see each row's last token only)" if wrong else None
 
 @contextmanager
 def _forward_before_accelerate(model: nn.Module):
