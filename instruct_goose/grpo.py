@@ -432,7 +432,7 @@ def old_pass(
     inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask)
     if not needs_entropy: return None, zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs, c.temperature, c.local_rollout_forward_batch_size), None
     both = lambda q, m, r, rm: response_logprobs(policy, q, m, r, rm, c.temperature, "no_grad")[:2]
-    logprobs, entropy = chunked(both, *inputs, size=c.local_rollout_forward_batch_size)
+    logprobs, entropy = chunked(both, *inputs, size=c.local_rollout_forward_batch_size, responses=True)
     return None, zeros if self.reuses_current_logprobs else logprobs, entropy
 
 # %% ../nbs/09b_grpo.ipynb #a7b8c9d0

@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .agent import response_logprobs
@@ -83,16 +84,30 @@ def _concat(parts: list):
     return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
 
 # %% ../nbs/07_rollout.ipynb #6f85cbf9
+def _widen(out, length: int, width: int):
+    "A chunk's results back to `width` response columns: each tensor `length` wide along dim 1 padded with zeros (tuples element by element; None and lists as they are)."
+    if isinstance(out, Tensor):
+        return F.pad(out, (0, 0) * (out.ndim - 2) + (0, width - length)) if out.ndim > 1 and out.shape[1] == length < width else out
+    if not isinstance(out, tuple): return out
+    parts = [_widen(o, length, width) for o in out]
+    return type(out)(*parts) if hasattr(out, "_fields") else tuple(parts)
+
 def chunked(
     fn: Callable,                  # fn(query_ids, query_attention_mask, *rows) -> a tensor or a tuple of tensors
     query_ids: Tensor,             # (batch, query) left-padded prompts
     query_attention_mask: Tensor,  # (batch, query)
     *per_row: Tensor,              # more (batch, ...) tensors, cut the same way
     size: int,                     # rows per call, at most (`local_rollout_forward_batch_size`)
+    responses: bool = False,       # the first two of `per_row` are responses and their mask: each piece's cut after its longest response too, its (rows, resp, …) results padded back with zeros
 ):
-    "`fn` on pieces of at most `size` rows, each piece's prompts cut to its longest, the results concatenated."
-    return _concat([fn(*trim_left_padding(query_ids[s], query_attention_mask[s]), *(x[s] for x in per_row))
-                    for s in chunks(len(query_ids), size)])
+    "`fn` on pieces of at most `size` rows, each piece's prompts cut to its longest (with `responses`, its responses too), the results concatenated."
+    def piece(s):
+        rows = [x[s] for x in per_row]
+        if not responses: return fn(*trim_left_padding(query_ids[s], query_attention_mask[s]), *rows)
+        width, length = rows[1].shape[1], max(int(rows[1].sum(1).max()), 1)
+        out = fn(*trim_left_padding(query_ids[s], query_attention_mask[s]), rows[0][:, :length], rows[1][:, :length], *rows[2:])
+        return _widen(out, length, width)
+    return _concat([piece(s) for s in chunks(len(query_ids), size)])
 
 # %% ../nbs/07_rollout.ipynb #0650741e
 def logprobs_in_chunks(
@@ -104,9 +119,9 @@ def logprobs_in_chunks(
     temperature: float,            # the sampling temperature T
     size: int,                     # rows per forward pass
 ) -> Tensor:                       # (batch, resp) log π(y_t), float32
-    "`model`'s log-probabilities of the response tokens at temperature T, `size` rows per forward pass, each pass's positions in chunks (`response_logprobs`)."
+    "`model`'s log-probabilities of the response tokens at temperature T (0 where a pass's rows are all padding), `size` rows per forward pass cut at their longest response, each pass's positions in chunks (`response_logprobs`)."
     return chunked(lambda q, m, r, rm: response_logprobs(model, q, m, r, rm, temperature)[0],
-                   query_ids, query_attention_mask, response_ids, response_mask, size=size)
+                   query_ids, query_attention_mask, response_ids, response_mask, size=size, responses=True)
 
 # %% ../nbs/07_rollout.ipynb #62dcb538
 def minibatches(

@@ -101,3 +101,24 @@ def test_micro_batches_cut_to_their_own_longest(algo, cut, tokenizer, tmp_path):
     for row_cut, row_whole in zip(hist_cut, hist_whole, strict=True):
         for key, value in row_whole.items():
             if isinstance(value, float) and key != "eps": assert row_cut[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (algo, cut, key)
+
+
+@pytest.mark.parametrize("algo, more", [("ppo_separate", {}), ("rloo", {}), ("grpo", dict(loss_type="dapo", top_entropy_quantile=0.5))])
+def test_rollout_passes_in_chunks_of_their_own_width(algo, more, tokenizer, tmp_path, monkeypatch):
+    """The rollout's no-grad passes (reference, π_old, PPO's values; GRPO's π_old with its entropy) in pieces of 2 rows,
+    each cut at its own longest response (`chunked(responses=True)`), train as the same pieces at the rollout's width:
+    two minibatches, so no pass is kept and every such pass runs chunked."""
+    from instruct_goose import grpo, ppo, rollout
+    settings = dict(num_mini_batches=2, local_rollout_forward_batch_size=2, **more)
+    cut, hist_cut, _, _ = run(algo, "llama", tokenizer, tmp_path / "cut", True, **settings)
+    plain = rollout.chunked
+    for module in (rollout, ppo, grpo):   # every piece at the rollout's width
+        monkeypatch.setattr(module, "chunked", lambda *args, responses=False, **kwargs: plain(*args, **kwargs))
+    whole, hist_whole, _, _ = run(algo, "llama", tokenizer, tmp_path / "whole", True, **settings)
+    for name, p in whole.items():
+        torch.testing.assert_close(cut[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{algo} {name}: {m}")
+    # val/clipfrac_avg counts tokens where (V_old + clamp(V − V_old) − R)² > (V − R)²; with V ≈ V_old the two sides differ
+    # by rounding (V_old + (V − V_old) ≠ V in floats), as in TRL's formula, so other matrix shapes flip a token or two
+    for row_c, row_w in zip(hist_cut, hist_whole, strict=True):
+        for key, value in row_w.items():
+            if isinstance(value, float) and key not in ("eps", "val/clipfrac_avg"): assert row_c[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (algo, key)
