@@ -154,6 +154,7 @@ def _continuous_batching_refusal(model: nn.Module, config: GenerationConfig) -> 
              if not (getattr(p, "supports_continuous_batching", None) or type(p).__name__ in _LOGITS_ONLY)]
     return f"🤗's continuous batching would drop or misapply {', '.join(wrong)} (its processors see each row's last token only)" if wrong else None
 
+# %% ../nbs/03b_generation.ipynb #5b4ff083
 @contextmanager
 def _forward_before_accelerate(model: nn.Module):
     "`model.forward` without the mixed-precision wrapper accelerate's `prepare` puts on it (keeping the one before as `_original_forward`): 🤗's continuous batching caches keys in `model.dtype`, and would be handed bf16 ones."
@@ -163,6 +164,7 @@ def _forward_before_accelerate(model: nn.Module):
     try: yield
     finally: model.forward = wrapped
 
+# %% ../nbs/03b_generation.ipynb #1f7c26d4
 @contextmanager
 def _weights_in(model: nn.Module, dtype: torch.dtype | None):
     "Inside the block every float parameter of `model` is a copy in `dtype` (one copy for tied ones; not a `Float32Linear`'s, nor a LoRA base layer `merged_adapters` stands in for), so `model.dtype` is `dtype`; the parameters come back after. None: nothing changes."
@@ -173,7 +175,6 @@ def _weights_in(model: nn.Module, dtype: torch.dtype | None):
     try: yield
     finally:
         for m, own in zip(modules, saved): m._parameters = own
-
 
 # %% ../nbs/03b_generation.ipynb #cd2f00ba
 def _cb_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, sampling, generate_kwargs, options):

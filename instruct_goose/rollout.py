@@ -92,6 +92,7 @@ def _widen(out, length: int, width: int):
     parts = [_widen(o, length, width) for o in out]
     return type(out)(*parts) if hasattr(out, "_fields") else tuple(parts)
 
+# %% ../nbs/07_rollout.ipynb #3024b8bc
 def chunked(
     fn: Callable,                  # fn(query_ids, query_attention_mask, *rows) -> a tensor or a tuple of tensors
     query_ids: Tensor,             # (batch, query) left-padded prompts
