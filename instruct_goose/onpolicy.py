@@ -764,7 +764,8 @@ def update(
                      for i in range(len(micro_batches))]
             parts = [rollout[rows] for rows in micro_batches]
             if self.trims_responses:                       # each its own longest response; the kept pass's micro-batch as wide as that pass (all processes' longest)
-                parts = [part if kept is not None and (epoch, m, i) == (0, 0, 0) else trim_responses(part) for i, part in enumerate(parts)]
+                parts = [part if kept is not None and (epoch, m, i) == (0, 0, 0) else trim_responses(part, rollout.longest_response(rows))
+                         for i, (part, rows) in enumerate(zip(parts, micro_batches))]
             aux = {"aux": torch.tensor(1.0)} if self.router_aux_loss_coef else {}   # MoE's c·L_aux: a mean per micro-batch's pass, averaged over them
             units = [{**self.loss_units(part, draw), **aux} for part, draw in zip(parts, draws)]
             weights = {name: _micro_batch_weights([u[name] for u in units], loop) for name in units[0]}

@@ -46,12 +46,19 @@ class RowBatch:
         part.query_ids, part.query_attention_mask = part.query_ids[:, -width:], part.query_attention_mask[:, -width:]
         return part
 
+    def longest_response(self, rows: Tensor | slice) -> int:
+        "The most real tokens of a response among `rows` (at least 1), from `response_mask`'s row sums, read to the CPU once per rollout: no sync per micro-batch."
+        if not hasattr(self, "_response_lengths"): self._response_lengths = self.response_mask.sum(1).cpu()
+        return max(int(self._response_lengths[rows].max()), 1)
+
 # %% ../nbs/07_rollout.ipynb #25c95bc6
 def trim_responses(
-    batch: RowBatch,   # a rollout, or a minibatch of one (`rollout[rows]`), with `response_mask`
-) -> RowBatch:         # the same rows, each (rows, resp, …) field cut after the longest response among them
+    batch: RowBatch,          # a rollout, or a minibatch of one (`rollout[rows]`), with `response_mask`
+    length: int | None = None,  # its longest response's tokens, if known (`RowBatch.longest_response`); None: read from `response_mask` (a device sync)
+) -> RowBatch:                # the same rows, each (rows, resp, …) field cut after the longest response among them
     "Drop the response columns that are padding in every row of `batch`: its per-token fields (as wide as `response_mask`, prompts aside) end at its longest response (at least one column)."
-    width, length = batch.response_mask.shape[1], max(int(batch.response_mask.sum(1).max()), 1)
+    width = batch.response_mask.shape[1]
+    if length is None: length = max(int(batch.response_mask.sum(1).max()), 1)
     if length == width: return batch
     cut = {f.name: v[:, :length] for f in fields(batch) if f.name not in ("query_ids", "query_attention_mask")
            and isinstance(v := getattr(batch, f.name), Tensor) and v.ndim > 1 and v.shape[1] == width}
@@ -102,10 +109,11 @@ def chunked(
     responses: bool = False,       # the first two of `per_row` are responses and their mask: each piece's cut after its longest response too, its (rows, resp, …) results padded back with zeros
 ):
     "`fn` on pieces of at most `size` rows, each piece's prompts cut to its longest (with `responses`, its responses too), the results concatenated."
+    lengths = per_row[1].sum(1).cpu() if responses else None   # each response's real tokens: one sync, not one a piece
     def piece(s):
         rows = [x[s] for x in per_row]
         if not responses: return fn(*trim_left_padding(query_ids[s], query_attention_mask[s]), *rows)
-        width, length = rows[1].shape[1], max(int(rows[1].sum(1).max()), 1)
+        width, length = rows[1].shape[1], max(int(lengths[s].max()), 1)
         out = fn(*trim_left_padding(query_ids[s], query_attention_mask[s]), rows[0][:, :length], rows[1][:, :length], *rows[2:])
         return _widen(out, length, width)
     return _concat([piece(s) for s in chunks(len(query_ids), size)])

@@ -205,9 +205,18 @@ def test_continuous_batching_samples_every_rollout(policy_dir, tmp_path, monkeyp
         return engine(model, *args)
     monkeypatch.setattr(generation, "_cb_generate", noting)
     trainer = _trainer(policy_dir, tmp_path, algo, mixed_precision=precision, max_steps=2, **{switch: True})
+    import threading
+    engine_dtypes = []   # the output layer's logits in the engine's own thread (training passes run in this one)
+    trainer.model.lm_head.register_forward_hook(
+        lambda module, args, out: engine_dtypes.append(out.dtype) if threading.current_thread() is not threading.main_thread() else None)
     trainer.train()
+    assert set(engine_dtypes) == {torch.bfloat16 if precision == "bf16" else torch.float32}, set(engine_dtypes)
     assert calls == [True, True], calls                                             # one generation a step, TRL's default options
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
     assert vars(trainer.model).get("forward") is wrappers[0] and (wrappers[0] is not None) == (precision == "bf16")   # accelerate's wrapper given back
     rollout, _ = trainer.sample_rollout(trainer.model, trainer.train_dataset[:2], seed=0)
-    assert rollout.response_ids.shape[1] == 8 and rollout.response_mask.any(1).all()
+    ids, real = rollout.response_ids, rollout.response_mask
+    eos = trainer.stop_token_id
+    for row, n in zip(ids.tolist(), real.sum(1).tolist()):   # real up to and including the first stop, padding after
+        assert eos not in row[:n - 1] and (n == 8 or row[n - 1] == eos), row
+    assert ids.shape[1] == int(real.sum(1).max())            # the rollout ends at its longest response
