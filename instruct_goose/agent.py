@@ -7,7 +7,8 @@ __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'respons
            'response_logprobs', 'token_logprobs', 'lm_nll', 'router_aux_coef', 'router_aux_losses', 'AgentOutput',
            'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode', 'Agent', 'AdapterOffReference',
            'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective', 'pack_bins',
-           'pack_layout', 'packed_forward', 'loss_token_states', 'states_logps', 'states_stats']
+           'pack_layout', 'packed_attention_mask', 'packed_forward', 'loss_token_states', 'states_logps',
+           'packed_response_logprobs', 'packed_response_states', 'states_stats']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import contextlib, copy, functools, inspect, itertools, os
@@ -190,9 +191,12 @@ def response_logprobs(
     temperature: float = 1.0,                            # the sampling temperature T
     entropy: Literal["grad", "no_grad", "skip"] = "skip",  # the entropy too: with gradients, without, or not at all (None)
     output_hidden_states: bool = False,                  # also return the last hidden state at those positions
+    padding_free: bool = False,                          # one forward of the real tokens packed in bins, the output layer at the real responses' positions only (`packed_response_logprobs`); 0 at padding
 ) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None, Float[Tensor, "batch resp hidden"] | None]:  # (log π(y_t), entropy, hidden)
     "Log-probabilities (and entropies, last hidden states) at the response positions, from the last hidden state in chunks (`logprobs_from_hidden`): never the (batch × resp × vocab) logits, where the output layer allows (`response_logits` otherwise)."
     head = _output_layer(model)
+    if padding_free and (head is not None or not output_hidden_states):   # (logits and hidden states together: the padded pass)
+        return packed_response_logprobs(model, query_ids, query_attention_mask, response_ids, response_attention_mask, temperature, entropy, output_hidden_states)
     if head is None:
         logits, hidden = response_logits(model, query_ids, query_attention_mask, response_ids, response_attention_mask, output_hidden_states)
         entropies = None if entropy == "skip" else entropy_from_logits(logits if entropy == "grad" else logits.detach(), temperature)
@@ -421,12 +425,15 @@ class Agent(nn.Module):
         response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
         temperature: float = 1.0,                             # the sampling temperature T
         entropy: Literal["grad", "no_grad", "skip"] = "grad", # the entropy with gradients, without (for logging: no graph kept), or not at all (None)
+        padding_free: bool = False,                           # each model's forward over the real tokens packed in bins (`packed_response_logprobs`); 0 at padding
     ) -> ResponseStats:                                       # per-token logprobs, entropy and values of the response
-        "Log-probabilities, entropies and values at the response positions, in one forward pass of the policy."
+        "Log-probabilities, entropies and values at the response positions, in one forward pass of the policy (and one of the critic's trunk)."
         shared = self.value_model is None
-        logprobs, entropies, hidden = response_logprobs(self.model, query_ids, query_attention_mask, response_ids,
-                                                        response_attention_mask, temperature, entropy, output_hidden_states=shared)
-        if not shared:
+        logprobs, entropies, hidden = response_logprobs(self.model, query_ids, query_attention_mask, response_ids, response_attention_mask,
+                                                        temperature, entropy, output_hidden_states=shared, padding_free=padding_free)
+        if not shared and padding_free:
+            hidden = packed_response_states(self.value_model, query_ids, query_attention_mask, response_ids, response_attention_mask)
+        elif not shared:
             input_ids = torch.cat([query_ids, response_ids], 1)
             mask = torch.cat([query_attention_mask.long(), response_attention_mask.long()], 1)
             hidden = self._critic_hidden(input_ids, mask)[:, -response_ids.shape[1] - 1:-1]
@@ -642,16 +649,36 @@ def pack_layout(
     return slot, positions.view(len(bins), capacity), segments.view(len(bins), capacity)
 
 
+# %% ../nbs/03_agent.ipynb #c4f3f0c6
+def packed_attention_mask(
+    model: nn.Module,        # a 🤗 causal LM: its config names the attention kernel, the sliding window and each layer's type
+    position: Tensor,        # (bins, cap) each slot's position in its sequence (`pack_layout`)
+    segment: Tensor,         # (bins, cap) each slot's sequence (-1: a pad)
+) -> Tensor | dict[str, Tensor]:  # (bins, 1, cap, cap); a dict by layer type where the layers differ
+    "The mask of packed bins: attention inside each sequence, causal, within the sliding window on the layers that have one; additive for eager attention, boolean else."
+    config = _causal_lm(model).config.get_text_config()
+    causal = (segment[:, :, None] == segment[:, None]) & (position[:, :, None] >= position[:, None])
+    window = getattr(config, "sliding_window", None)
+    sliding = causal if window is None else causal & (position[:, :, None] - position[:, None] < window)
+    def kernel_mask(allowed):
+        if config._attn_implementation != "eager": return allowed[:, None]
+        dtype = _causal_lm(model).get_input_embeddings().weight.dtype
+        return torch.zeros(allowed[:, None].shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    types = set(getattr(config, "layer_types", None) or ())
+    if not types: return kernel_mask(sliding)                  # no layer types: a window, if the config sets one, on every layer (Mistral)
+    masks = {t: kernel_mask(sliding if t == "sliding_attention" else causal) for t in types}
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
 # %% ../nbs/03_agent.ipynb #93f94c3b
 @typecheck
 def packed_forward(
-    model: nn.Module,                                # a 🤗 causal LM that takes `position_ids`
+    model: nn.Module,                                # a 🤗 causal LM (or its trunk, with `hidden`) that takes `position_ids`
     input_ids: Int[Tensor, "batch seq"],             # padded rows
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens (contiguous in each row)
     hidden: bool = False,                            # the last hidden state (what the output layer reads), not the logits
     capacity: int | None = None,                     # tokens per bin; None: the longest row's (FlashAttention: all in one bin)
 ) -> Float[Tensor, "tokens out"]:                    # the logits (or last hidden state) of the real tokens, row after row
-    "One forward pass of the rows' real tokens packed into bins (`pack_layout`): positions restart at each sequence and a block-diagonal causal mask keeps attention inside it; FlashAttention gets one bin and the positions alone."
+    "One forward pass of the rows' real tokens packed into bins (`pack_layout`): positions restart at each sequence and a block-diagonal causal mask keeps attention inside it (`packed_attention_mask`); FlashAttention gets one bin and the positions alone."
     if not _accepts(model, "position_ids"):
         raise ValueError("`padding_free` needs a model that takes `position_ids` (they restart at each sequence); this one does not (ALiBi?): leave padding_free off")
     flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
@@ -659,11 +686,20 @@ def packed_forward(
     keep = attention_mask.bool()
     slot, position, segment = (t.to(input_ids.device) for t in pack_layout(attention_mask, int(keep.sum()) if flash else capacity))
     ids = input_ids.new_zeros(position.numel()).index_put_((slot,), input_ids[keep]).view_as(position)
-    mask = None if flash else ((segment[:, :, None] == segment[:, None]) & (position[:, :, None] >= position[:, None]))[:, None]
+    mask = None if flash else packed_attention_mask(model, position, segment)
+    keep_one = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}   # a trunk without an output layer (a critic's) takes none
     out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=False,
-                **(dict(output_hidden_states=True, logits_to_keep=1) if hidden else {}))
+                **(dict(output_hidden_states=True, **keep_one) if hidden else {}))
     return (out.hidden_states[-1] if hidden else out.logits).flatten(0, 1)[slot]
 
+
+# %% ../nbs/03_agent.ipynb #17671768
+def _packed_index(
+    attention_mask: Tensor,  # (batch, seq) 1 on real tokens, as packed
+    row: Tensor,             # rows of some real tokens
+    col: Tensor,             # their columns
+) -> Tensor:                 # each one's place among the real tokens, row after row (`packed_forward`'s outputs)
+    return (attention_mask.flatten().long().cumsum(0) - 1).view_as(attention_mask)[row, col]
 
 # %% ../nbs/03_agent.ipynb #836288b4
 @typecheck
@@ -678,9 +714,8 @@ def loss_token_states(
     "What the output layer reads at each loss token, row after row (the last hidden state, or the logits where `_output_layer` is None), the token it predicts, its row, and that layer."
     row, col = (i.to(input_ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))  # the output at col predicts token col + 1
     labels, head = input_ids[row, col + 1], _output_layer(model)
-    if padding_free:                                                                       # (row, col) → its place among the real tokens
-        out = packed_forward(model, input_ids, attention_mask, hidden=head is not None, capacity=capacity)[
-            (attention_mask.flatten().long().cumsum(0) - 1).view_as(input_ids)[row, col]]
+    if padding_free:
+        out = packed_forward(model, input_ids, attention_mask, hidden=head is not None, capacity=capacity)[_packed_index(attention_mask, row, col)]
     elif head is not None: out = _final_hidden(model, input_ids, attention_mask)[row, col]
     else: out = model(input_ids=input_ids, attention_mask=attention_mask, **positions_for(model, attention_mask), use_cache=False).logits[row, col]
     return out, labels, row, head
@@ -694,6 +729,56 @@ def states_logps(
     "log-probabilities of the loss tokens from `loss_token_states`: the output layer applied in chunks, or the logits given."
     if head is not None: return head.logprobs(out[None], labels[None])[0][0]
     return logprobs_from_logits(out[None], labels[None])[0]
+
+# %% ../nbs/03_agent.ipynb #117b3b71
+def _response_tokens(query_ids, query_attention_mask, response_ids, response_attention_mask):
+    "Prompt + response rows, their mask, the loss mask of the responses' real tokens (on the CPU) and each such token's (row, response column)."
+    real = response_attention_mask.bool()
+    ids, mask = torch.cat([query_ids, response_ids], 1), torch.cat([query_attention_mask.long(), response_attention_mask.long()], 1)
+    return ids, mask, F.pad(real, (query_ids.shape[1], 0)).cpu(), real.nonzero(as_tuple=True)
+
+def _to_responses(x: Tensor | None, where: tuple, shape: torch.Size) -> Tensor | None:
+    "Per-token results (tokens, …), in `where`'s order, back to (batch, resp, …): zeros at padding."
+    return None if x is None else x.new_zeros(*shape, *x.shape[1:]).index_put(where, x)
+
+# %% ../nbs/03_agent.ipynb #71d5335d
+@typecheck
+def packed_response_logprobs(
+    model: nn.Module,                                    # a 🤗 causal LM that takes `position_ids`
+    query_ids: Int[Tensor, "batch query"],               # prompts, left-padded
+    query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
+    response_ids: Int[Tensor, "batch resp"],             # responses, right-padded
+    response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
+    temperature: float = 1.0,                            # the sampling temperature T
+    entropy: Literal["grad", "no_grad", "skip"] = "skip",  # the entropy too: with gradients, without, or not at all (None)
+    output_hidden_states: bool = False,                  # also return the last hidden state at those positions (needs a chunked output layer)
+) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None, Float[Tensor, "batch resp hidden"] | None]:  # (log π(y_t), entropy, hidden), 0 at padding
+    "`response_logprobs` from one padding-free forward (`loss_token_states`): no pad token in the pass, the output layer at the real response tokens only."
+    _check_left_padded(query_attention_mask)
+    ids, mask, loss_mask, where = _response_tokens(query_ids, query_attention_mask, response_ids, response_attention_mask)
+    out, labels, _, head = loss_token_states(model, ids, mask, loss_mask, padding_free=True)
+    if head is not None:
+        logprobs, entropies = (None if t is None else t[0] for t in head.logprobs(out[None], labels[None], temperature, entropy))
+    elif output_hidden_states: raise ValueError("`output_hidden_states` with `padding_free` needs an output layer applied in chunks; this model's gives logits only")
+    else:
+        logprobs = logprobs_from_logits(out[None], labels[None], temperature)[0]
+        entropies = None if entropy == "skip" else entropy_from_logits((out if entropy == "grad" else out.detach())[None], temperature)[0]
+    return tuple(_to_responses(x, where, response_ids.shape) for x in (logprobs, entropies, out if output_hidden_states else None))
+
+# %% ../nbs/03_agent.ipynb #ff7f7796
+@typecheck
+def packed_response_states(
+    model: nn.Module,                                    # a 🤗 trunk (a separate critic's) or causal LM that takes `position_ids`
+    query_ids: Int[Tensor, "batch query"],               # prompts, left-padded
+    query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
+    response_ids: Int[Tensor, "batch resp"],             # responses, right-padded
+    response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
+) -> Float[Tensor, "batch resp hidden"]:                 # zeros at padding
+    "The last hidden state at the positions that predict each real response token, from one padding-free forward of `model`."
+    _check_left_padded(query_attention_mask)
+    ids, mask, loss_mask, where = _response_tokens(query_ids, query_attention_mask, response_ids, response_attention_mask)
+    row, col = (i.to(ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))   # the state at col predicts token col + 1
+    return _to_responses(packed_forward(model, ids, mask, hidden=True)[_packed_index(mask, row, col)], where, response_ids.shape)
 
 # %% ../nbs/03_agent.ipynb #eda7b21e
 def states_stats(
