@@ -240,7 +240,8 @@ def run_ours(algo, a, tok, out, clock):
                   learning_rate=LR, kl_coef=KL_COEF, seed=0, total_episodes=a.batch * steps, num_sample_generations=0,
                   disable_tqdm=True, mixed_precision="bf16" if a.dtype == "bf16" else "no", temperature=1.0,
                   max_prompt_length=MAX_PROMPT, save_steps=0, gradient_checkpointing=a.checkpointing != "none",
-                  gradient_checkpointing_policy="selective" if a.checkpointing == "selective" else "full", optim=a.optim)
+                  gradient_checkpointing_policy="selective" if a.checkpointing == "selective" else "full", optim=a.optim,
+                  padding_free="padding_free" in (a.lever or []))   # --lever padding_free: a config field, not a patch
     rm = RewardModel(reward, tokenizer=tok)
     if algo.startswith("ppo"):
         # TRL's PPO does not clip gradients: max_grad_norm=0 (no clipping) here too
@@ -467,6 +468,8 @@ def apply_levers(levers):
         elif lever == "untrimmed":
             # every pass after sampling reads the whole `response_length` (the library cuts a rollout at its longest response: `response_width`)
             tm.OnPolicyTrainer.trims_responses = False
+        elif lever == "padding_free":
+            pass   # every pass after sampling over the real tokens packed in bins: the configs' `padding_free`, set where they are made
         elif lever == "no_kept_pass":
             # a separate no-grad policy pass in the rollout (the library keeps the rollout's pass for the update: `first_pass`)
             tm.OnPolicyTrainer.keeps_first_pass = False
@@ -837,7 +840,7 @@ def main():
     p.add_argument("--optim", default="adamw_torch_fused", help="🤗's optimizer name on both sides, e.g. adamw_8bit (bitsandbytes: 2 bytes of moments a parameter instead of 8); the phase tables time only AdamW's step as 'optimizer' (TRL's PPO windows too): for memory and --max_batch")
     p.add_argument("--live_bytes", action="store_true",
                    help="count the training's tensor bytes with LiveBytes (a CPU stand-in for torch.cuda.max_memory_allocated, less the weights built before training; slows the run: memory only)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache, untrimmed")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching, padding_free; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache, untrimmed")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--params", action="store_true", help="only build the shape's policy on the meta device and print its parameter count")

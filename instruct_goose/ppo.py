@@ -221,7 +221,7 @@ def compute_loss(
     query_ids, query_attention_mask = pad_to_side(query_ids, query_attention_mask, "left")
     response_ids, response_attention_mask = pad_to_side(response_ids, response_attention_mask, "right")
     current = self.model.response_stats(query_ids, query_attention_mask, response_ids, response_attention_mask,
-                                        self.args.temperature)
+                                        self.args.temperature, padding_free=self.args.padding_free)
     rollout = self.make_rollout(query_ids, query_attention_mask, response_ids, response_attention_mask, rewards,
                                 current.logprobs.detach(), current.values.detach())
     loss, stats = self.ppo_loss(rollout, current)
