@@ -11,7 +11,7 @@ packed into bins (`packed_forward`), and the output layer runs at the real respo
 - a run with it is the run without it: the same parameters after two steps of SGD and the same logged metrics, for PPO
   (shared and separate critic), RLOO and GRPO (grpo, dr_grpo, dapo; and with the entropy's gradient), on GPT-2, Llama
   and Gemma 2 (sliding and full layers, eager attention), with one micro-batch, two minibatches and two accumulated
-  micro-batches;
+  micro-batches, LoRA and gradient checkpointing (full and selective);
 - every pass after sampling was packed, and none read more positions than padded;
 - a mixture-of-experts policy with its load-balancing loss on is refused with a one-line error.
 """
@@ -50,8 +50,8 @@ def test_packed_states_are_the_padded_states(family, tokenizer):
         torch.testing.assert_close(packed_forward(model, ids, mask, hidden=True, capacity=capacity), padded, rtol=1e-5, atol=1e-5)
 
 
-def make(algo, family, tokenizer, tmp_path, padding_free, loss_type="grpo", **more):
-    "A tiny trainer of `algo` on `family`, 2 steps of 4 responses that often stop early, packed or padded."
+def make(algo, family, tokenizer, tmp_path, padding_free, loss_type="grpo", lora=False, **more):
+    "A tiny trainer of `algo` on `family`, 2 steps of 4 responses that often stop early, packed or padded; `lora`: adapters (r 4) on every projection, the reference the adapter-off base."
     policy = build_causal(BY_NAME[family], tokenizer, seed=0)
     common = {**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, seed=0, disable_tqdm=True, padding_free=padding_free,
                      num_sample_generations=0, max_prompt_length=16, generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 6.0]]}),
@@ -59,6 +59,9 @@ def make(algo, family, tokenizer, tmp_path, padding_free, loss_type="grpo", **mo
     value = build_classifier(BY_NAME[family], tokenizer, seed=1) if algo == "ppo_separate" else None
     for m in (policy, value):
         if m is not None and getattr(m.config, "sliding_window", None) is not None: m.config.sliding_window = 4
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        policy = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
     model = Agent(policy, value_model=value) if algo.startswith("ppo") else policy
     sgd = (torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2), None)   # SGD: the parameters' change is the gradients'
     if algo.startswith("ppo"):
@@ -113,9 +116,12 @@ def test_packed_runs_train_as_padded_runs(algo, loss_type, family, tokenizer, tm
 @pytest.mark.parametrize("algo, more", [("ppo_separate", dict(num_mini_batches=2)), ("ppo", dict(ent_coef=0.01)),
                                         ("grpo", dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, loss_type="dapo")),
                                         ("grpo", dict(num_mini_batches=2, entropy_coef=0.01, top_entropy_quantile=0.5, local_rollout_forward_batch_size=2)),
-                                        ("rloo", dict(num_mini_batches=2, local_rollout_forward_batch_size=2))])
+                                        ("rloo", dict(num_mini_batches=2, local_rollout_forward_batch_size=2)),
+                                        ("rloo", dict(lora=True, temperature=0.7)),
+                                        ("grpo", dict(gradient_checkpointing=True, gradient_checkpointing_policy="selective", loss_type="dapo")),
+                                        ("ppo_separate", dict(gradient_checkpointing=True))])
 def test_packed_micro_batches_and_rollout_pieces(algo, more, tokenizer, tmp_path):
-    "Two minibatches or two accumulated micro-batches (no kept pass: every pass its own), rollout passes in pieces of 2 rows, entropy with its gradient."
+    "Two minibatches or two accumulated micro-batches (no kept pass: every pass its own), rollout passes in pieces of 2 rows, entropy with its gradient, LoRA (the reference: adapters off) at T = 0.7, gradient checkpointing."
     assert_same_run(algo, "llama", tokenizer, tmp_path, **more)
 
 
