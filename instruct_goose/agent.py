@@ -7,8 +7,8 @@ __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'respons
            'response_logprobs', 'token_logprobs', 'lm_nll', 'router_aux_coef', 'router_aux_losses', 'AgentOutput',
            'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode', 'Agent', 'AdapterOffReference',
            'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective', 'pack_bins',
-           'pack_layout', 'packed_attention_mask', 'packed_forward', 'loss_token_states', 'states_logps',
-           'packed_response_logprobs', 'packed_response_states', 'states_stats']
+           'pack_layout', 'packed_attention_mask', 'packed_forward', 'refuse_packed_aux', 'loss_token_states',
+           'states_logps', 'packed_response_logprobs', 'packed_response_states', 'states_stats']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import contextlib, copy, functools, inspect, itertools, os
@@ -681,6 +681,9 @@ def packed_forward(
     "One forward pass of the rows' real tokens packed into bins (`pack_layout`): positions restart at each sequence and a block-diagonal causal mask keeps attention inside it (`packed_attention_mask`); FlashAttention gets one bin and the positions alone."
     if not _accepts(model, "position_ids"):
         raise ValueError("`padding_free` needs a model that takes `position_ids` (they restart at each sequence); this one does not (ALiBi?): leave padding_free off")
+    if getattr(_causal_lm(model).config.get_text_config(), "output_router_logits", False):   # its L_aux would read the bins' mask
+        raise ValueError("`padding_free` (or `packing`) with the model's `output_router_logits` on: 🤗's load-balancing loss reads a (batch, seq) "
+                         "mask that packed bins do not have; set router_aux_loss_coef=0.0 (and output_router_logits=False), or leave padding_free and packing off")
     flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
     if flash and capacity is not None: raise ValueError("`capacity`: FlashAttention takes all rows in one bin; leave it None")
     keep = attention_mask.bool()
@@ -692,6 +695,16 @@ def packed_forward(
                 **(dict(output_hidden_states=True, **keep_one) if hidden else {}))
     return (out.hidden_states[-1] if hidden else out.logits).flatten(0, 1)[slot]
 
+
+# %% ../nbs/03_agent.ipynb #ea282326
+def refuse_packed_aux(
+    packs: bool,             # whether the trainer packs sequences (`padding_free`, SFT's `packing`)
+    coef: float,             # c of a mixture-of-experts load-balancing loss c·L_aux (`router_aux_coef`; 0: none)
+) -> None:
+    "A one-line error for packing with a load-balancing loss: 🤗's L_aux reads a (batch, seq) mask, which packed bins do not have."
+    if packs and coef > 0:
+        raise ValueError(f"`padding_free` (or `packing`) with a load-balancing loss (`router_aux_loss_coef`={coef}): 🤗's L_aux reads a "
+                         "(batch, seq) mask that packed bins do not have; set router_aux_loss_coef=0.0, or leave padding_free and packing off")
 
 # %% ../nbs/03_agent.ipynb #17671768
 def _packed_index(

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
 from .agent import (_OutputLayer, _load_model, _load_tokenizer, disable_dropout, eval_mode, load_tokenizer, loss_token_states, pack_bins,
-                                  packed_forward, positions_for, router_aux_coef, router_aux_losses, states_logps, states_stats, with_peft)
+                                  packed_forward, positions_for, refuse_packed_aux, router_aux_coef, router_aux_losses, states_logps, states_stats, with_peft)
 from .core import _without_autocast, check_number, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, pad_to_multiple, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
@@ -304,6 +304,7 @@ class DPOTrainer(Trainer):
         model = with_peft(_load_model(model, self.args), peft_config)
         self.model = fuse_activations(disable_dropout(model) if self.args.disable_dropout else model)
         self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)   # MoE: c of c·L_aux (0: none)
+        refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef)
         cached_self = ref_model is None and self.args.precompute_ref_log_probs   # the policy scores its own start: no copy
         self.ref_model = None if cached_self else frozen_reference(self.model, None if ref_model is None else with_peft(_load_model(ref_model, self.args)))
         self.max_length = fit_to_context(self.args.max_length, model)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from accelerate import Accelerator
 
 from .agent import (Agent, _is_peft, _load_model, _load_tokenizer, cast_lm_head_to_fp32, context_length, create_reference_model, disable_dropout, eval_mode,
-                                  response_logprobs, router_aux_coef, router_aux_losses, with_peft)
+                                  refuse_packed_aux, response_logprobs, router_aux_coef, router_aux_losses, with_peft)
 from transformers import AutoModelForCausalLM, TrainerCallback
 from accelerate.utils import gather_object
 from .completions import append_completions, completion_rows, completions_table, completions_to_trackers, drop_completions_after, first_per_prompt
@@ -294,9 +294,7 @@ class OnPolicyTrainer(Trainer):
         self.model = fuse_activations(self.policy_from(model, peft_config))   # before anything samples or scores with it
         policy = self.model.model if isinstance(self.model, Agent) else self.model
         if isinstance(self.args, TRLOptions): self.router_aux_loss_coef = router_aux_coef(policy, self.args.router_aux_loss_coef)   # RLOO, GRPO: MoE's c·L_aux
-        if self.args.padding_free and self.router_aux_loss_coef > 0:
-            raise ValueError(f"`padding_free` with a load-balancing loss (`router_aux_loss_coef`={self.router_aux_loss_coef}): 🤗's L_aux reads a "
-                             "(batch, seq) mask that packed bins do not have; set router_aux_loss_coef=0.0 or padding_free=False")
+        refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef)   # before anything packs: 🤗's L_aux cannot read bins
         float32_head = getattr(self.args, "cast_lm_head_to_fp32", False)   # GRPO's field
         if float32_head: cast_lm_head_to_fp32(policy)
         self.ref_model = frozen_reference(policy, ref_model) if self.needs_reference else None

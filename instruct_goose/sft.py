@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
 from .agent import (_from_pretrained_kwargs, _load_model, _load_tokenizer, disable_dropout, eval_mode, loss_token_states,
-                                  router_aux_coef, router_aux_losses, states_logps, states_stats, with_peft)
+                                  refuse_packed_aux, router_aux_coef, router_aux_losses, states_logps, states_stats, with_peft)
 from .core import check_number
 from .data import _pad_token_id, apply_chat, as_dataset, pad_to_multiple, chat_spans, encode_chat, encode_sft, is_conversational, preference_dataset
 from .loop import Trainer, TrainLoop, TrainingConfig, trainer_arguments
@@ -276,6 +276,7 @@ class SFTTrainer(Trainer):
             raise ValueError("`model_init_kwargs` is read when `model` is a name or path; this `model` is made already: drop it")
         self.model, self.callbacks = with_peft(_load_model(model, self.args), peft_config), callbacks
         self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)   # MoE: c of c·L_aux (0: none)
+        refuse_packed_aux(self.args.padding_free or self.args.packing, self.router_aux_loss_coef)
         self.eos_token_id = token_id(self.processing_class, self.args.eos_token, "eos_token")
         self.max_length = fit_to_context(self.args.max_length, self.model)
         self.train_dataset, self.eval_dataset = (None if data is None else self.rows(data, name)

@@ -13,7 +13,7 @@ packed into bins (`packed_forward`), and the output layer runs at the real respo
   and Gemma 2 (sliding and full layers, eager attention), with one micro-batch, two minibatches and two accumulated
   micro-batches, LoRA and gradient checkpointing (full and selective);
 - every pass after sampling was packed, and none read more positions than padded;
-- a mixture-of-experts policy with its load-balancing loss on is refused with a one-line error.
+- a mixture-of-experts policy with its load-balancing loss on is refused with a one-line error (SFT and DPO too).
 """
 import pytest
 import torch
@@ -126,9 +126,20 @@ def test_packed_micro_batches_and_rollout_pieces(algo, more, tokenizer, tmp_path
 
 
 def test_a_load_balancing_loss_is_refused(tokenizer, tmp_path):
+    "GRPO, SFT and DPO refuse packing with a mixture-of-experts load-balancing loss when they are made (it crashed inside 🤗's L_aux before), and take it with the loss off."
+    from instruct_goose.sft import SFTConfig, SFTTrainer
+    from instruct_goose.dpo import DPOConfig, DPOTrainer
     policy = build_causal(BY_NAME["qwen3_moe"], tokenizer, seed=0)
     args = GRPOConfig(output_dir=str(tmp_path), padding_free=True, router_aux_loss_coef=0.01, per_device_train_batch_size=4, num_generations=2)
-    with pytest.raises(ValueError, match=r"`padding_free` with a load-balancing loss \(`router_aux_loss_coef`=0.01\)"):
+    with pytest.raises(ValueError, match=r"`padding_free` \(or `packing`\) with a load-balancing loss \(`router_aux_loss_coef`=0.01\)"):
         GRPOTrainer(policy, args=args, processing_class=tokenizer, reward_funcs=length_reward, train_dataset=load_task("prompts"))
     GRPOTrainer(policy, args=GRPOConfig(output_dir=str(tmp_path), padding_free=True, router_aux_loss_coef=0.0, per_device_train_batch_size=4,
                                         num_generations=2), processing_class=tokenizer, reward_funcs=length_reward, train_dataset=load_task("prompts"))
+    for Trainer, Config, data, more in ((SFTTrainer, SFTConfig, "sft", dict(padding_free=True)), (SFTTrainer, SFTConfig, "sft", dict(packing=True)),
+                                        (DPOTrainer, DPOConfig, "preferences", dict(padding_free=True))):
+        with pytest.raises(ValueError, match=r"`padding_free` \(or `packing`\) with a load-balancing loss"):
+            Trainer(policy, args=Config(output_dir=str(tmp_path), router_aux_loss_coef=0.01, **more), processing_class=tokenizer, train_dataset=load_task(data))
+        Trainer(policy, args=Config(output_dir=str(tmp_path), router_aux_loss_coef=0.0, **more), processing_class=tokenizer, train_dataset=load_task(data))
+    policy.config.output_router_logits = True                                    # a checkpoint's config with it on: the forward refuses too
+    with pytest.raises(ValueError, match="with the model's `output_router_logits` on"):
+        packed_forward(policy, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
