@@ -469,7 +469,7 @@ def apply_levers(levers):
             # every pass after sampling reads the whole `response_length` (the library cuts a rollout at its longest response: `response_width`)
             tm.OnPolicyTrainer.trims_responses = False
         elif lever == "padding_free":
-            pass   # every pass after sampling over the real tokens packed in bins: the configs' `padding_free`, set where they are made
+            pass   # the policy's, reference's and critic's passes after sampling over the real tokens packed in bins: the configs' `padding_free`, set where they are made
         elif lever == "no_kept_pass":
             # a separate no-grad policy pass in the rollout (the library keeps the rollout's pass for the update: `first_pass`)
             tm.OnPolicyTrainer.keeps_first_pass = False

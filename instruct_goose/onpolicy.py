@@ -154,7 +154,7 @@ class OnPolicyConfig(TrainingConfig):
     steps_per_generation: int | None = None  # TRL 1.16: micro-batches one generation serves = gradient_accumulation_steps × num_mini_batches; sets `num_mini_batches`
     generation_batch_size: int | None = None # TRL 1.16: completions per generation, all processes = rollout_size × processes; sets `num_mini_batches`
     shuffle_dataset: bool = True           # TRL 1.16: each epoch's prompts in a seeded random order; False: in dataset order
-    padding_free: bool = False             # TRL's SFT/DPO name (verl: use_remove_padding): every pass after sampling over the real tokens packed in bins, the output layer at real response tokens only; the same numbers
+    padding_free: bool = False             # TRL's SFT/DPO name (verl: use_remove_padding): the policy's, reference's and critic's passes after sampling over the real tokens packed in bins, the output layer at real response tokens only; the same numbers
     same_setting: ClassVar[dict[str, str]] = {}  # TRL's name -> the shared field it is another name of (see `merge_names`)
     keeps_columns: ClassVar[bool] = True   # a row's columns reach the reward functions (🤗's `remove_unused_columns`=False, TRL's GRPO default)
     may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {   # a resumed run may be extended

@@ -1,4 +1,4 @@
-"""`padding_free` in the on-policy trainers: every pass after sampling over the real tokens packed in bins.
+"""`padding_free` in the on-policy trainers: the policy's, the reference's and a critic's passes after sampling over the real tokens packed in bins.
 
 A rollout's rows are a left-padded prompt and a right-padded response; completions that stop early leave most of a row
 padding, and a micro-batch cut at its longest response (`trim_responses`) still carries the shorter rows' padding.
@@ -12,7 +12,7 @@ packed into bins (`packed_forward`), and the output layer runs at the real respo
   (shared and separate critic), RLOO and GRPO (grpo, dr_grpo, dapo; and with the entropy's gradient), on GPT-2, Llama
   and Gemma 2 (sliding and full layers, eager attention), with one micro-batch, two minibatches and two accumulated
   micro-batches, LoRA and gradient checkpointing (full and selective);
-- every pass after sampling was packed, and none read more positions than padded;
+- every such pass was packed, and none read more positions than padded;
 - a mixture-of-experts policy with its load-balancing loss on is refused with a one-line error (SFT and DPO too).
 """
 import pytest
