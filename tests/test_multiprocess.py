@@ -42,6 +42,7 @@ common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulati
               disable_tqdm=True, learning_rate=1e-3, save_steps=2, resume_from_checkpoint=resume)
 if os.environ.get("EARLY_STOPS"):   # EOS likely: each process's longest response differs, the rollout keeps the longest of all
     common["generation_kwargs"] = {"sequence_bias": [[[tokenizer.eos_token_id], 5.0]]}
+common["padding_free"] = bool(os.environ.get("PADDING_FREE"))
 if algo == "ppo":
     torch.manual_seed(0)
     trainer = RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model),
@@ -72,9 +73,9 @@ def setup_dir(policy_dir, tmp_path_factory):
     return where
 
 
-def _run(setup_dir, out, algo, processes, accumulation, resume=None, early_stops=False):
+def _run(setup_dir, out, algo, processes, accumulation, resume=None, early_stops=False, padding_free=False):
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache",
-           **({"EARLY_STOPS": "1"} if early_stops else {})}
+           **({"EARLY_STOPS": "1"} if early_stops else {}), **({"PADDING_FREE": "1"} if padding_free else {})}
     script = [str(setup_dir / "train.py"), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
     if processes == 1: command = [sys.executable] + script
     else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
@@ -120,12 +121,14 @@ def test_two_processes_equal_one(algo, setup_dir, tmp_path):
     _assert_same(two, resumed, "2-process run vs its checkpoint resumed by 1 process")
 
 
-def test_two_processes_equal_one_when_responses_stop_early(setup_dir, tmp_path):
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])
+def test_two_processes_equal_one_when_responses_stop_early(setup_dir, tmp_path, padding_free):
     """PPO (its whitening gathers (rows × response) tensors from every process) with responses that stop early: each
     process's rollout keeps the response columns of the longest response of any process (`response_width`), so the
-    gathered shapes agree (without it the gather fails) and 2 processes train as 1 process with 2 micro-batches."""
-    one = _run(setup_dir, tmp_path / "one", "ppo", processes=1, accumulation=2, early_stops=True)
-    two = _run(setup_dir, tmp_path / "two", "ppo", processes=2, accumulation=1, early_stops=True)
+    gathered shapes agree (without it the gather fails) and 2 processes train as 1 process with 2 micro-batches;
+    with `padding_free` too (each process packs its own rows)."""
+    one = _run(setup_dir, tmp_path / "one", "ppo", processes=1, accumulation=2, early_stops=True, padding_free=padding_free)
+    two = _run(setup_dir, tmp_path / "two", "ppo", processes=2, accumulation=1, early_stops=True, padding_free=padding_free)
     # 1 process cuts each of its 2 micro-batches at its own longest response; each of 2 processes reuses its rollout pass,
     # as wide as both processes' longest: other matrix shapes, other rounding, which Adam (lr 1e-3) makes up to ~3e-6
     _assert_same(one, two, "responses that stop early: 1 process x 2 micro-batches vs 2 processes", eps=1e-5)
