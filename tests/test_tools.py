@@ -1,6 +1,6 @@
 """Tool calls in rollouts (the tools chapter): the tool-result mask of a scripted multi-turn sample against a hand-written one,
-tool tokens that change neither loss nor gradient (GRPO with its KL term, RLOO), the error paths end to end, and TRL's
-tool-calling GRPO example with only the import changed."""
+tool tokens that change neither loss nor gradient (GRPO with its KL term, RLOO), the same numbers packed (`padding_free`),
+the error paths end to end, and TRL's tool-calling GRPO example with only the import changed."""
 import json
 import os
 import subprocess
@@ -287,3 +287,27 @@ def test_tools_killed_run_resumes_to_the_same_result(caller_dir, tmp_path):
     _same(straight, resumed, "straight vs killed and resumed")
     strip = lambda rows: [{k: v for k, v in r.items() if k != "eps"} for r in rows]
     assert strip(straight[1]["history"]) == strip(resumed[1]["history"])
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_padding_free_reads_tool_turns_as_padded(kind, tok, tmp_path):
+    "With `padding_free`, a rollout with a tool turn (its result tokens real context inside the response) gives the padded rollout's and micro-batch's numbers: log π and entropy on every real token, and each loss term."
+    from instruct_goose.rollout import Samples
+    trainer = _trainer(kind, tok, tmp_path)
+    out, q_ids, q_mask = scripted(tok, {"12*34=": [call("calculator", expression="12*34"), "408"]}, [calculator], budget=96)
+    samples = Samples(q_ids.repeat(2, 1), q_mask.repeat(2, 1), out.response_ids.repeat(2, 1), out.response_mask.repeat(2, 1),
+                      torch.tensor([1.0, 0.0]), [], [], torch.tensor([[1.0, 0.0]]), out.tool_mask.repeat(2, 1))
+    assert (samples.response_mask & ~samples.tool_mask).sum() > 10 and (~samples.response_mask).any()   # tool tokens, and padding
+    trainer.sample_and_score = lambda *a, **k: samples
+    policy, real, results = trainer.model.train(), samples.response_mask, []
+    for packed in (False, True):
+        trainer.args.padding_free = packed
+        torch.manual_seed(0)
+        rollout, _ = trainer.sample_rollout(policy, {"prompt": [[{"role": "user", "content": "12*34="}]]}, seed=0)
+        current = trainer.policy_pass(policy, rollout)
+        losses, _ = trainer.micro_batch_loss(policy, rollout, 0)
+        results.append(([x[real].detach() for x in current[:2]], {k: v.detach() for k, v in losses.items()}))
+    (padded, padded_losses), (packed, packed_losses) = results
+    for a, b in zip(padded, packed): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert padded_losses.keys() == packed_losses.keys()
+    for k in padded_losses: torch.testing.assert_close(packed_losses[k], padded_losses[k], rtol=1e-5, atol=1e-6)
