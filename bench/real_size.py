@@ -242,7 +242,7 @@ def run_ours(algo, a, tok, out, clock):
                   max_prompt_length=MAX_PROMPT, save_steps=0, gradient_checkpointing=a.checkpointing != "none",
                   gradient_checkpointing_policy="selective" if a.checkpointing == "selective" else "full", optim=a.optim,
                   padding_free="padding_free" in (a.lever or []))   # --lever padding_free: a config field, not a patch
-    rm = RewardModel(reward, tokenizer=tok)
+    rm = RewardModel(reward, tokenizer=tok, padding_free="padding_free" in (a.lever or []))
     if algo.startswith("ppo"):
         # TRL's PPO does not clip gradients: max_grad_norm=0 (no clipping) here too
         cfg = RLHFConfig(**common, num_ppo_epochs=a.epochs, num_mini_batches=1, max_grad_norm=0.0, vf_coef=0.1,
@@ -469,7 +469,7 @@ def apply_levers(levers):
             # every pass after sampling reads the whole `response_length` (the library cuts a rollout at its longest response: `response_width`)
             tm.OnPolicyTrainer.trims_responses = False
         elif lever == "padding_free":
-            pass   # the policy's, reference's and critic's passes after sampling over the real tokens packed in bins: the configs' `padding_free`, set where they are made
+            pass   # every pass after sampling over the real tokens packed in bins (the reward model's too): the configs' `padding_free`, set where they are made
         elif lever == "no_kept_pass":
             # a separate no-grad policy pass in the rollout (the library keeps the rollout's pass for the update: `first_pass`)
             tm.OnPolicyTrainer.keeps_first_pass = False

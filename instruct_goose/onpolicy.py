@@ -154,7 +154,7 @@ class OnPolicyConfig(TrainingConfig):
     steps_per_generation: int | None = None  # TRL 1.16: micro-batches one generation serves = gradient_accumulation_steps × num_mini_batches; sets `num_mini_batches`
     generation_batch_size: int | None = None # TRL 1.16: completions per generation, all processes = rollout_size × processes; sets `num_mini_batches`
     shuffle_dataset: bool = True           # TRL 1.16: each epoch's prompts in a seeded random order; False: in dataset order
-    padding_free: bool = False             # TRL's SFT/DPO name (verl: use_remove_padding): the policy's, reference's and critic's passes after sampling over the real tokens packed in bins, the output layer at real response tokens only; the same numbers
+    padding_free: bool = False             # TRL's SFT/DPO name (verl: use_remove_padding): every pass after sampling over the real tokens packed in bins (reward models the trainer makes too), the output layer at real response tokens only; the same numbers
     same_setting: ClassVar[dict[str, str]] = {}  # TRL's name -> the shared field it is another name of (see `merge_names`)
     keeps_columns: ClassVar[bool] = True   # a row's columns reach the reward functions (🤗's `remove_unused_columns`=False, TRL's GRPO default)
     may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {   # a resumed run may be extended
@@ -286,7 +286,8 @@ class OnPolicyTrainer(Trainer):
         a = trl_arguments(type(self), model, ref_model, dict(args=args, processing_class=processing_class, reward_funcs=reward_funcs), renamed)
         self.take_optimizers(optimizers)
         self.args, self.processing_class = a["args"], _load_tokenizer(a["processing_class"], model, a["args"])
-        self.reward_model = None if a["reward_funcs"] is None else reward_from(a["reward_funcs"], self.args.reward_weights, self.processing_class)
+        self.reward_model = None if a["reward_funcs"] is None else reward_from(a["reward_funcs"], self.args.reward_weights, self.processing_class,
+                                                                                  self.args.padding_free)
         self.train_dataset, self.eval_dataset = (None if d is None else as_dataset(_prompts_from_ids(d, self.processing_class), name, [("prompt",)])
                                                  for d, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
         self.callbacks, self.kl_ctl = as_callbacks(callbacks), FixedKLController(self.args.kl_coef)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from .agent import _accepts, _load, context_length, dropout_as_configured, eval_mode, position_ids_from_mask
+from .agent import _accepts, _load, context_length, dropout_as_configured, eval_mode, packed_forward, position_ids_from_mask
 from .core import last_true_index, masked_mean, masked_sum, masked_var, pad_to_side, typecheck
 from .data import apply_chat, is_conversational, prompt_text
 
@@ -57,6 +57,7 @@ class RewardModel(nn.Module):
         self,
         model: PreTrainedModel | str,  # a 🤗 model (any family), or a name/path of a checkpoint (loaded as a 1-label sequence classifier)
         tokenizer=None,                # the reward model's own tokenizer, to score text (`score`)
+        padding_free: bool = False,    # score the real tokens packed in bins (`packed_forward`; a decoder's classifier that takes `position_ids`): the same scores
         **from_pretrained_kwargs,      # passed to `from_pretrained` when a name is given
     ):
         super().__init__()
@@ -65,13 +66,19 @@ class RewardModel(nn.Module):
         if model.config.num_labels != 1:
             raise ValueError(f"`model` has a classifier with {model.config.num_labels} labels; a reward model needs 1 (num_labels=1)")
         if tokenizer is not None and model.config.pad_token_id is None: model.config.pad_token_id = tokenizer.pad_token_id
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.padding_free = model, tokenizer, padding_free
+        if padding_free and not self.can_pack:
+            raise ValueError(f"`padding_free` needs a decoder's classifier read at its last token whose backbone takes `position_ids`; "
+                             f"{type(model).__name__} {'pools its first token (bidirectional attention)' if not self.reads_last_token else 'takes no position_ids (ALiBi?)'}")
 
     @property
     def reads_last_token(self) -> bool: return hasattr(self.model, "score")   # decoders' classifiers; encoders pool their first token
 
     @property
     def backbone(self) -> nn.Module: return self.model.base_model
+
+    @property
+    def can_pack(self) -> bool: return self.reads_last_token and _accepts(self.backbone, "position_ids")   # `padding_free` possible
 
     @property
     def head(self) -> nn.Linear: return _score_head(self.model)
@@ -91,6 +98,9 @@ class RewardModel(nn.Module):
         if not self.reads_last_token:
             ids, mask = pad_to_side(input_ids, attention_mask, "right")
             return self.model(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
+        if self.padding_free:        # each row's real tokens in bins (`packed_forward`): its last state is at its running count - 1
+            states = packed_forward(self.backbone, input_ids, attention_mask, hidden=True)
+            return self.model.score(states[attention_mask.long().sum(1).cumsum(0) - 1]).squeeze(-1).float()
         positions = {"position_ids": position_ids_from_mask(attention_mask)} if _accepts(self.backbone, "position_ids") else {}
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **positions).last_hidden_state
         return self.model.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
@@ -381,10 +391,12 @@ def _as_reward(
     f,                       # one entry of `reward_funcs`
     i: int,                  # its place, for messages
     processing_class=None,   # the tokenizer to fall back on for a 🤗 classifier
+    padding_free: bool = False,  # a reward model made here packs its rows where it can (a decoder's classifier: `RewardModel.can_pack`)
 ):
     "A path loads a `RewardModel`; a 🤗 1-label classifier is wrapped in one, with the tokenizer saved beside it or `processing_class`."
     if isinstance(f, (str, Path)):
         model = RewardModel.from_pretrained(f)
+        model.padding_free = padding_free and model.can_pack
         model.loaded_here = True      # nobody else holds it: a trainer may keep it in half precision under autocast (`half_linears`)
         return model
     if not isinstance(f, PreTrainedModel): return f
@@ -393,19 +405,22 @@ def _as_reward(
     path = Path(str(getattr(f.config, "_name_or_path", "") or "-"))
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else processing_class
     if tokenizer is None: raise ValueError(f"`reward_funcs`[{i}] ({type(f).__name__}) has no tokenizer beside its checkpoint: pass `processing_class`")
-    return RewardModel(f, tokenizer)
+    model = RewardModel(f, tokenizer)
+    model.padding_free = padding_free and model.can_pack
+    return model
 
 # %% ../nbs/04_reward.ipynb #602a1a4b
 def reward_from(
     reward_funcs,                                # a RewardModel, a reward function or a model path, or a list of them (TRL's `reward_funcs`)
     reward_weights: Sequence[float] | None = None,  # one weight each (TRL's `reward_weights`); None: 1 each
     processing_class=None,                       # tokenizer for a 🤗 classifier given as a model with none beside its checkpoint (TRL: the policy's)
+    padding_free: bool = False,                  # reward models made here (from a path or a 🤗 classifier) pack their rows where they can; a `RewardModel` given keeps its own
 ) -> WeightedReward:                             # the reward the trainers call: (prompts, completions, **columns) -> scores
     "TRL's `reward_funcs` and `reward_weights` (GRPOConfig, TRL ≥ 0.14) as one `WeightedReward`; a path or a 🤗 classifier becomes a `RewardModel`."
     if isinstance(reward_funcs, WeightedReward) and reward_weights is None: return reward_funcs
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs: raise ValueError("`reward_funcs` is empty: give a reward function or a RewardModel")
-    funcs = [_as_reward(f, i, processing_class) for i, f in enumerate(funcs)]
+    funcs = [_as_reward(f, i, processing_class, padding_free) for i, f in enumerate(funcs)]
     bad = [i for i, f in enumerate(funcs) if not callable(f)]
     if bad: raise TypeError(f"`reward_funcs`[{bad[0]}] is a {type(funcs[bad[0]]).__name__}, not a RewardModel, a reward function or a path")
     return WeightedReward(funcs, [1.0] * len(funcs) if reward_weights is None else list(reward_weights))

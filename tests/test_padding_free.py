@@ -1,4 +1,4 @@
-"""`padding_free` in the on-policy trainers: the policy's, the reference's and a critic's passes after sampling over the real tokens packed in bins.
+"""`padding_free` in the on-policy trainers: every pass after sampling over the real tokens packed in bins.
 
 A rollout's rows are a left-padded prompt and a right-padded response; completions that stop early leave most of a row
 padding, and a micro-batch cut at its longest response (`trim_responses`) still carries the shorter rows' padding.
@@ -12,7 +12,7 @@ packed into bins (`packed_forward`), and the output layer runs at the real respo
   (shared and separate critic), RLOO and GRPO (grpo, dr_grpo, dapo; and with the entropy's gradient), on GPT-2, Llama
   and Gemma 2 (sliding and full layers, eager attention), with one micro-batch, two minibatches and two accumulated
   micro-batches, LoRA and gradient checkpointing (full and selective);
-- every such pass was packed, and none read more positions than padded;
+- every such pass was packed (a reward model the trainer makes from a 🤗 classifier too), and none read more positions than padded;
 - a mixture-of-experts policy with its load-balancing loss on is refused with a one-line error (SFT and DPO too).
 """
 import pytest
@@ -50,7 +50,7 @@ def test_packed_states_are_the_padded_states(family, tokenizer):
         torch.testing.assert_close(packed_forward(model, ids, mask, hidden=True, capacity=capacity), padded, rtol=1e-5, atol=1e-5)
 
 
-def make(algo, family, tokenizer, tmp_path, padding_free, loss_type="grpo", lora=False, **more):
+def make(algo, family, tokenizer, tmp_path, padding_free, loss_type="grpo", lora=False, reward_model=False, **more):
     "A tiny trainer of `algo` on `family`, 2 steps of 4 responses that often stop early, packed or padded; `lora`: adapters (r 4) on every projection, the reference the adapter-off base."
     policy = build_causal(BY_NAME[family], tokenizer, seed=0)
     common = {**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, seed=0, disable_tqdm=True, padding_free=padding_free,
@@ -64,21 +64,23 @@ def make(algo, family, tokenizer, tmp_path, padding_free, loss_type="grpo", lora
         policy = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
     model = Agent(policy, value_model=value) if algo.startswith("ppo") else policy
     sgd = (torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2), None)   # SGD: the parameters' change is the gradients'
+    reward = build_classifier(BY_NAME[family], tokenizer, seed=2) if reward_model else length_reward   # a 🤗 classifier: the trainer makes its RewardModel
     if algo.startswith("ppo"):
         return RLHFTrainer(model, args=RLHFConfig(response_length=RESPONSE, num_ppo_epochs=2, **common), optimizers=sgd,
-                           processing_class=tokenizer, reward_funcs=length_reward, train_dataset=load_task("prompts"))
+                           processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
     if algo == "rloo":
         return RLOOTrainer(model, args=RLOOConfig(response_length=RESPONSE, num_generations=2, **common), optimizers=sgd,
-                           processing_class=tokenizer, reward_funcs=length_reward, train_dataset=load_task("prompts"))
+                           processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
     return GRPOTrainer(model, args=GRPOConfig(max_completion_length=RESPONSE, num_generations=2, num_iterations=2, beta=0.05,
                                               loss_type=loss_type, **common), optimizers=sgd,
-                       processing_class=tokenizer, reward_funcs=length_reward, train_dataset=load_task("prompts"))
+                       processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
 
 
 def run(algo, family, tokenizer, tmp_path, padding_free, **more):
     trainer = make(algo, family, tokenizer, tmp_path / f"packed{padding_free}", padding_free, **more)
     models = [trainer.model.model if isinstance(trainer.model, Agent) else trainer.model, trainer.ref_model]
     if isinstance(trainer.model, Agent) and trainer.model.value_model is not None: models.append(trainer.model.value_model)
+    models += [m.backbone for m in trainer.reward_model.models]   # a reward model made by the trainer packs with it
     positions = []
     def hook(module, args, kwargs):   # positions read by each pass over whole sequences (the sampler's one-token steps aside)
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -119,9 +121,10 @@ def test_packed_runs_train_as_padded_runs(algo, loss_type, family, tokenizer, tm
                                         ("rloo", dict(num_mini_batches=2, local_rollout_forward_batch_size=2)),
                                         ("rloo", dict(lora=True, temperature=0.7)),
                                         ("grpo", dict(gradient_checkpointing=True, gradient_checkpointing_policy="selective", loss_type="dapo")),
-                                        ("ppo_separate", dict(gradient_checkpointing=True))])
+                                        ("ppo_separate", dict(gradient_checkpointing=True)),
+                                        ("grpo", dict(reward_model=True, loss_type="dapo"))])
 def test_packed_micro_batches_and_rollout_pieces(algo, more, tokenizer, tmp_path):
-    "Two minibatches or two accumulated micro-batches (no kept pass: every pass its own), rollout passes in pieces of 2 rows, entropy with its gradient, LoRA (the reference: adapters off) at T = 0.7, gradient checkpointing."
+    "Two minibatches or two accumulated micro-batches (no kept pass: every pass its own), rollout passes in pieces of 2 rows, entropy with its gradient, LoRA (the reference: adapters off) at T = 0.7, gradient checkpointing, a reward model the trainer makes from a 🤗 classifier."
     assert_same_run(algo, "llama", tokenizer, tmp_path, **more)
 
 
