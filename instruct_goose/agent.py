@@ -681,7 +681,11 @@ def packed_forward(
     "One forward pass of the rows' real tokens packed into bins (`pack_layout`): positions restart at each sequence and a block-diagonal causal mask keeps attention inside it (`packed_attention_mask`); FlashAttention gets one bin and the positions alone."
     if not _accepts(model, "position_ids"):
         raise ValueError("`padding_free` needs a model that takes `position_ids` (they restart at each sequence); this one does not (ALiBi?): leave padding_free off")
-    if getattr(_causal_lm(model).config.get_text_config(), "output_router_logits", False):   # its L_aux would read the bins' mask
+    config = _causal_lm(model).config.get_text_config()
+    other = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if other: raise ValueError(f"`padding_free` cannot pack {type(_causal_lm(model)).__name__}: its {sorted(other)} layers would carry state or "
+                               "attention across the sequences of a bin; leave padding_free (and packing) off")
+    if getattr(config, "output_router_logits", False):   # its L_aux would read the bins' mask
         raise ValueError("`padding_free` (or `packing`) with the model's `output_router_logits` on: 🤗's load-balancing loss reads a (batch, seq) "
                          "mask that packed bins do not have; set router_aux_loss_coef=0.0 (and output_router_logits=False), or leave padding_free and packing off")
     flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
