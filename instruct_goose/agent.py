@@ -8,7 +8,7 @@ __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'respons
            'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode', 'Agent', 'AdapterOffReference',
            'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective', 'pack_bins',
            'pack_layout', 'packed_attention_mask', 'packed_forward', 'refuse_packed_aux', 'loss_token_states',
-           'states_logps', 'packed_response_logprobs', 'packed_response_states', 'states_stats']
+           'states_logps', 'packed_response_states', 'states_stats']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import contextlib, copy, functools, inspect, itertools, os
@@ -191,12 +191,12 @@ def response_logprobs(
     temperature: float = 1.0,                            # the sampling temperature T
     entropy: Literal["grad", "no_grad", "skip"] = "skip",  # the entropy too: with gradients, without, or not at all (None)
     output_hidden_states: bool = False,                  # also return the last hidden state at those positions
-    padding_free: bool = False,                          # one forward of the real tokens packed in bins, the output layer at the real responses' positions only (`packed_response_logprobs`); 0 at padding
+    padding_free: bool = False,                          # one forward of the real tokens packed in bins, the output layer at the real responses' positions only (`packed_forward`); 0 at padding
 ) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None, Float[Tensor, "batch resp hidden"] | None]:  # (log π(y_t), entropy, hidden)
     "Log-probabilities (and entropies, last hidden states) at the response positions, from the last hidden state in chunks (`logprobs_from_hidden`): never the (batch × resp × vocab) logits, where the output layer allows (`response_logits` otherwise)."
     head = _output_layer(model)
     if padding_free and (head is not None or not output_hidden_states):   # (logits and hidden states together: the padded pass)
-        return packed_response_logprobs(model, query_ids, query_attention_mask, response_ids, response_attention_mask, temperature, entropy, output_hidden_states)
+        return _packed_response_logprobs(model, query_ids, query_attention_mask, response_ids, response_attention_mask, temperature, entropy, output_hidden_states)
     if head is None:
         logits, hidden = response_logits(model, query_ids, query_attention_mask, response_ids, response_attention_mask, output_hidden_states)
         entropies = None if entropy == "skip" else entropy_from_logits(logits if entropy == "grad" else logits.detach(), temperature)
@@ -425,7 +425,7 @@ class Agent(nn.Module):
         response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
         temperature: float = 1.0,                             # the sampling temperature T
         entropy: Literal["grad", "no_grad", "skip"] = "grad", # the entropy with gradients, without (for logging: no graph kept), or not at all (None)
-        padding_free: bool = False,                           # each model's forward over the real tokens packed in bins (`packed_response_logprobs`); 0 at padding
+        padding_free: bool = False,                           # each model's forward over the real tokens packed in bins (`response_logprobs`' and `packed_response_states`); 0 at padding
     ) -> ResponseStats:                                       # per-token logprobs, entropy and values of the response
         "Log-probabilities, entropies and values at the response positions, in one forward pass of the policy (and one of the critic's trunk)."
         shared = self.value_model is None
@@ -759,24 +759,13 @@ def _to_responses(x: Tensor | None, where: tuple, shape: torch.Size) -> Tensor |
     return None if x is None else x.new_zeros(*shape, *x.shape[1:]).index_put(where, x)
 
 # %% ../nbs/03_agent.ipynb #71d5335d
-@typecheck
-def packed_response_logprobs(
-    model: nn.Module,                                    # a 🤗 causal LM that takes `position_ids`
-    query_ids: Int[Tensor, "batch query"],               # prompts, left-padded
-    query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
-    response_ids: Int[Tensor, "batch resp"],             # responses, right-padded
-    response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
-    temperature: float = 1.0,                            # the sampling temperature T
-    entropy: Literal["grad", "no_grad", "skip"] = "skip",  # the entropy too: with gradients, without, or not at all (None)
-    output_hidden_states: bool = False,                  # also return the last hidden state at those positions (needs a chunked output layer)
-) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None, Float[Tensor, "batch resp hidden"] | None]:  # (log π(y_t), entropy, hidden), 0 at padding
-    "`response_logprobs` from one padding-free forward (`loss_token_states`): no pad token in the pass, the output layer at the real response tokens only."
+def _packed_response_logprobs(model, query_ids, query_attention_mask, response_ids, response_attention_mask, temperature, entropy, output_hidden_states):
+    "`response_logprobs` (its arguments, checked there) from one padding-free forward (`loss_token_states`): no pad token in the pass, the output layer at the real response tokens only; 0 at padding. Hidden states need a chunked output layer (`response_logprobs` asks only then)."
     _check_left_padded(query_attention_mask)
     ids, mask, loss_mask, where = _response_tokens(query_ids, query_attention_mask, response_ids, response_attention_mask)
     out, labels, _, head = loss_token_states(model, ids, mask, loss_mask, padding_free=True)
     if head is not None:
         logprobs, entropies = (None if t is None else t[0] for t in head.logprobs(out[None], labels[None], temperature, entropy))
-    elif output_hidden_states: raise ValueError("`output_hidden_states` with `padding_free` needs an output layer applied in chunks; this model's gives logits only")
     else:
         logprobs = logprobs_from_logits(out[None], labels[None], temperature)[0]
         entropies = None if entropy == "skip" else entropy_from_logits((out if entropy == "grad" else out.detach())[None], temperature)[0]

@@ -396,16 +396,15 @@ def _as_reward(
     "A path loads a `RewardModel`; a 🤗 1-label classifier is wrapped in one, with the tokenizer saved beside it or `processing_class`."
     if isinstance(f, (str, Path)):
         model = RewardModel.from_pretrained(f)
-        model.padding_free = padding_free and model.can_pack
         model.loaded_here = True      # nobody else holds it: a trainer may keep it in half precision under autocast (`half_linears`)
-        return model
-    if not isinstance(f, PreTrainedModel): return f
-    if not type(f).__name__.endswith("ForSequenceClassification"):
-        raise TypeError(f"`reward_funcs`[{i}] is a {type(f).__name__}: a reward model is a 1-label sequence classifier (or a RewardModel)")
-    path = Path(str(getattr(f.config, "_name_or_path", "") or "-"))
-    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else processing_class
-    if tokenizer is None: raise ValueError(f"`reward_funcs`[{i}] ({type(f).__name__}) has no tokenizer beside its checkpoint: pass `processing_class`")
-    model = RewardModel(f, tokenizer)
+    elif not isinstance(f, PreTrainedModel): return f
+    else:
+        if not type(f).__name__.endswith("ForSequenceClassification"):
+            raise TypeError(f"`reward_funcs`[{i}] is a {type(f).__name__}: a reward model is a 1-label sequence classifier (or a RewardModel)")
+        path = Path(str(getattr(f.config, "_name_or_path", "") or "-"))
+        tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else processing_class
+        if tokenizer is None: raise ValueError(f"`reward_funcs`[{i}] ({type(f).__name__}) has no tokenizer beside its checkpoint: pass `processing_class`")
+        model = RewardModel(f, tokenizer)
     model.padding_free = padding_free and model.can_pack
     return model
 

@@ -127,7 +127,7 @@ def logprobs_in_chunks(
     response_mask: Tensor,         # (batch, resp) True on real tokens
     temperature: float,            # the sampling temperature T
     size: int,                     # rows per forward pass
-    padding_free: bool = False,    # each pass over the real tokens packed in bins (`packed_response_logprobs`): 0 at all padding
+    padding_free: bool = False,    # each pass over the real tokens packed in bins (`response_logprobs`' `padding_free`): 0 at all padding
 ) -> Tensor:                       # (batch, resp) log π(y_t), float32
     "`model`'s log-probabilities of the response tokens at temperature T (0 where a pass's rows are all padding), `size` rows per forward pass cut at their longest response, each pass's positions in chunks (`response_logprobs`)."
     return chunked(lambda q, m, r, rm: response_logprobs(model, q, m, r, rm, temperature, padding_free=padding_free)[0],
