@@ -8,7 +8,7 @@ __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'respons
            'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode', 'Agent', 'AdapterOffReference',
            'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective', 'pack_bins',
            'pack_layout', 'packed_attention_mask', 'packed_forward', 'refuse_packed_aux', 'loss_token_states',
-           'states_logps', 'packed_response_states', 'states_stats']
+           'states_logps', 'packed_response_states', 'states_stats', 'prompt_groups', 'shared_prompt_forward']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import contextlib, copy, functools, inspect, itertools, os
@@ -192,19 +192,25 @@ def response_logprobs(
     entropy: Literal["grad", "no_grad", "skip"] = "skip",  # the entropy too: with gradients, without, or not at all (None)
     output_hidden_states: bool = False,                  # also return the last hidden state at those positions
     padding_free: bool = False,                          # one forward of the real tokens packed in bins, the output layer at the real responses' positions only (`packed_forward`); 0 at padding
+    shared_prefix: bool = False,                         # where some prompt repeats, each distinct prompt's pass once (`shared_prompt_forward`); before `padding_free`
 ) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None, Float[Tensor, "batch resp hidden"] | None]:  # (log π(y_t), entropy, hidden)
     "Log-probabilities (and entropies, last hidden states) at the response positions, from the last hidden state in chunks (`logprobs_from_hidden`): never the (batch × resp × vocab) logits, where the output layer allows (`response_logits` otherwise)."
     head = _output_layer(model)
-    if padding_free and (head is not None or not output_hidden_states):   # (logits and hidden states together: the padded pass)
-        return _packed_response_logprobs(model, query_ids, query_attention_mask, response_ids, response_attention_mask, temperature, entropy, output_hidden_states)
+    one_output = head is not None or not output_hidden_states             # (logits and hidden states together: the padded pass)
+    groups = prompt_groups(query_ids, query_attention_mask) if shared_prefix and one_output else None
+    shared = groups is not None and len(groups[0]) < len(query_ids)       # some prompt repeats
+    rows = (query_ids, query_attention_mask, response_ids, response_attention_mask)
+    if padding_free and one_output and not shared:
+        return _packed_response_logprobs(model, *rows, temperature, entropy, output_hidden_states)
     if head is None:
-        logits, hidden = response_logits(model, query_ids, query_attention_mask, response_ids, response_attention_mask, output_hidden_states)
+        logits, hidden = (shared_prompt_forward(model, *rows, groups=groups), None) if shared else response_logits(model, *rows, output_hidden_states)
         entropies = None if entropy == "skip" else entropy_from_logits(logits if entropy == "grad" else logits.detach(), temperature)
         return logprobs_from_logits(logits, response_ids, temperature), entropies, hidden
     _check_left_padded(query_attention_mask)
-    n_resp = response_ids.shape[1]
-    hidden = _final_hidden(model, torch.cat([query_ids, response_ids], 1),
-                           torch.cat([query_attention_mask.long(), response_attention_mask.long()], 1))[:, -n_resp - 1:-1]
+    if shared: hidden = shared_prompt_forward(model, *rows, hidden=True, groups=groups)
+    else:
+        hidden = _final_hidden(model, torch.cat([query_ids, response_ids], 1),
+                               torch.cat([query_attention_mask.long(), response_attention_mask.long()], 1))[:, -response_ids.shape[1] - 1:-1]
     logprobs, entropies = head.logprobs(hidden, response_ids, temperature, entropy)
     return logprobs, entropies, hidden if output_hidden_states else None
 
@@ -426,12 +432,17 @@ class Agent(nn.Module):
         temperature: float = 1.0,                             # the sampling temperature T
         entropy: Literal["grad", "no_grad", "skip"] = "grad", # the entropy with gradients, without (for logging: no graph kept), or not at all (None)
         padding_free: bool = False,                           # each model's forward over the real tokens packed in bins (`response_logprobs`' and `packed_response_states`); 0 at padding
+        shared_prefix: bool = False,                          # where some prompt repeats, each model's pass over each distinct prompt once (`shared_prompt_forward`)
     ) -> ResponseStats:                                       # per-token logprobs, entropy and values of the response
         "Log-probabilities, entropies and values at the response positions, in one forward pass of the policy (and one of the critic's trunk)."
         shared = self.value_model is None
         logprobs, entropies, hidden = response_logprobs(self.model, query_ids, query_attention_mask, response_ids, response_attention_mask,
-                                                        temperature, entropy, output_hidden_states=shared, padding_free=padding_free)
-        if not shared and padding_free:
+                                                        temperature, entropy, output_hidden_states=shared, padding_free=padding_free,
+                                                        shared_prefix=shared_prefix)
+        groups = prompt_groups(query_ids, query_attention_mask) if shared_prefix and not shared else None
+        if groups is not None and len(groups[0]) < len(query_ids):
+            hidden = shared_prompt_forward(self.value_model, query_ids, query_attention_mask, response_ids, response_attention_mask, hidden=True, groups=groups)
+        elif not shared and padding_free:
             hidden = packed_response_states(self.value_model, query_ids, query_attention_mask, response_ids, response_attention_mask)
         elif not shared:
             input_ids = torch.cat([query_ids, response_ids], 1)
@@ -704,11 +715,15 @@ def packed_forward(
 def refuse_packed_aux(
     packs: bool,             # whether the trainer packs sequences (`padding_free`, SFT's `packing`)
     coef: float,             # c of a mixture-of-experts load-balancing loss c·L_aux (`router_aux_coef`; 0: none)
+    shares: bool = False,    # whether the trainer runs repeated prompts once (`shared_prefix`)
 ) -> None:
-    "A one-line error for packing with a load-balancing loss: 🤗's L_aux reads a (batch, seq) mask, which packed bins do not have."
+    "A one-line error for packing (or sharing prompts) with a load-balancing loss: 🤗's L_aux reads a (batch, seq) mask, which packed bins do not have, and one pass's routing, not two."
     if packs and coef > 0:
         raise ValueError(f"`padding_free` (or `packing`) with a load-balancing loss (`router_aux_loss_coef`={coef}): 🤗's L_aux reads a "
                          "(batch, seq) mask that packed bins do not have; set router_aux_loss_coef=0.0, or leave padding_free and packing off")
+    if shares and coef > 0:
+        raise ValueError(f"`shared_prefix` with a load-balancing loss (`router_aux_loss_coef`={coef}): L_aux would be two passes' (prompts, "
+                         "responses), not the batch's; set router_aux_loss_coef=0.0, or leave shared_prefix off")
 
 # %% ../nbs/03_agent.ipynb #17671768
 def _packed_index(
@@ -798,3 +813,91 @@ def states_stats(
         return logps[0], entropy[0], top1[0]
     with torch.no_grad(): entropy, top1 = entropy_from_logits(out[None])[0], out.argmax(-1) == labels
     return logprobs_from_logits(out[None], labels[None])[0], entropy, top1
+
+# %% ../nbs/03_agent.ipynb #277c3962
+@typecheck
+def prompt_groups(
+    query_ids: Int[Tensor, "batch query"],               # prompts, left-padded
+    query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
+) -> tuple[Int[Tensor, "prompts"], Int[Tensor, "batch"]]:  # (the first row of each distinct prompt, each row's prompt), in order of appearance
+    "The distinct prompts of a batch (the same real tokens in the same columns) and which one each row has: row `first[inverse[b]]` holds row b's prompt."
+    real = query_attention_mask.bool()
+    _, inverse = torch.unique(query_ids.masked_fill(~real, -1), dim=0, return_inverse=True)   # a pad is -1: the mask is part of the prompt
+    rows = torch.arange(len(inverse), device=inverse.device)
+    first = rows.new_full((int(inverse.max()) + 1,), len(rows)).scatter_reduce_(0, inverse, rows, "amin")
+    order = first.argsort()                                                                    # `unique` sorts by content: back to appearance
+    return first[order], order.argsort()[inverse]
+
+# %% ../nbs/03_agent.ipynb #97294d05
+try: from transformers.cache_utils import Cache, DynamicLayer
+except ImportError: Cache = DynamicLayer = None      # transformers < 4.56: `shared_prefix` is refused by `shared_prompt_forward`
+
+class _PromptWrite(DynamicLayer or object):
+    "One layer's keys and values from the prompts' pass, kept as given (a checkpointed layer's replay gives the same ones again)."
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys, self.values, self.is_initialized = key_states, value_states, True
+        return key_states, value_states
+
+class _PromptRead(DynamicLayer or object):
+    "One layer's prompt keys and values, row by row, put before the responses' own; nothing is stored, so a replay reads the same."
+    def __init__(self, keys: Tensor, values: Tensor):
+        super().__init__()
+        self.keys, self.values, self.device, self.is_initialized, self.reads = keys, values, keys.device, True, 0
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.reads += 1
+        return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
+
+# %% ../nbs/03_agent.ipynb #efd73b12
+@contextmanager
+def _cache_in_checkpoints(model: nn.Module):
+    "Inside the block 🤗's gradient-checkpointed layers take a cache (`_PromptWrite`, `_PromptRead`: the same on a replay); reentrant checkpointing is refused."
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_can_checkpoint_with_cache")]
+    reentrant = [m for m in layers if getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant") is not False]
+    if reentrant and torch.is_grad_enabled():
+        raise ValueError("`shared_prefix` with reentrant gradient checkpointing: its forward keeps no graph for the prompts' keys and values, so their "
+                         "gradient would be lost; set gradient_checkpointing_kwargs={'use_reentrant': False} (the default here), or leave shared_prefix off")
+    before = [vars(m).get("_can_checkpoint_with_cache") for m in layers]
+    for m in layers: m._can_checkpoint_with_cache = True
+    try: yield
+    finally:
+        for m, b in zip(layers, before):
+            if b is None: del m._can_checkpoint_with_cache    # the class's own value again
+            else: m._can_checkpoint_with_cache = b
+
+# %% ../nbs/03_agent.ipynb #95886051
+@typecheck
+def shared_prompt_forward(
+    model: nn.Module,                                    # a 🤗 causal LM, or a trunk (a separate critic's)
+    query_ids: Int[Tensor, "batch query"],               # prompts, left-padded; rows with the same prompt share its pass
+    query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
+    response_ids: Int[Tensor, "batch resp"],             # responses, right-padded
+    response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
+    hidden: bool = False,                                # the last hidden state (what the output layer reads), not the logits
+    groups: tuple[Tensor, Tensor] | None = None,         # `prompt_groups`' (first, inverse), where known
+) -> Float[Tensor, "batch resp out"]:                    # at each response position, the output that predicts its token
+    "The logits (or last hidden states) that predict each response token, from two passes: each distinct prompt once (`prompt_groups`), then every row's response reading its prompt's keys and values from the cache."
+    lm = _causal_lm(model)
+    if DynamicLayer is None: raise ValueError("`shared_prefix` needs transformers ≥ 4.56 (its cache layers): upgrade transformers, or leave shared_prefix off")
+    config = lm.config.get_text_config()
+    other = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if other: raise ValueError(f"`shared_prefix` cannot share {type(lm).__name__}'s prompts: its {sorted(other)} layers keep a state that is "
+                               "not keys and values; leave shared_prefix off")
+    _check_left_padded(query_attention_mask)
+    first, inverse = prompt_groups(query_ids, query_attention_mask) if groups is None else groups
+    cache, n_resp = "cache" if _accepts(model, "cache") else "past_key_values", response_ids.shape[1]
+    keep_one = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}     # a trunk without an output layer takes none
+    states = {"output_hidden_states": True} if hidden else {}
+    out = lambda o: o.hidden_states[-1] if hidden else o.logits
+    written = Cache(layers=[_PromptWrite() for _ in range(config.num_hidden_layers)])
+    mask = torch.cat([query_attention_mask.long(), response_attention_mask.long()], 1)
+    with _cache_in_checkpoints(model):
+        q, qm = query_ids[first], query_attention_mask[first]
+        prompts = model(input_ids=q, attention_mask=qm, **positions_for(model, qm), use_cache=True, **{cache: written}, **states, **keep_one)
+        if not all(layer.is_initialized for layer in written.layers):
+            raise ValueError(f"`shared_prefix`: {type(lm).__name__} did not pass every layer's keys and values through 🤗's cache; leave shared_prefix off")
+        read = Cache(layers=[_PromptRead(layer.keys[inverse], layer.values[inverse]) for layer in written.layers])
+        responses = model(input_ids=response_ids, attention_mask=mask, **{k: v[:, -n_resp:] for k, v in positions_for(model, mask).items()},
+                          use_cache=True, **{cache: read}, **states, **(keep_one if hidden else {}))
+    if not all(layer.reads == 1 for layer in read.layers):
+        raise ValueError(f"`shared_prefix`: {type(lm).__name__}'s layers did not all read the prompts' keys and values from the cache; leave shared_prefix off")
+    return torch.cat([out(prompts)[inverse, -1:], out(responses)[:, :-1]], 1)

@@ -155,6 +155,7 @@ class OnPolicyConfig(TrainingConfig):
     generation_batch_size: int | None = None # TRL 1.16: completions per generation, all processes = rollout_size × processes; sets `num_mini_batches`
     shuffle_dataset: bool = True           # TRL 1.16: each epoch's prompts in a seeded random order; False: in dataset order
     padding_free: bool = False             # TRL's SFT/DPO name (verl: use_remove_padding): every pass after sampling over the real tokens packed in bins (reward models the trainer makes too), the output layer at real response tokens only; the same numbers
+    shared_prefix: bool = False            # NeMo RL's name (verl: shared-prefix): rows with the same prompt (RLOO's k, GRPO's G) run it once in every pass after sampling, their responses reading its keys and values (`shared_prompt_forward`); the same numbers
     same_setting: ClassVar[dict[str, str]] = {}  # TRL's name -> the shared field it is another name of (see `merge_names`)
     keeps_columns: ClassVar[bool] = True   # a row's columns reach the reward functions (🤗's `remove_unused_columns`=False, TRL's GRPO default)
     may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {   # a resumed run may be extended
@@ -165,7 +166,8 @@ class OnPolicyConfig(TrainingConfig):
         merge_names(self, self.same_setting)
         generation_batches(self)             # TRL's steps_per_generation / generation_batch_size onto num_mini_batches
         check_sampling_config(self)
-        if not isinstance(self.padding_free, bool): raise ValueError(f"`padding_free` must be True or False, got {self.padding_free!r}")
+        for name in ("padding_free", "shared_prefix"):
+            if not isinstance(getattr(self, name), bool): raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.chat_template_kwargs, str): self.chat_template_kwargs = json.loads(self.chat_template_kwargs)   # TRL also takes a JSON string
         if not isinstance(self.chat_template_kwargs, (dict, type(None))):
             raise ValueError(f"`chat_template_kwargs` must be a dict of chat template variables, got {self.chat_template_kwargs!r}")
@@ -295,7 +297,7 @@ class OnPolicyTrainer(Trainer):
         self.model = fuse_activations(self.policy_from(model, peft_config))   # before anything samples or scores with it
         policy = self.model.model if isinstance(self.model, Agent) else self.model
         if isinstance(self.args, TRLOptions): self.router_aux_loss_coef = router_aux_coef(policy, self.args.router_aux_loss_coef)   # RLOO, GRPO: MoE's c·L_aux
-        refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef)   # before anything packs: 🤗's L_aux cannot read bins
+        refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef, self.args.shared_prefix)   # before anything packs or shares
         float32_head = getattr(self.args, "cast_lm_head_to_fp32", False)   # GRPO's field
         if float32_head: cast_lm_head_to_fp32(policy)
         self.ref_model = frozen_reference(policy, ref_model) if self.needs_reference else None
@@ -325,7 +327,8 @@ class OnPolicyTrainer(Trainer):
         entropy = "grad" if getattr(self.args, "entropy_bonus", False) else "no_grad"
         with router_aux_losses(model, self.router_aux_loss_coef > 0) as aux:
             logprobs, entropies = response_logprobs(model, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask,
-                                                    self.args.temperature, entropy, padding_free=self.args.padding_free)[:2]
+                                                    self.args.temperature, entropy, padding_free=self.args.padding_free,
+                                                    shared_prefix=self.args.shared_prefix)[:2]
         return PolicyPass(logprobs, entropies, aux[0] if aux else None)
 
     def aux_term(self, current: "PolicyPass") -> tuple[dict[str, Tensor], dict[str, Tensor]]:

@@ -124,7 +124,7 @@ class RLHFTrainer(OnPolicyTrainer):
         "Sample and score a response per prompt, then the agent's log-probabilities and values (kept for the update by `first_pass`, else chunked) and `make_rollout`."
         c, x = self.args, self.sample_and_score(agent.model, rows, seed, first_row, loop)
         stats = kept = self.first_pass(agent, x, loop)
-        if stats is None: stats = chunked(lambda q, m, r, rm: agent.response_stats(q, m, r, rm, c.temperature, "skip", c.padding_free),
+        if stats is None: stats = chunked(lambda q, m, r, rm: agent.response_stats(q, m, r, rm, c.temperature, "skip", c.padding_free, c.shared_prefix),
                                           x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask,
                                           size=c.local_rollout_forward_batch_size, responses=True)
         rollout = self.make_rollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, x.scores,
@@ -139,7 +139,8 @@ class RLHFTrainer(OnPolicyTrainer):
     def policy_pass(self, agent: Agent, part) -> ResponseStats:
         "The agent's log-probabilities, values and entropy (with gradients when the loss has an entropy bonus) on a micro-batch."
         return agent.response_stats(part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask,
-                                    self.args.temperature, "grad" if self.args.ent_coef > 0 else "no_grad", self.args.padding_free)
+                                    self.args.temperature, "grad" if self.args.ent_coef > 0 else "no_grad", self.args.padding_free,
+                                    self.args.shared_prefix)
 
     def micro_batch_loss(self, agent: Agent, part: Rollout, draw: int, kept: ResponseStats | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "−L^CLIP + c₁·L^VF − c₂·S on the micro-batch (its `policy_pass`, or `kept`), and γ × the NLL of pretraining batch `draw` (PPO-ptx)."
@@ -176,7 +177,7 @@ def make_rollout(
     acc = None if loop is None else loop.accelerator
     with self.on_device(self.ref_model, None if loop is None else loop.device) as ref:
         ref_logprobs = logprobs_in_chunks(ref, query_ids, query_attention_mask, response_ids, mask, c.temperature,
-                                          c.local_rollout_forward_batch_size, c.padding_free)
+                                          c.local_rollout_forward_batch_size, c.padding_free, c.shared_prefix)
     rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, mask, self.kl_ctl.value, c.kl_estimator)
     if c.whiten_rewards: rewards = self.whiten(rewards, mask, shift_mean=False, accelerator=acc)
     advantages, returns = compute_gae(rewards, values, mask, c.gamma, c.lam)
@@ -221,7 +222,7 @@ def compute_loss(
     query_ids, query_attention_mask = pad_to_side(query_ids, query_attention_mask, "left")
     response_ids, response_attention_mask = pad_to_side(response_ids, response_attention_mask, "right")
     current = self.model.response_stats(query_ids, query_attention_mask, response_ids, response_attention_mask,
-                                        self.args.temperature, padding_free=self.args.padding_free)
+                                        self.args.temperature, padding_free=self.args.padding_free, shared_prefix=self.args.shared_prefix)
     rollout = self.make_rollout(query_ids, query_attention_mask, response_ids, response_attention_mask, rewards,
                                 current.logprobs.detach(), current.values.detach())
     loss, stats = self.ppo_loss(rollout, current)

@@ -166,7 +166,8 @@ class RLOOTrainer(OnPolicyTrainer):
         "Sample k responses per prompt in one batched call (each carrying its row's columns to the reward), score them, and compute log-probabilities (from the pass `first_pass` keeps for the update, else chunked) and advantages."
         c = self.args
         x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
-        inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size, c.padding_free)
+        inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size,
+                  c.padding_free, c.shared_prefix)
         kept = self.first_pass(policy, x, loop)
         logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else kept[0].detach()
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref: ref_logprobs = logprobs_in_chunks(ref, *inputs)

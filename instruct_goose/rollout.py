@@ -128,9 +128,10 @@ def logprobs_in_chunks(
     temperature: float,            # the sampling temperature T
     size: int,                     # rows per forward pass
     padding_free: bool = False,    # each pass over the real tokens packed in bins (`response_logprobs`' `padding_free`): 0 at all padding
+    shared_prefix: bool = False,   # where a pass's rows repeat a prompt, each distinct prompt once (`response_logprobs`' `shared_prefix`)
 ) -> Tensor:                       # (batch, resp) log π(y_t), float32
     "`model`'s log-probabilities of the response tokens at temperature T (0 where a pass's rows are all padding), `size` rows per forward pass cut at their longest response, each pass's positions in chunks (`response_logprobs`)."
-    return chunked(lambda q, m, r, rm: response_logprobs(model, q, m, r, rm, temperature, padding_free=padding_free)[0],
+    return chunked(lambda q, m, r, rm: response_logprobs(model, q, m, r, rm, temperature, padding_free=padding_free, shared_prefix=shared_prefix)[0],
                    query_ids, query_attention_mask, response_ids, response_mask, size=size, responses=True)
 
 # %% ../nbs/07_rollout.ipynb #62dcb538

@@ -50,7 +50,7 @@ def test_packed_states_are_the_padded_states(family, tokenizer):
         torch.testing.assert_close(packed_forward(model, ids, mask, hidden=True, capacity=capacity), padded, rtol=1e-5, atol=1e-5)
 
 
-def make(algo, family, tokenizer, tmp_path, padding_free, loss_type="grpo", lora=False, reward_model=False, **more):
+def make(algo, family, tokenizer, tmp_path, padding_free, loss_type="grpo", lora=False, reward_model=False, dataset=None, **more):
     "A tiny trainer of `algo` on `family`, 2 steps of 4 responses that often stop early, packed or padded; `lora`: adapters (r 4) on every projection, the reference the adapter-off base."
     policy = build_causal(BY_NAME[family], tokenizer, seed=0)
     common = {**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS, seed=0, disable_tqdm=True, padding_free=padding_free,
@@ -65,15 +65,16 @@ def make(algo, family, tokenizer, tmp_path, padding_free, loss_type="grpo", lora
     model = Agent(policy, value_model=value) if algo.startswith("ppo") else policy
     sgd = (torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2), None)   # SGD: the parameters' change is the gradients'
     reward = build_classifier(BY_NAME[family], tokenizer, seed=2) if reward_model else length_reward   # a 🤗 classifier: the trainer makes its RewardModel
+    dataset = load_task("prompts") if dataset is None else dataset
     if algo.startswith("ppo"):
         return RLHFTrainer(model, args=RLHFConfig(response_length=RESPONSE, num_ppo_epochs=2, **common), optimizers=sgd,
-                           processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
+                           processing_class=tokenizer, reward_funcs=reward, train_dataset=dataset)
     if algo == "rloo":
         return RLOOTrainer(model, args=RLOOConfig(response_length=RESPONSE, num_generations=2, **common), optimizers=sgd,
-                           processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
+                           processing_class=tokenizer, reward_funcs=reward, train_dataset=dataset)
     return GRPOTrainer(model, args=GRPOConfig(max_completion_length=RESPONSE, num_generations=2, num_iterations=2, beta=0.05,
                                               loss_type=loss_type, **common), optimizers=sgd,
-                       processing_class=tokenizer, reward_funcs=reward, train_dataset=load_task("prompts"))
+                       processing_class=tokenizer, reward_funcs=reward, train_dataset=dataset)
 
 
 def run(algo, family, tokenizer, tmp_path, padding_free, **more):
