@@ -43,6 +43,7 @@ SHAPES = {
 }
 PHASES = ["generation", "scoring", "rollout forwards", "update (fwd+bwd)", "optimizer", "other"]
 LR, KL_COEF, RLOO_K, MAX_PROMPT = 3e-6, 0.05, 4, 64
+PROMPT_WORDS = 0   # --prompt_words: words of instructions before each prompt (MAX_PROMPT grows with them)
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0)   # `--lora`, both sides: on every attention and MLP projection
 LORA_TARGETS = {"qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                 "gpt2": ["c_attn", "c_proj", "c_fc"]}   # GPT-2: attention qkv + out (c_proj), MLP in (c_fc) + out (c_proj)
@@ -129,9 +130,17 @@ def build_models(shape, tok, response_length=64, value=True, device="cpu", eos_b
     return policy, value, reward
 
 
+PREAMBLE = ("Read the task below with care, think about what it asks, and answer it in a few plain sentences; "
+            "say what you would check first, and why, before you give the answer itself. ").split()
+
+
 def prompts_dataset():
+    "The built-in prompts (~10 tokens), each after `--prompt_words` words of instructions where asked (the long prompts of a real task: a distinct prompt per row still)."
     from instruct_goose import load_task
-    return load_task("prompts")
+    ds = load_task("prompts")
+    if not PROMPT_WORDS: return ds
+    preamble = " ".join((PREAMBLE * (PROMPT_WORDS // len(PREAMBLE) + 1))[:PROMPT_WORDS])
+    return ds.map(lambda row: {"prompt": f"{preamble} {row['prompt']}"})
 
 
 # ---------------------------------------------------------------- phase clock
@@ -241,7 +250,8 @@ def run_ours(algo, a, tok, out, clock):
                   disable_tqdm=True, mixed_precision="bf16" if a.dtype == "bf16" else "no", temperature=1.0,
                   max_prompt_length=MAX_PROMPT, save_steps=0, gradient_checkpointing=a.checkpointing != "none",
                   gradient_checkpointing_policy="selective" if a.checkpointing == "selective" else "full", optim=a.optim,
-                  padding_free="padding_free" in (a.lever or []))   # --lever padding_free: a config field, not a patch
+                  padding_free="padding_free" in (a.lever or []),   # --lever padding_free, shared_prefix: config fields, not patches
+                  shared_prefix="shared_prefix" in (a.lever or []))
     rm = RewardModel(reward, tokenizer=tok, padding_free="padding_free" in (a.lever or []))
     if algo.startswith("ppo"):
         # TRL's PPO does not clip gradients: max_grad_norm=0 (no clipping) here too
@@ -470,6 +480,8 @@ def apply_levers(levers):
             tm.OnPolicyTrainer.trims_responses = False
         elif lever == "padding_free":
             pass   # every pass after sampling over the real tokens packed in bins (the reward model's too): the configs' `padding_free`, set where they are made
+        elif lever == "shared_prefix":
+            pass   # every pass after sampling runs each distinct prompt once (RLOO's and GRPO's k rows of a prompt): the configs' `shared_prefix`
         elif lever == "no_kept_pass":
             # a separate no-grad policy pass in the rollout (the library keeps the rollout's pass for the update: `first_pass`)
             tm.OnPolicyTrainer.keeps_first_pass = False
@@ -561,7 +573,7 @@ def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None,
     cmd = [sys.executable, __file__, "--child", side, "--algo", algo, "--tok_dir", a.tok_dir,
            "--model-shape", a.model_shape, "--device", a.device, "--dtype", a.dtype, "--batch", str(batch),
            "--response_length", str(a.response_length), "--epochs", str(a.epochs), "--steps", str(steps),
-           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing, "--optim", a.optim, "--eos_bias", str(a.eos_bias)] + (["--live_bytes"] if a.live_bytes else []) + sum((["--lever", l] for l in a.lever or []), [])
+           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing, "--optim", a.optim, "--eos_bias", str(a.eos_bias), "--prompt_words", str(a.prompt_words)] + (["--live_bytes"] if a.live_bytes else []) + sum((["--lever", l] for l in a.lever or []), [])
     if lora: cmd.append("--lora")
     if a.mem_limit_mib: cmd += ["--mem_limit_mib", str(a.mem_limit_mib)]
     if a.profile and side == "ours" and not a.max_batch: cmd += ["--profile", a.profile]
@@ -818,6 +830,7 @@ def main():
     p.add_argument("--batch", type=int, default=8, help="completions per step (RLOO/GRPO: batch/4 prompts x k=4); --max_batch: the first probe")
     p.add_argument("--response_length", type=int, default=64)
     p.add_argument("--eos_bias", type=float, default=0.0, help="a bias on the policy's EOS logit, both sides: completions that stop early (a random policy almost never stops)")
+    p.add_argument("--prompt_words", type=int, default=0, help="words of instructions before each prompt, both sides: long prompts, as a real task's (RLOO/GRPO run each k times: --lever shared_prefix)")
     p.add_argument("--epochs", type=int, default=4, help="PPO epochs per rollout (RLOO: 1, as TRL's num_iterations=1)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -840,7 +853,7 @@ def main():
     p.add_argument("--optim", default="adamw_torch_fused", help="🤗's optimizer name on both sides, e.g. adamw_8bit (bitsandbytes: 2 bytes of moments a parameter instead of 8); the phase tables time only AdamW's step as 'optimizer' (TRL's PPO windows too): for memory and --max_batch")
     p.add_argument("--live_bytes", action="store_true",
                    help="count the training's tensor bytes with LiveBytes (a CPU stand-in for torch.cuda.max_memory_allocated, less the weights built before training; slows the run: memory only)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching, padding_free; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache, untrimmed")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching, padding_free, shared_prefix; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache, untrimmed")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--params", action="store_true", help="only build the shape's policy on the meta device and print its parameter count")
@@ -849,6 +862,8 @@ def main():
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--algo", help=argparse.SUPPRESS)
     a = p.parse_args()
+    global PROMPT_WORDS, MAX_PROMPT
+    PROMPT_WORDS, MAX_PROMPT = a.prompt_words, MAX_PROMPT + 3 * a.prompt_words   # (a word is 1-3 tokens of the bench's tokenizer)
     if a.child == "bandwidth": return bandwidth_child(a)
     if a.child: a.side = a.child; return child(a)
     if a.report:                        # print the tables again from a file written by --json

@@ -18,6 +18,7 @@ from jaxtyping import Bool, Float, Int
 from transformers.pytorch_utils import Conv1D
 
 from .core import Float32Linear, _autocast_dtype, _causal_lm, typecheck
+from .agent import prompt_groups
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a007
 class LayerCache:
@@ -469,6 +470,7 @@ def decode(
     graphs: bool | None = None,                           # replay each step from a CUDA graph, the batch kept at a power of two (`_Replay`); None: on a GPU, where `_graph_refusal` has no objection
     compile: bool | dict = False,                         # run that static step through `torch.compile` (`_compiled`; a dict: its options, e.g. a backend): fused kernels, recorded inside the graph on a GPU; the cache's length rounded up to a multiple of 64 so other prompt widths reuse the compiled step
     sync_every: int = 1,                                  # steps between the loop's host syncs, which drop finished rows and end the loop when no row is left; more lets a GPU queue that many steps ahead (finished rows ride along until the next sync, their tokens dropped)
+    share_prompts: bool = False,                          # rows with the same prompt (RLOO's k, GRPO's G) run it through the step once (`prompt_groups`), its keys, values and last logits copied to each
     fuse: bool | None = None,                             # q, k, v in one matrix multiply and a gated MLP's gate and up in another (`_fused_projections`, stacked copies for the call); None: only where the copy takes the place of a cast, under autocast over weights of another dtype (the trainers' mixed precision); True: wherever it can, a copy of those weights more
 ) -> Int[Tensor, "batch new"]:                            # the sampled ids, `max_new_tokens` per row, stop token included
     "Sample each row's response token by token through the family's step (`_STEPS`) and a static cache; finished rows leave the batch."
@@ -492,7 +494,11 @@ def decode(
     with stacking, _cast_once(lm, autocast) if cast_once else nullcontext():
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         reads = causal & valid[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)        # the real tokens at or before; a pad reads itself
-        logits = step(lm, query_ids, pos[:, :P], cache, 0, reads[:, None])
+        first, inverse = prompt_groups(query_ids, query_attention_mask) if share_prompts else (None, None)
+        if first is not None and len(first) < B:                                                 # each distinct prompt once, then copied to its rows
+            logits = step(lm, query_ids[first], pos[first, :P], cache, 0, reads[first, None])[inverse]
+            cache.keep(inverse)
+        else: logits = step(lm, query_ids, pos[:, :P], cache, 0, reads[:, None])
         V = logits.shape[-1]
         seen = (torch.zeros(B, V + 1, dtype=torch.bool, device=dev).scatter_(1, query_ids.masked_fill(~valid[:, :P], V), True)[:, :V]
                 if repetition_penalty != 1.0 else None)                                          # the prompts' real tokens

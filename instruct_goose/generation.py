@@ -218,6 +218,7 @@ def generate_responses(
     repetition_penalty: float = 1.0,                      # 🤗's: the logit z of a token already in the row becomes z/θ if z > 0, else z·θ (1: off)
     own_decoder: bool | None = None,                      # sample through `decode` (our loop; on a GPU its steps replayed from CUDA graphs) rather than 🤗 `generate`; None: whenever `decoding_refusal` has no objection, on the CPU and on a GPU
     compile: bool | dict = False,                         # `decode`'s step through `torch.compile` (its `compile`: fused kernels inside the CUDA graph), where `decode` samples; a GPU lever, compiled once per batch size and 64 prompt widths
+    share_prompts: bool = False,                          # rows with the same prompt run it once before the first draw (`decode`'s `share_prompts`), where `decode` samples
     continuous_batching: bool | dict = False,             # sample through 🤗's continuous batching (`generate_batch`; TRL 1.16's `use_transformers_continuous_batching`); a dict: its `ContinuousBatchingConfig` options (TRL's `transformers_continuous_batching_config`; by default a KV cache sized to the batch)
     **generate_kwargs,                                    # passed on to 🤗 `generate` or its continuous batching (then `decode` is not used); like the four above they are part of the sampler, not of the scored distribution (see "How π_old is scored")
 ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (response ids, True on real tokens)
@@ -243,7 +244,8 @@ def generate_responses(
     with eval_mode(model), merged_adapters(model), packed_linears(model, len(query_ids), dtype=half) if packed else nullcontext():
         response = (_cb_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, sampling, generate_kwargs, continuous_batching)
                     if continuous_batching else
-                    decode(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, **sampling, compile=compile) if own_decoder else
+                    decode(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, **sampling, compile=compile,
+                           share_prompts=share_prompts) if own_decoder else
                     _hf_generate(model, query_ids, query_attention_mask, max_new_tokens, stop_token_ids, pad_token_id, static_cache, sampling, generate_kwargs))
     return truncate_after_stop(response, stop_token_ids, pad_token_id)
 

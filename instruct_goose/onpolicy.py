@@ -155,7 +155,7 @@ class OnPolicyConfig(TrainingConfig):
     generation_batch_size: int | None = None # TRL 1.16: completions per generation, all processes = rollout_size × processes; sets `num_mini_batches`
     shuffle_dataset: bool = True           # TRL 1.16: each epoch's prompts in a seeded random order; False: in dataset order
     padding_free: bool = False             # TRL's SFT/DPO name (verl: use_remove_padding): every pass after sampling over the real tokens packed in bins (reward models the trainer makes too), the output layer at real response tokens only; the same numbers
-    shared_prefix: bool = False            # NeMo RL's name (verl: shared-prefix): rows with the same prompt (RLOO's k, GRPO's G) run it once in every pass after sampling, their responses reading its keys and values (`shared_prompt_forward`); the same numbers
+    shared_prefix: bool = False            # NeMo RL's name (verl: shared-prefix): rows with the same prompt (RLOO's k, GRPO's G) run it once in every pass after sampling, their responses reading its keys and values (`shared_prompt_forward`), and once in the sampler (`decode`'s `share_prompts`); the same numbers
     same_setting: ClassVar[dict[str, str]] = {}  # TRL's name -> the shared field it is another name of (see `merge_names`)
     keeps_columns: ClassVar[bool] = True   # a row's columns reach the reward functions (🤗's `remove_unused_columns`=False, TRL's GRPO default)
     may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {   # a resumed run may be extended
@@ -197,11 +197,11 @@ class OnPolicyConfig(TrainingConfig):
 def sampling_options(
     config,                  # an on-policy config
 ) -> dict:                   # keywords of `generate_responses` beyond the temperature
-    "The config's sampling options as `generate_responses` keywords: top-p/top-k/min-p, the repetition penalty, `generation_kwargs`, `cache_implementation` as `static_cache`, `compile_generation` as `compile`, TRL's continuous batching as `continuous_batching`."
+    "The config's sampling options as `generate_responses` keywords: top-p/top-k/min-p, the repetition penalty, `generation_kwargs`, `cache_implementation` as `static_cache`, `compile_generation` as `compile`, TRL's continuous batching as `continuous_batching`, `shared_prefix` as `share_prompts`."
     c = config
     return dict(top_p=c.top_p, top_k=c.top_k, min_p=c.min_p, repetition_penalty=c.repetition_penalty,
                 static_cache={None: None, "static": True, "dynamic": False}[c.cache_implementation], compile=c.compile_generation,
-                continuous_batching=continuous_batching_options(c), **(c.generation_kwargs or {}))
+                continuous_batching=continuous_batching_options(c), share_prompts=c.shared_prefix, **(c.generation_kwargs or {}))
 
 # %% ../nbs/08_onpolicy.ipynb #43d090b5
 def frozen_reference(

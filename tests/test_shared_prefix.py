@@ -11,12 +11,18 @@ reading its prompt's keys and values from 🤗's cache (`shared_prompt_forward`)
   RLOO, GRPO (grpo, dr_grpo, dapo) and PPO (shared and separate critic, on a dataset that repeats its prompts), on GPT-2,
   Llama and Gemma 2, with two accumulated micro-batches, two minibatches (shuffled: some micro-batches share nothing),
   LoRA at T = 0.7, gradient checkpointing (full and selective), and `padding_free` beside it;
-- every pass after sampling shared its prompts, and read fewer positions than padded;
+- every pass after sampling shared its prompts, and read fewer positions than padded; the sampler was asked to share them too
+  (`generate_responses`' `share_prompts`; `decode`'s tokens with it are checked in chapter 03a; here 🤗 `generate` samples,
+  since the configs pass it a `sequence_bias`);
 - a load-balancing loss and reentrant checkpointing are refused with one-line errors.
 """
+from unittest import mock
+
 import pytest
 import torch
 from datasets import Dataset
+
+import instruct_goose.onpolicy as onpolicy
 
 from instruct_goose import Agent, GRPOConfig, GRPOTrainer, load_task, task_tokenizer
 from instruct_goose.agent import _PromptRead, _PromptWrite, disable_dropout, response_logprobs
@@ -88,7 +94,10 @@ def run(algo, family, tokenizer, tmp_path, shared, **more):
         elif cache is None and ids is not None and ids.shape[1] > 1: passes.append((ids.numel(), None))   # a padded (or packed) pass
     for m in models:
         if m is not None: m.register_forward_pre_hook(hook, with_kwargs=True)
-    trainer.train()
+    shares, sample = [], onpolicy.generate_responses
+    with mock.patch.object(onpolicy, "generate_responses", lambda *args, **kwargs: shares.append(kwargs["share_prompts"]) or sample(*args, **kwargs)):
+        trainer.train()
+    assert shares and all(s == shared for s in shares), shares       # the sampler was asked to run each prompt once too (or not)
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer.loop.state.history, passes
 
 
@@ -120,9 +129,10 @@ def test_shared_runs_train_as_padded_runs(algo, loss_type, family, tokenizer, tm
                                         ("grpo", dict(gradient_checkpointing=True, gradient_checkpointing_policy="selective", loss_type="dapo")),
                                         ("ppo_separate", dict(gradient_checkpointing=True)),
                                         ("grpo", dict(padding_free=True, loss_type="dapo")),
+                                        ("rloo", dict(generation_kwargs=None)),
                                         ("ppo_separate", dict(padding_free=True, num_mini_batches=2, all_shared=False))])
 def test_shared_micro_batches_and_rollout_pieces(algo, more, tokenizer, tmp_path):
-    "Two accumulated micro-batches of one prompt each; two minibatches, shuffled, so that some micro-batches repeat no prompt and run padded (or packed); rollout passes in pieces of 2 rows; the entropy's gradient; LoRA (the reference: adapters off) at T = 0.7; checkpointing; `padding_free` for the passes that share nothing."
+    "Two accumulated micro-batches of one prompt each; two minibatches, shuffled, so that some micro-batches repeat no prompt and run padded (or packed); rollout passes in pieces of 2 rows; the entropy's gradient; LoRA (the reference: adapters off) at T = 0.7; checkpointing; `padding_free` for the passes that share nothing; no `sequence_bias`, so that `decode` samples, each prompt prefilled once."
     assert_same_run(algo, "llama", tokenizer, tmp_path, **more)
 
 
