@@ -289,7 +289,7 @@ class OnPolicyTrainer(Trainer):
         self.take_optimizers(optimizers)
         self.args, self.processing_class = a["args"], _load_tokenizer(a["processing_class"], model, a["args"])
         self.reward_model = None if a["reward_funcs"] is None else reward_from(a["reward_funcs"], self.args.reward_weights, self.processing_class,
-                                                                                  self.args.padding_free)
+                                                                                  self.args.padding_free, self.args.shared_prefix)
         self.train_dataset, self.eval_dataset = (None if d is None else as_dataset(_prompts_from_ids(d, self.processing_class), name, [("prompt",)])
                                                  for d, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")))
         self.callbacks, self.kl_ctl = as_callbacks(callbacks), FixedKLController(self.args.kl_coef)

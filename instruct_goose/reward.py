@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from .agent import _accepts, _load, context_length, dropout_as_configured, eval_mode, packed_forward, position_ids_from_mask
+from .agent import (_accepts, _load, context_length, dropout_as_configured, eval_mode, packed_forward, position_ids_from_mask,
+                                  shared_prompt_forward)
 from .core import last_true_index, masked_mean, masked_sum, masked_var, pad_to_side, typecheck
 from .data import apply_chat, is_conversational, prompt_text
 
@@ -58,6 +59,7 @@ class RewardModel(nn.Module):
         model: PreTrainedModel | str,  # a 🤗 model (any family), or a name/path of a checkpoint (loaded as a 1-label sequence classifier)
         tokenizer=None,                # the reward model's own tokenizer, to score text (`score`)
         padding_free: bool = False,    # score the real tokens packed in bins (`packed_forward`; a decoder's classifier that takes `position_ids`): the same scores
+        shared_prefix: bool = False,   # in `score`, the completions of one prompt run the tokens they start with once (`shared_prompt_forward`; a decoder's classifier): the same scores
         **from_pretrained_kwargs,      # passed to `from_pretrained` when a name is given
     ):
         super().__init__()
@@ -66,7 +68,9 @@ class RewardModel(nn.Module):
         if model.config.num_labels != 1:
             raise ValueError(f"`model` has a classifier with {model.config.num_labels} labels; a reward model needs 1 (num_labels=1)")
         if tokenizer is not None and model.config.pad_token_id is None: model.config.pad_token_id = tokenizer.pad_token_id
-        self.model, self.tokenizer, self.padding_free = model, tokenizer, padding_free
+        self.model, self.tokenizer, self.padding_free, self.shared_prefix = model, tokenizer, padding_free, shared_prefix
+        if shared_prefix and not self.reads_last_token:
+            raise ValueError(f"`shared_prefix` needs a decoder's classifier read at its last token; {type(model).__name__} pools its first token (bidirectional attention)")
         if padding_free and not self.can_pack:
             raise ValueError(f"`padding_free` needs a decoder's classifier read at its last token whose backbone takes `position_ids`; "
                              f"{type(model).__name__} {'pools its first token (bidirectional attention)' if not self.reads_last_token else 'takes no position_ids (ALiBi?)'}")
@@ -91,10 +95,14 @@ class RewardModel(nn.Module):
         self,
         input_ids: Int[Tensor, "batch seq"],                                  # prompt + response token ids
         attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens, padding on either side
+        prefix_groups: Int[Tensor, "batch"] | None = None,                    # rows of one group start with the same tokens (one prompt's completions): those run once (`_shared_prefix_states`)
     ) -> Float[Tensor, "batch"]:                                              # one score per sequence, float32
         last = last_true_index(attention_mask.bool())
         empty = (last < 0).nonzero().flatten().tolist()
         if empty: raise ValueError(f"`attention_mask` rows {empty} have no real token: there is nothing to score")
+        if prefix_groups is not None and self.reads_last_token and len(prefix_groups.unique()) < len(prefix_groups):
+            states = _shared_prefix_states(self.backbone, input_ids, attention_mask, prefix_groups)
+            if states is not None: return self.model.score(states).squeeze(-1).float()
         if not self.reads_last_token:
             ids, mask = pad_to_side(input_ids, attention_mask, "right")
             return self.model(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
@@ -137,8 +145,10 @@ def score(
     if len(prompts) != len(completions):
         raise ValueError(f"`prompts` has {len(prompts)} items but `completions` has {len(completions)}")
     texts = [p + c for p, c in zip(prompts, completions)]
+    ids = {p: i for i, p in enumerate(dict.fromkeys(prompts))}                       # one group a prompt
+    groups = (lambda i: torch.tensor([ids[p] for p in prompts[i:i + batch_size]], device=self.head.weight.device)) if self.shared_prefix else lambda i: None
     with eval_mode(self):
-        return torch.cat([self(*self.encode(texts[i:i + batch_size], max_length)) for i in range(0, len(texts), batch_size)])
+        return torch.cat([self(*self.encode(texts[i:i + batch_size], max_length), groups(i)) for i in range(0, len(texts), batch_size)])
 
 # %% ../nbs/04_reward.ipynb #3b450f63
 @patch
@@ -173,6 +183,33 @@ def from_pretrained(cls: RewardModel, path: str | Path, **kwargs) -> RewardModel
                          "whose head 🤗 cannot read: train it again to save it as a 🤗 sequence classifier")
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
     return cls(str(path), tokenizer=tokenizer, **kwargs)
+
+# %% ../nbs/04_reward.ipynb #451de7bd
+def _shared_prefix_states(
+    backbone: nn.Module,     # a decoder classifier's trunk
+    input_ids: Tensor,       # (batch, seq) whole rows, padding on either side
+    attention_mask: Tensor,  # (batch, seq) 1 on real tokens
+    groups: Tensor,          # (batch,) rows of one group start with the same tokens
+) -> Tensor | None:          # (batch, hidden) each row's last state; None where a group's rows share no first token
+    "Each row's last hidden state, the tokens its group's rows all start with run once (`shared_prompt_forward`): those as a left-padded prompt, the rest of each row as its response."
+    ids, mask = pad_to_side(input_ids, attention_mask, "right")
+    real, lengths = mask.bool(), mask.long().sum(1)
+    _, inverse = torch.unique(groups, return_inverse=True)
+    rows = torch.arange(len(ids), device=ids.device)
+    first = rows.new_full((int(inverse.max()) + 1,), len(rows)).scatter_reduce_(0, inverse, rows, "amin")   # each group's first row
+    common = ((ids == ids[first][inverse]) & real & real[first][inverse]).long().cumprod(1).sum(1)          # tokens each row starts with as its first row does
+    prefix = common.new_full(first.shape, ids.shape[1]).scatter_reduce_(0, inverse, common, "amin")        # what all the group's rows start with
+    if bool((prefix == 0).any()): return None
+    rest = lengths - prefix[inverse]
+    width, span = int(prefix.max()), int(rest.max()) + 1           # + 1: a pad column, so that the state at column `rest` is the row's last token's
+    src = torch.arange(width, device=ids.device) - (width - prefix[:, None])                               # left-padded prompts
+    q_mask = src >= 0
+    q = ids[first].gather(1, src.clamp(min=0)).masked_fill(~q_mask, 0)
+    at = prefix[inverse][:, None] + torch.arange(span, device=ids.device)                                  # the rest, right-padded
+    r_mask = at < lengths[:, None]
+    r = ids.gather(1, at.clamp(max=ids.shape[1] - 1)).masked_fill(~r_mask, 0)
+    states = shared_prompt_forward(backbone, q[inverse], q_mask[inverse].long(), r, r_mask.long(), hidden=True, groups=(first, inverse))
+    return states[rows, rest]      # the state that predicts column `rest`: the row's last real token's
 
 # %% ../nbs/04_reward.ipynb #4fa081ed
 RewardFunction = Callable[..., Sequence[float | None]]   # f(prompts, completions, **columns) -> a score (or None) each
@@ -392,6 +429,7 @@ def _as_reward(
     i: int,                  # its place, for messages
     processing_class=None,   # the tokenizer to fall back on for a 🤗 classifier
     padding_free: bool = False,  # a reward model made here packs its rows where it can (a decoder's classifier: `RewardModel.can_pack`)
+    shared_prefix: bool = False, # a reward model made here runs the tokens one prompt's completions start with once, where it can (a decoder's classifier)
 ):
     "A path loads a `RewardModel`; a 🤗 1-label classifier is wrapped in one, with the tokenizer saved beside it or `processing_class`."
     if isinstance(f, (str, Path)):
@@ -405,7 +443,7 @@ def _as_reward(
         tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else processing_class
         if tokenizer is None: raise ValueError(f"`reward_funcs`[{i}] ({type(f).__name__}) has no tokenizer beside its checkpoint: pass `processing_class`")
         model = RewardModel(f, tokenizer)
-    model.padding_free = padding_free and model.can_pack
+    model.padding_free, model.shared_prefix = padding_free and model.can_pack, shared_prefix and model.reads_last_token
     return model
 
 # %% ../nbs/04_reward.ipynb #602a1a4b
@@ -414,12 +452,13 @@ def reward_from(
     reward_weights: Sequence[float] | None = None,  # one weight each (TRL's `reward_weights`); None: 1 each
     processing_class=None,                       # tokenizer for a 🤗 classifier given as a model with none beside its checkpoint (TRL: the policy's)
     padding_free: bool = False,                  # reward models made here (from a path or a 🤗 classifier) pack their rows where they can; a `RewardModel` given keeps its own
+    shared_prefix: bool = False,                 # reward models made here run each prompt's tokens once for its completions, where they can; a `RewardModel` given keeps its own
 ) -> WeightedReward:                             # the reward the trainers call: (prompts, completions, **columns) -> scores
     "TRL's `reward_funcs` and `reward_weights` (GRPOConfig, TRL ≥ 0.14) as one `WeightedReward`; a path or a 🤗 classifier becomes a `RewardModel`."
     if isinstance(reward_funcs, WeightedReward) and reward_weights is None: return reward_funcs
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs: raise ValueError("`reward_funcs` is empty: give a reward function or a RewardModel")
-    funcs = [_as_reward(f, i, processing_class, padding_free) for i, f in enumerate(funcs)]
+    funcs = [_as_reward(f, i, processing_class, padding_free, shared_prefix) for i, f in enumerate(funcs)]
     bad = [i for i, f in enumerate(funcs) if not callable(f)]
     if bad: raise TypeError(f"`reward_funcs`[{bad[0]}] is a {type(funcs[bad[0]]).__name__}, not a RewardModel, a reward function or a path")
     return WeightedReward(funcs, [1.0] * len(funcs) if reward_weights is None else list(reward_weights))

@@ -11,7 +11,7 @@ reading its prompt's keys and values from 🤗's cache (`shared_prompt_forward`)
   RLOO, GRPO (grpo, dr_grpo, dapo) and PPO (shared and separate critic, on a dataset that repeats its prompts), on GPT-2,
   Llama and Gemma 2, with two accumulated micro-batches, two minibatches (shuffled: some micro-batches share nothing),
   LoRA at T = 0.7, gradient checkpointing (full and selective), and `padding_free` beside it;
-- every pass after sampling shared its prompts, and read fewer positions than padded; the sampler was asked to share them too
+- every pass after sampling shared its prompts (a reward model's that the trainer makes too), and read fewer positions than padded; the sampler was asked to share them too
   (`generate_responses`' `share_prompts`; `decode`'s tokens with it are checked in chapter 03a; here 🤗 `generate` samples,
   since the configs pass it a `sequence_bias`);
 - a load-balancing loss and reentrant checkpointing are refused with one-line errors.
@@ -85,6 +85,7 @@ def run(algo, family, tokenizer, tmp_path, shared, **more):
     trainer = make(algo, family, tokenizer, tmp_path / f"shared{shared}", more.pop("padding_free", False), shared_prefix=shared, **extra, **more)
     models = [trainer.model.model if isinstance(trainer.model, Agent) else trainer.model, trainer.ref_model]
     if isinstance(trainer.model, Agent) and trainer.model.value_model is not None: models.append(trainer.model.value_model)
+    models += [m.backbone for m in trainer.reward_model.models]   # a reward model made by the trainer shares with it
     passes = []
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -130,9 +131,10 @@ def test_shared_runs_train_as_padded_runs(algo, loss_type, family, tokenizer, tm
                                         ("ppo_separate", dict(gradient_checkpointing=True)),
                                         ("grpo", dict(padding_free=True, loss_type="dapo")),
                                         ("rloo", dict(generation_kwargs=None)),
+                                        ("grpo", dict(reward_model=True, loss_type="dapo")),
                                         ("ppo_separate", dict(padding_free=True, num_mini_batches=2, all_shared=False))])
 def test_shared_micro_batches_and_rollout_pieces(algo, more, tokenizer, tmp_path):
-    "Two accumulated micro-batches of one prompt each; two minibatches, shuffled, so that some micro-batches repeat no prompt and run padded (or packed); rollout passes in pieces of 2 rows; the entropy's gradient; LoRA (the reference: adapters off) at T = 0.7; checkpointing; `padding_free` for the passes that share nothing; no `sequence_bias`, so that `decode` samples, each prompt prefilled once."
+    "Two accumulated micro-batches of one prompt each; two minibatches, shuffled, so that some micro-batches repeat no prompt and run padded (or packed); rollout passes in pieces of 2 rows; the entropy's gradient; LoRA (the reference: adapters off) at T = 0.7; checkpointing; `padding_free` for the passes that share nothing; no `sequence_bias`, so that `decode` samples, each prompt prefilled once; a reward model the trainer makes from a 🤗 classifier, scoring each prompt's tokens once."
     assert_same_run(algo, "llama", tokenizer, tmp_path, **more)
 
 
