@@ -252,7 +252,7 @@ def run_ours(algo, a, tok, out, clock):
                   gradient_checkpointing_policy="selective" if a.checkpointing == "selective" else "full", optim=a.optim,
                   padding_free="padding_free" in (a.lever or []),   # --lever padding_free, shared_prefix: config fields, not patches
                   shared_prefix="shared_prefix" in (a.lever or []))
-    rm = RewardModel(reward, tokenizer=tok, padding_free="padding_free" in (a.lever or []))
+    rm = RewardModel(reward, tokenizer=tok, padding_free="padding_free" in (a.lever or []), shared_prefix="shared_prefix" in (a.lever or []))
     if algo.startswith("ppo"):
         # TRL's PPO does not clip gradients: max_grad_norm=0 (no clipping) here too
         cfg = RLHFConfig(**common, num_ppo_epochs=a.epochs, num_mini_batches=1, max_grad_norm=0.0, vf_coef=0.1,
