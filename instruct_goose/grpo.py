@@ -338,8 +338,7 @@ class GRPOTrainer(OnPolicyTrainer):
         "Sample G completions per prompt in one batched call (each carrying its row's columns to the reward), score them, and compute advantages (and log-probabilities where needed)."
         c = self.args
         x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
-        inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size,
-                  c.padding_free, c.shared_prefix)
+        inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, c.temperature, c.local_rollout_forward_batch_size, c.padding_free, c.shared_prefix)
         zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
         kept, logprobs, entropy = self.old_pass(policy, x, loop)    # π_θold: the loss's own pass (detached), the kept pass, or its own
         ref_logprobs = zeros
@@ -432,8 +431,7 @@ def old_pass(
     zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
     inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask)
     if not needs_entropy:
-        return None, zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs, c.temperature, c.local_rollout_forward_batch_size,
-                                                                                    c.padding_free, c.shared_prefix), None
+        return None, zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs, c.temperature, c.local_rollout_forward_batch_size, c.padding_free, c.shared_prefix), None
     both = lambda q, m, r, rm: response_logprobs(policy, q, m, r, rm, c.temperature, "no_grad", padding_free=c.padding_free, shared_prefix=c.shared_prefix)[:2]
     logprobs, entropy = chunked(both, *inputs, size=c.local_rollout_forward_batch_size, responses=True)
     return None, zeros if self.reuses_current_logprobs else logprobs, entropy

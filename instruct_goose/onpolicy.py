@@ -327,8 +327,7 @@ class OnPolicyTrainer(Trainer):
         entropy = "grad" if getattr(self.args, "entropy_bonus", False) else "no_grad"
         with router_aux_losses(model, self.router_aux_loss_coef > 0) as aux:
             logprobs, entropies = response_logprobs(model, part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask,
-                                                    self.args.temperature, entropy, padding_free=self.args.padding_free,
-                                                    shared_prefix=self.args.shared_prefix)[:2]
+                                                    self.args.temperature, entropy, padding_free=self.args.padding_free, shared_prefix=self.args.shared_prefix)[:2]
         return PolicyPass(logprobs, entropies, aux[0] if aux else None)
 
     def aux_term(self, current: "PolicyPass") -> tuple[dict[str, Tensor], dict[str, Tensor]]:

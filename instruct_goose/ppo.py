@@ -139,8 +139,7 @@ class RLHFTrainer(OnPolicyTrainer):
     def policy_pass(self, agent: Agent, part) -> ResponseStats:
         "The agent's log-probabilities, values and entropy (with gradients when the loss has an entropy bonus) on a micro-batch."
         return agent.response_stats(part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask,
-                                    self.args.temperature, "grad" if self.args.ent_coef > 0 else "no_grad", self.args.padding_free,
-                                    self.args.shared_prefix)
+                                    self.args.temperature, "grad" if self.args.ent_coef > 0 else "no_grad", self.args.padding_free, self.args.shared_prefix)
 
     def micro_batch_loss(self, agent: Agent, part: Rollout, draw: int, kept: ResponseStats | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         "−L^CLIP + c₁·L^VF − c₂·S on the micro-batch (its `policy_pass`, or `kept`), and γ × the NLL of pretraining batch `draw` (PPO-ptx)."
