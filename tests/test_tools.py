@@ -1,5 +1,5 @@
 """Tool calls in rollouts (the tools chapter): the tool-result mask of a scripted multi-turn sample against a hand-written one,
-tool tokens that change neither loss nor gradient (GRPO with its KL term, RLOO), the same numbers packed (`padding_free`),
+tool tokens that change neither loss nor gradient (GRPO with its KL term, RLOO), the same numbers packed (`padding_free`) or with the prompt run once (`shared_prefix`),
 the error paths end to end, and TRL's tool-calling GRPO example with only the import changed."""
 import json
 import os
@@ -289,9 +289,10 @@ def test_tools_killed_run_resumes_to_the_same_result(caller_dir, tmp_path):
     assert strip(straight[1]["history"]) == strip(resumed[1]["history"])
 
 
+@pytest.mark.parametrize("flag", ["padding_free", "shared_prefix"])
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
-def test_padding_free_reads_tool_turns_as_padded(kind, tok, tmp_path):
-    "With `padding_free`, a rollout with a tool turn (its result tokens real context inside the response) gives the padded rollout's and micro-batch's numbers: log π and entropy on every real token, and each loss term."
+def test_padding_free_reads_tool_turns_as_padded(kind, flag, tok, tmp_path):
+    "With `padding_free`, or `shared_prefix` (the two rows share their prompt), a rollout with a tool turn (its result tokens real context inside the response) gives the padded rollout's and micro-batch's numbers: log π and entropy on every real token, and each loss term."
     from instruct_goose.rollout import Samples
     trainer = _trainer(kind, tok, tmp_path)
     out, q_ids, q_mask = scripted(tok, {"12*34=": [call("calculator", expression="12*34"), "408"]}, [calculator], budget=96)
@@ -300,13 +301,18 @@ def test_padding_free_reads_tool_turns_as_padded(kind, tok, tmp_path):
     assert (samples.response_mask & ~samples.tool_mask).sum() > 10 and (~samples.response_mask).any()   # tool tokens, and padding
     trainer.sample_and_score = lambda *a, **k: samples
     policy, real, results = trainer.model.train(), samples.response_mask, []
+    import instruct_goose.agent as agent
+    from unittest import mock
+    shared, forward = [], agent.shared_prompt_forward
     for packed in (False, True):
-        trainer.args.padding_free = packed
+        setattr(trainer.args, flag, packed)
         torch.manual_seed(0)
-        rollout, _ = trainer.sample_rollout(policy, {"prompt": [[{"role": "user", "content": "12*34="}]]}, seed=0)
-        current = trainer.policy_pass(policy, rollout)
-        losses, _ = trainer.micro_batch_loss(policy, rollout, 0)
+        with mock.patch.object(agent, "shared_prompt_forward", lambda *a, **k: shared.append(packed) or forward(*a, **k)):
+            rollout, _ = trainer.sample_rollout(policy, {"prompt": [[{"role": "user", "content": "12*34="}]]}, seed=0)
+            current = trainer.policy_pass(policy, rollout)
+            losses, _ = trainer.micro_batch_loss(policy, rollout, 0)
         results.append(([x[real].detach() for x in current[:2]], {k: v.detach() for k, v in losses.items()}))
+    assert shared == ([True] * len(shared) if flag == "shared_prefix" else []) and (shared or flag == "padding_free")   # the prompt ran once in each pass
     (padded, padded_losses), (packed, packed_losses) = results
     for a, b in zip(padded, packed): torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert padded_losses.keys() == packed_losses.keys()
