@@ -43,6 +43,7 @@ common = dict(output_dir=out, per_device_train_batch_size=4, gradient_accumulati
 if os.environ.get("EARLY_STOPS"):   # EOS likely: each process's longest response differs, the rollout keeps the longest of all
     common["generation_kwargs"] = {"sequence_bias": [[[tokenizer.eos_token_id], 5.0]]}
 common["padding_free"] = bool(os.environ.get("PADDING_FREE"))
+common["shared_prefix"] = bool(os.environ.get("SHARED_PREFIX"))
 if algo == "ppo":
     torch.manual_seed(0)
     trainer = RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model),
@@ -73,9 +74,10 @@ def setup_dir(policy_dir, tmp_path_factory):
     return where
 
 
-def _run(setup_dir, out, algo, processes, accumulation, resume=None, early_stops=False, padding_free=False):
+def _run(setup_dir, out, algo, processes, accumulation, resume=None, early_stops=False, padding_free=False, shared_prefix=False):
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out) + "-cache",
-           **({"EARLY_STOPS": "1"} if early_stops else {}), **({"PADDING_FREE": "1"} if padding_free else {})}
+           **({"EARLY_STOPS": "1"} if early_stops else {}), **({"PADDING_FREE": "1"} if padding_free else {}),
+           **({"SHARED_PREFIX": "1"} if shared_prefix else {})}
     script = [str(setup_dir / "train.py"), algo, str(setup_dir), str(out), str(accumulation)] + ([resume] if resume else [])
     if processes == 1: command = [sys.executable] + script
     else: command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(processes)] + script
@@ -133,3 +135,12 @@ def test_two_processes_equal_one_when_responses_stop_early(setup_dir, tmp_path, 
     # as wide as both processes' longest: other matrix shapes, other rounding, which Adam (lr 1e-3) makes up to ~3e-6
     _assert_same(one, two, "responses that stop early: 1 process x 2 micro-batches vs 2 processes", eps=1e-5)
     assert any(row["val/num_eos_tokens"] > 0 for row in one[1])                          # some responses did stop
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_with_shared_prompts(setup_dir, tmp_path):
+    """RLOO with `shared_prefix` and responses that stop early: each process runs its own rows' prompts once (a group of
+    k adjacent rows never spans two processes), so 2 processes train as 1 process with 2 micro-batches."""
+    one = _run(setup_dir, tmp_path / "one", "rloo", processes=1, accumulation=2, early_stops=True, shared_prefix=True)
+    two = _run(setup_dir, tmp_path / "two", "rloo", processes=2, accumulation=1, early_stops=True, shared_prefix=True)
+    _assert_same(one, two, "shared prompts: 1 process x 2 micro-batches vs 2 processes", eps=1e-5)
