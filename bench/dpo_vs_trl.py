@@ -32,16 +32,24 @@ def quiet():
     os.environ["TQDM_DISABLE"] = "1"
 
 
-def pairs(n):
+PREAMBLE = ("Read the review below with care, think about what it says of the film, and go on with it in the same voice; "
+            "keep its tone and its tense, and say what you would check first before you finish it. ").split()
+
+
+def pairs(n, prompt_words=0):
+    "The task's first n pairs, each prompt after `prompt_words` words of instructions (both sides): long prompts, as a real set's."
     from instruct_goose import load_task
-    return load_task("preferences").select(range(n))
+    data = load_task("preferences").select(range(n))
+    if not prompt_words: return data
+    preamble = " ".join((PREAMBLE * (prompt_words // len(PREAMBLE) + 1))[:prompt_words])
+    return data.map(lambda row: {"prompt": f"{preamble} {row['prompt']}"})
 
 
 def make_ours(model_dir, out_dir, a, seed, data):
     from instruct_goose.dpo import DPOConfig, DPOTrainer
     cfg = DPOConfig(output_dir=out_dir, per_device_train_batch_size=a.batch, max_steps=a.steps, learning_rate=a.lr,
                     beta=BETA, loss_type=a.loss_type, max_length=MAX_LENGTH, max_prompt_length=None, warmup_steps=0,
-                    padding_free=a.padding_free,
+                    padding_free=a.padding_free, shared_prefix=a.shared_prefix,
                     lr_scheduler_type="linear", max_grad_norm=1.0, seed=seed, logging_steps=1, disable_tqdm=True)
     trainer = DPOTrainer(model_dir, args=cfg, train_dataset=data)
     return trainer, lambda: [row["loss"] for row in trainer.loop.state.history]
@@ -64,7 +72,7 @@ def child(side, model_dir, a, seed):
     "Train one side; print one JSON line with wall time, pairs/s, the per-step losses and peak RSS."
     quiet()
     with tempfile.TemporaryDirectory() as out:
-        data = pairs(a.pairs)
+        data = pairs(a.pairs, a.prompt_words)
         importlib.import_module("instruct_goose.dpo" if side == "ours" else "trl.trainer.dpo_trainer")   # imports are not timed
         i0 = time.perf_counter()
         trainer, losses = (make_ours if side == "ours" else make_trl)(model_dir, out, a, seed, data)
@@ -121,6 +129,8 @@ def main():
     p.add_argument("--trl_defaults", action="store_true", help="leave TRL's bf16 autocast and gradient checkpointing on")
     p.add_argument("--padding_free", action="store_true", help="padding_free=True on both sides (TRL 1.16 warns and pads anyway)")
     p.add_argument("--loss_type", default="sigmoid", help="loss type(s), comma-separated, both sides")
+    p.add_argument("--shared_prefix", action="store_true", help="ours: each pair's prompt run once for its two completions (TRL has no such option)")
+    p.add_argument("--prompt_words", type=int, default=0, help="words of instructions before each prompt, both sides (long prompts)")
     p.add_argument("--child", nargs=2, metavar=("SIDE", "MODEL_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -131,8 +141,9 @@ def main():
         for rep in range(a.reps):
             for side in ("ours", "trl"):
                 cmd = [sys.executable, __file__, "--child", side, model_dir, "--seed", str(rep)] + [
-                    x for k in ("steps", "batch", "pairs", "lr", "loss_type") for x in (f"--{k}", str(getattr(a, k)))] + (
-                    ["--trl_defaults"] if a.trl_defaults else []) + (["--padding_free"] if a.padding_free else [])
+                    x for k in ("steps", "batch", "pairs", "lr", "loss_type", "prompt_words") for x in (f"--{k}", str(getattr(a, k)))] + (
+                    ["--trl_defaults"] if a.trl_defaults else []) + (["--padding_free"] if a.padding_free else []) + (
+                    ["--shared_prefix"] if a.shared_prefix else [])
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode: sys.exit(f"{side} failed:\n{out.stderr[-4000:]}")
                 r = json.loads(out.stdout.strip().splitlines()[-1]); res[side].append(r)

@@ -742,11 +742,16 @@ def loss_token_states(
     loss_mask: Bool[Tensor, "batch seq"],            # the tokens to score (never position 0); on the CPU, no device sync
     padding_free: bool = False,                      # one forward of the sequences packed in bins (`packed_forward`)
     capacity: int | None = None,                     # with `padding_free`: tokens per bin (None: the longest row's)
+    shared_prefix: bool = False,                     # rows with the same context before their first loss token (a DPO pair's prompt) run it once (`shared_prompt_forward`); before `padding_free`
 ) -> tuple[Tensor, Tensor, Tensor, _OutputLayer | None]:  # (outputs, labels, each token's row, the output layer or None)
     "What the output layer reads at each loss token, row after row (the last hidden state, or the logits where `_output_layer` is None), the token it predicts, its row, and that layer."
     row, col = (i.to(input_ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))  # the output at col predicts token col + 1
     labels, head = input_ids[row, col + 1], _output_layer(model)
-    if padding_free:
+    split = _contexts_and_rest(input_ids, attention_mask, loss_mask) if shared_prefix else None
+    if split is not None:                                                            # the output at response column t predicts its token t
+        *rows, start = split
+        out = shared_prompt_forward(model, *rows, hidden=head is not None)[row, col + 1 - start[row]]
+    elif padding_free:
         out = packed_forward(model, input_ids, attention_mask, hidden=head is not None, capacity=capacity)[_packed_index(attention_mask, row, col)]
     elif head is not None: out = _final_hidden(model, input_ids, attention_mask)[row, col]
     else: out = model(input_ids=input_ids, attention_mask=attention_mask, **positions_for(model, attention_mask), use_cache=False).logits[row, col]
@@ -901,3 +906,24 @@ def shared_prompt_forward(
     if not all(layer.reads == 1 for layer in read.layers):
         raise ValueError(f"`shared_prefix`: {type(lm).__name__}'s layers did not all read the prompts' keys and values from the cache; leave shared_prefix off")
     return torch.cat([out(prompts)[inverse, -1:], out(responses)[:, :-1]], 1)
+
+# %% ../nbs/03_agent.ipynb #cd4aeb87
+def _contexts_and_rest(
+    input_ids: Tensor,       # (batch, seq) whole sequences, padded on either side
+    attention_mask: Tensor,  # (batch, seq) 1 on real tokens (contiguous in each row)
+    loss_mask: Tensor,       # (batch, seq) the tokens to score, on the CPU
+) -> tuple[Tensor, ...] | None:  # (contexts left-padded, their mask, the rest right-padded, its mask, each row's first loss column); None where no context repeats
+    "Each row cut before its first loss token: the context (a DPO pair's prompt) as a left-padded prompt and the rest as its response, for `shared_prompt_forward`; None where no two rows have the same context."
+    real = attention_mask.bool()
+    if not bool(loss_mask.any(1).all()): return None                                  # a row with nothing to score: no cut
+    first, start = real.long().argmax(1), loss_mask.long().argmax(1).to(input_ids.device)   # each row's first real token, first loss token
+    context, length = start - first, real.sum(1)
+    if bool((context < 1).any()): return None                                         # a loss token with nothing before it
+    width, span = int(context.max()), int((first + length - start).max())
+    src = first[:, None] + torch.arange(width, device=input_ids.device) - (width - context[:, None])
+    q_mask = src >= first[:, None]
+    q = input_ids.gather(1, src.clamp(min=0)).masked_fill(~q_mask, 0)
+    at = start[:, None] + torch.arange(span, device=input_ids.device)
+    r_mask = at < (first + length)[:, None]
+    r = input_ids.gather(1, at.clamp(max=input_ids.shape[1] - 1)).masked_fill(~r_mask, 0)
+    return (q, q_mask.long(), r, r_mask.long(), start) if len(prompt_groups(q, q_mask)[0]) < len(q) else None

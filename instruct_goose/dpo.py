@@ -136,6 +136,7 @@ class DPOConfig(StageConfig):
     max_prompt_length: int | None = None          # cut prompts to their last this many tokens, with a warning (None: never cut; TRL 0.19's field, gone in 1.16)
     truncation_mode: str = "keep_start"           # past `max_length`: keep_start cuts the end, keep_end the start (TRL 1.16: deprecated)
     padding_free: bool = False                    # sequences end to end in a few rows, no pad token in their attention (same losses)
+    shared_prefix: bool = False                   # our own (NeMo RL's name for RL): a pair's prompt runs once for its two completions (`loss_token_states`; same losses)
     pad_to_multiple_of: int | str | None = None   # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
     precompute_ref_log_probs: bool = False        # compute the reference's log-probabilities once, before training, and free the reference
     precompute_ref_batch_size: int | None = None  # pairs per forward pass while precomputing (None: per_device_train_batch_size)
@@ -261,9 +262,10 @@ def completion_logps(
     wpo: bool = False,                               # also Σ_t (log π(y_t) − log Σ_v π_v²), WPO's aligned log-probability
     padding_free: bool = False,                      # one forward of the sequences packed in bins, no pad token in their attention (`packed_forward`)
     stats: bool = False,                             # also each row's summed entropy and count of top-1 tokens (TRL's `entropy`, `mean_token_accuracy`)
+    shared_prefix: bool = False,                     # rows with the same prompt (a pair's two) run it once (`loss_token_states`); before `padding_free`
 ) -> CompletionLogps:                                # per row, see `CompletionLogps`
     "Summed log-probability of each row's completion tokens (optionally weighted), and the statistics read from the same forward pass."
-    out, labels, row, head = loss_token_states(model, input_ids, attention_mask, loss_mask, padding_free)
+    out, labels, row, head = loss_token_states(model, input_ids, attention_mask, loss_mask, padding_free, shared_prefix=shared_prefix)
     token_logps, entropy, top1 = states_stats(out, labels, head) if stats else (states_logps(out, labels, head), None, None)
     if head is not None:                                                                   # out: (tokens, hidden); the head in chunks
         mean_logits = _mean_logits(out.detach(), head)
@@ -304,7 +306,7 @@ class DPOTrainer(Trainer):
         model = with_peft(_load_model(model, self.args), peft_config)
         self.model = fuse_activations(disable_dropout(model) if self.args.disable_dropout else model)
         self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)   # MoE: c of c·L_aux (0: none)
-        refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef)
+        refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef, self.args.shared_prefix)
         cached_self = ref_model is None and self.args.precompute_ref_log_probs   # the policy scores its own start: no copy
         self.ref_model = None if cached_self else frozen_reference(self.model, None if ref_model is None else with_peft(_load_model(ref_model, self.args)))
         self.max_length = fit_to_context(self.args.max_length, model)
@@ -378,10 +380,10 @@ def ld_weights(
 # %% ../nbs/09c_dpo.ipynb #cc7eb31f
 @patch
 def score(self: DPOTrainer, model: nn.Module, ids: Tensor, mask: Tensor, loss_mask: Tensor, wpo: bool = False, stats: bool = False) -> CompletionLogps:
-    "`completion_logps` under the config's `ld_alpha` (LD-DPO weights) and `padding_free`; `stats`: the entropy and top-1 counts too."
+    "`completion_logps` under the config's `ld_alpha` (LD-DPO weights), `padding_free` and `shared_prefix`; `stats`: the entropy and top-1 counts too."
     a = self.args
     weights = None if a.ld_alpha is None else ld_weights(loss_mask, a.ld_alpha)
-    return completion_logps(model, ids, mask, loss_mask, weights, wpo, a.padding_free, stats)
+    return completion_logps(model, ids, mask, loss_mask, weights, wpo, a.padding_free, stats, shared_prefix=a.shared_prefix)
 
 # %% ../nbs/09c_dpo.ipynb #06bad59c
 @typecheck

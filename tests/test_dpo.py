@@ -266,3 +266,34 @@ def test_soft_capped_logits_give_the_logits_paths_loss_statistics_and_gradient(p
     for key, value in their_stats.items(): assert float(our_stats[key].detach()) == pytest.approx(float(value.detach()), rel=1e-4, abs=1e-5), key
     scale = max(g.abs().max().item() for g in their_grad.values())
     assert scale > 0 and max((our_grad[n] - g).abs().max().item() for n, g in their_grad.items()) <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "gemma2"])
+def test_shared_prompts_give_the_padded_loss_and_gradient(family, tmp_path):
+    "shared_prefix runs each pair's prompt once for both completions (two passes: the prompts, then the completions reading their keys and values) and gives the padded batch's DPO loss, statistics and gradient; LD-DPO's weights, WPO and the sft term included; Gemma 2's soft-capped logits too."
+    from unittest import mock
+    from datasets import Dataset
+    from _families import BY_NAME, build_causal
+    import instruct_goose.agent as agent_module
+    from instruct_goose.toy import task_tokenizer
+    from instruct_goose.dpo import DPOConfig, DPOTrainer
+    tok = task_tokenizer()
+    policy, ref = build_causal(BY_NAME[family], tok, seed=0), build_causal(BY_NAME[family], tok, seed=1)
+    config = lambda shared: DPOConfig(output_dir=str(tmp_path), max_length=256, shared_prefix=shared, loss_type=["sigmoid", "sft"],
+                                      use_weighting=True, ld_alpha=0.5)
+    trainer = DPOTrainer(policy, ref_model=ref, args=config(False), processing_class=tok, train_dataset=Dataset.from_list(RAGGED))
+    batch, n_pairs = trainer.encode(trainer.train_dataset[:])
+    results, calls, forward = [], [], agent_module.shared_prompt_forward
+    for shared in (False, True):
+        trainer.args = config(shared)
+        trainer.model.zero_grad()
+        with mock.patch.object(agent_module, "shared_prompt_forward", lambda *a, **k: calls.append(shared) or forward(*a, **k)):
+            loss_sum, stats = trainer.pair_loss_sum(trainer.model, batch)
+        (loss_sum / n_pairs).backward()
+        results.append((loss_sum.item(), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    assert calls and all(calls)                                                     # the policy's and the reference's passes shared
+    (padded, padded_stats, padded_grad), (ours, our_stats, our_grad) = results
+    assert ours == pytest.approx(padded, rel=1e-5, abs=1e-6)
+    for key, value in padded_stats.items(): assert float(our_stats[key].detach()) == pytest.approx(float(value.detach()), rel=1e-4, abs=1e-5), key
+    scale = max(g.abs().max().item() for g in padded_grad.values())
+    assert scale > 0 and max((our_grad[n] - g).abs().max().item() for n, g in padded_grad.items()) <= 1e-5 * max(scale, 1.0)
