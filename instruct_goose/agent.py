@@ -680,6 +680,11 @@ def packed_attention_mask(
     masks = {t: kernel_mask(sliding if t == "sliding_attention" else causal) for t in types}
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
+# %% ../nbs/03_agent.ipynb #d2995eb8
+def _other_layers(config) -> list[str]:
+    "The layer types of a text config other than full and sliding attention (🤗's `layer_types`: linear attention, Mamba, convolutions, chunked attention), sorted."
+    return sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+
 # %% ../nbs/03_agent.ipynb #93f94c3b
 @typecheck
 def packed_forward(
@@ -693,9 +698,8 @@ def packed_forward(
     if not _accepts(model, "position_ids"):
         raise ValueError("`padding_free` needs a model that takes `position_ids` (they restart at each sequence); this one does not (ALiBi?): leave padding_free off")
     config = _causal_lm(model).config.get_text_config()
-    other = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
-    if other: raise ValueError(f"`padding_free` cannot pack {type(_causal_lm(model)).__name__}: its {sorted(other)} layers would carry state or "
-                               "attention across the sequences of a bin; leave padding_free (and packing) off")
+    if other := _other_layers(config): raise ValueError(f"`padding_free` cannot pack {type(_causal_lm(model)).__name__}: its {other} layers would carry "
+                                                        "state or attention across the sequences of a bin; leave padding_free (and packing) off")
     if getattr(config, "output_router_logits", False):   # its L_aux would read the bins' mask
         raise ValueError("`padding_free` (or `packing`) with the model's `output_router_logits` on: 🤗's load-balancing loss reads a (batch, seq) "
                          "mask that packed bins do not have; set router_aux_loss_coef=0.0 (and output_router_logits=False), or leave padding_free and packing off")
@@ -718,12 +722,10 @@ def refuse_packed_aux(
     shares: bool = False,    # whether the trainer runs repeated prompts once (`shared_prefix`)
 ) -> None:
     "A one-line error for packing (or sharing prompts) with a load-balancing loss: 🤗's L_aux reads a (batch, seq) mask, which packed bins do not have, and one pass's routing, not two."
-    if packs and coef > 0:
-        raise ValueError(f"`padding_free` (or `packing`) with a load-balancing loss (`router_aux_loss_coef`={coef}): 🤗's L_aux reads a "
-                         "(batch, seq) mask that packed bins do not have; set router_aux_loss_coef=0.0, or leave padding_free and packing off")
-    if shares and coef > 0:
-        raise ValueError(f"`shared_prefix` with a load-balancing loss (`router_aux_loss_coef`={coef}): L_aux would be two passes' (prompts, "
-                         "responses), not the batch's; set router_aux_loss_coef=0.0, or leave shared_prefix off")
+    if coef <= 0 or not (packs or shares): return
+    name, why, off = (("`padding_free` (or `packing`)", "🤗's L_aux reads a (batch, seq) mask that packed bins do not have", "padding_free and packing") if packs
+                      else ("`shared_prefix`", "L_aux would be two passes' (prompts, responses), not the batch's", "shared_prefix"))
+    raise ValueError(f"{name} with a load-balancing loss (`router_aux_loss_coef`={coef}): {why}; set router_aux_loss_coef=0.0, or leave {off} off")
 
 # %% ../nbs/03_agent.ipynb #17671768
 def _packed_index(
@@ -843,6 +845,7 @@ class _PromptWrite(DynamicLayer or object):
         self.keys, self.values, self.is_initialized = key_states, value_states, True
         return key_states, value_states
 
+# %% ../nbs/03_agent.ipynb #b0915b86
 class _PromptRead(DynamicLayer or object):
     "One layer's prompt keys and values, row by row, put before the responses' own; nothing is stored, so a replay reads the same."
     def __init__(self, keys: Tensor, values: Tensor):
@@ -884,9 +887,8 @@ def shared_prompt_forward(
     lm = _causal_lm(model)
     if DynamicLayer is None: raise ValueError("`shared_prefix` needs transformers ≥ 4.56 (its cache layers): upgrade transformers, or leave shared_prefix off")
     config = lm.config.get_text_config()
-    other = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
-    if other: raise ValueError(f"`shared_prefix` cannot share {type(lm).__name__}'s prompts: its {sorted(other)} layers keep a state that is "
-                               "not keys and values; leave shared_prefix off")
+    if other := _other_layers(config): raise ValueError(f"`shared_prefix` cannot share {type(lm).__name__}'s prompts: its {other} layers keep a state "
+                                                        "that is not keys and values; leave shared_prefix off")
     _check_left_padded(query_attention_mask)
     first, inverse = prompt_groups(query_ids, query_attention_mask) if groups is None else groups
     cache, n_resp = "cache" if _accepts(model, "cache") else "past_key_values", response_ids.shape[1]
@@ -908,22 +910,30 @@ def shared_prompt_forward(
     return torch.cat([out(prompts)[inverse, -1:], out(responses)[:, :-1]], 1)
 
 # %% ../nbs/03_agent.ipynb #cd4aeb87
+def _cut_rows(
+    ids: Tensor,             # (batch, seq) token ids
+    begin: Tensor,           # (batch,) each row's first real column
+    cut: Tensor,             # (batch,) the column each row's second part starts at
+    end: Tensor,             # (batch,) one past each row's last real column
+    extra: int = 0,          # pad columns after the longest second part
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # (first parts left-padded, their mask, second parts right-padded, their mask)
+    "Each row as `shared_prompt_forward` reads it: columns begin…cut as a left-padded prompt, cut…end as a right-padded response (pads 0)."
+    width, span, device = int((cut - begin).max()), int((end - cut).max()) + extra, ids.device
+    src, at = cut[:, None] - width + torch.arange(width, device=device), cut[:, None] + torch.arange(span, device=device)
+    q_mask, r_mask = src >= begin[:, None], at < end[:, None]
+    take = lambda cols, keep: ids.gather(1, cols.clamp(0, ids.shape[1] - 1)).masked_fill(~keep, 0)
+    return take(src, q_mask), q_mask.long(), take(at, r_mask), r_mask.long()
+
+# %% ../nbs/03_agent.ipynb #f93c2494
 def _contexts_and_rest(
     input_ids: Tensor,       # (batch, seq) whole sequences, padded on either side
     attention_mask: Tensor,  # (batch, seq) 1 on real tokens (contiguous in each row)
     loss_mask: Tensor,       # (batch, seq) the tokens to score, on the CPU
 ) -> tuple[Tensor, ...] | None:  # (contexts left-padded, their mask, the rest right-padded, its mask, each row's first loss column); None where no context repeats
-    "Each row cut before its first loss token: the context (a DPO pair's prompt) as a left-padded prompt and the rest as its response, for `shared_prompt_forward`; None where no two rows have the same context."
+    "Each row cut before its first loss token (`_cut_rows`): the context (a DPO pair's prompt) as a left-padded prompt and the rest as its response, for `shared_prompt_forward`; None where no two rows have the same context."
     real = attention_mask.bool()
     if not bool(loss_mask.any(1).all()): return None                                  # a row with nothing to score: no cut
-    first, start = real.long().argmax(1), loss_mask.long().argmax(1).to(input_ids.device)   # each row's first real token, first loss token
-    context, length = start - first, real.sum(1)
-    if bool((context < 1).any()): return None                                         # a loss token with nothing before it
-    width, span = int(context.max()), int((first + length - start).max())
-    src = first[:, None] + torch.arange(width, device=input_ids.device) - (width - context[:, None])
-    q_mask = src >= first[:, None]
-    q = input_ids.gather(1, src.clamp(min=0)).masked_fill(~q_mask, 0)
-    at = start[:, None] + torch.arange(span, device=input_ids.device)
-    r_mask = at < (first + length)[:, None]
-    r = input_ids.gather(1, at.clamp(max=input_ids.shape[1] - 1)).masked_fill(~r_mask, 0)
-    return (q, q_mask.long(), r, r_mask.long(), start) if len(prompt_groups(q, q_mask)[0]) < len(q) else None
+    begin, start = real.long().argmax(1), loss_mask.long().argmax(1).to(input_ids.device)   # each row's first real token, first loss token
+    if bool((start <= begin).any()): return None                                      # a loss token with nothing before it
+    q, q_mask, r, r_mask = _cut_rows(input_ids, begin, start, begin + real.sum(1))
+    return (q, q_mask, r, r_mask, start) if len(prompt_groups(q, q_mask)[0]) < len(q) else None

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from .agent import (_accepts, _load, context_length, dropout_as_configured, eval_mode, packed_forward, position_ids_from_mask,
-                                  shared_prompt_forward)
+from .agent import (_accepts, _cut_rows, _load, context_length, dropout_as_configured, eval_mode, packed_forward, position_ids_from_mask,
+                                  prompt_groups, shared_prompt_forward)
 from .core import last_true_index, masked_mean, masked_sum, masked_var, pad_to_side, typecheck
 from .data import apply_chat, is_conversational, prompt_text
 
@@ -100,9 +100,8 @@ class RewardModel(nn.Module):
         last = last_true_index(attention_mask.bool())
         empty = (last < 0).nonzero().flatten().tolist()
         if empty: raise ValueError(f"`attention_mask` rows {empty} have no real token: there is nothing to score")
-        if prefix_groups is not None and self.reads_last_token and len(prefix_groups.unique()) < len(prefix_groups):
-            states = _shared_prefix_states(self.backbone, input_ids, attention_mask, prefix_groups)
-            if states is not None: return self.model.score(states).squeeze(-1).float()
+        states = _shared_prefix_states(self.backbone, input_ids, attention_mask, prefix_groups) if prefix_groups is not None and self.reads_last_token else None
+        if states is not None: return self.model.score(states).squeeze(-1).float()
         if not self.reads_last_token:
             ids, mask = pad_to_side(input_ids, attention_mask, "right")
             return self.model(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
@@ -145,10 +144,11 @@ def score(
     if len(prompts) != len(completions):
         raise ValueError(f"`prompts` has {len(prompts)} items but `completions` has {len(completions)}")
     texts = [p + c for p, c in zip(prompts, completions)]
-    ids = {p: i for i, p in enumerate(dict.fromkeys(prompts))}                       # one group a prompt
-    groups = (lambda i: torch.tensor([ids[p] for p in prompts[i:i + batch_size]], device=self.head.weight.device)) if self.shared_prefix else lambda i: None
+    number = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+    groups = torch.tensor([number[p] for p in prompts], device=self.head.weight.device) if self.shared_prefix else None   # one group a prompt
     with eval_mode(self):
-        return torch.cat([self(*self.encode(texts[i:i + batch_size], max_length), groups(i)) for i in range(0, len(texts), batch_size)])
+        return torch.cat([self(*self.encode(texts[i:i + batch_size], max_length), None if groups is None else groups[i:i + batch_size])
+                          for i in range(0, len(texts), batch_size)])
 
 # %% ../nbs/04_reward.ipynb #3b450f63
 @patch
@@ -190,26 +190,18 @@ def _shared_prefix_states(
     input_ids: Tensor,       # (batch, seq) whole rows, padding on either side
     attention_mask: Tensor,  # (batch, seq) 1 on real tokens
     groups: Tensor,          # (batch,) rows of one group start with the same tokens
-) -> Tensor | None:          # (batch, hidden) each row's last state; None where a group's rows share no first token
-    "Each row's last hidden state, the tokens its group's rows all start with run once (`shared_prompt_forward`): those as a left-padded prompt, the rest of each row as its response."
+) -> Tensor | None:          # (batch, hidden) each row's last state; None where no group has two rows, or a group's rows share no first token
+    "Each row's last hidden state, the tokens its group's rows all start with run once (`shared_prompt_forward`): those as a left-padded prompt, the rest of each row as its response (`_cut_rows`)."
     ids, mask = pad_to_side(input_ids, attention_mask, "right")
     real, lengths = mask.bool(), mask.long().sum(1)
-    _, inverse = torch.unique(groups, return_inverse=True)
-    rows = torch.arange(len(ids), device=ids.device)
-    first = rows.new_full((int(inverse.max()) + 1,), len(rows)).scatter_reduce_(0, inverse, rows, "amin")   # each group's first row
+    first, inverse = prompt_groups(groups[:, None], torch.ones_like(groups[:, None]))                      # each group's first row
+    if len(first) == len(ids): return None
     common = ((ids == ids[first][inverse]) & real & real[first][inverse]).long().cumprod(1).sum(1)          # tokens each row starts with as its first row does
-    prefix = common.new_full(first.shape, ids.shape[1]).scatter_reduce_(0, inverse, common, "amin")        # what all the group's rows start with
+    prefix = common.new_full(first.shape, ids.shape[1]).scatter_reduce_(0, inverse, common, "amin")[inverse]   # what all its group's rows start with
     if bool((prefix == 0).any()): return None
-    rest = lengths - prefix[inverse]
-    width, span = int(prefix.max()), int(rest.max()) + 1           # + 1: a pad column, so that the state at column `rest` is the row's last token's
-    src = torch.arange(width, device=ids.device) - (width - prefix[:, None])                               # left-padded prompts
-    q_mask = src >= 0
-    q = ids[first].gather(1, src.clamp(min=0)).masked_fill(~q_mask, 0)
-    at = prefix[inverse][:, None] + torch.arange(span, device=ids.device)                                  # the rest, right-padded
-    r_mask = at < lengths[:, None]
-    r = ids.gather(1, at.clamp(max=ids.shape[1] - 1)).masked_fill(~r_mask, 0)
-    states = shared_prompt_forward(backbone, q[inverse], q_mask[inverse].long(), r, r_mask.long(), hidden=True, groups=(first, inverse))
-    return states[rows, rest]      # the state that predicts column `rest`: the row's last real token's
+    rows = _cut_rows(ids, torch.zeros_like(prefix), prefix, lengths, extra=1)   # a pad column more: the state at column `rest` is the row's last token's
+    states = shared_prompt_forward(backbone, *rows, hidden=True, groups=(first, inverse))
+    return states[torch.arange(len(ids), device=ids.device), lengths - prefix]
 
 # %% ../nbs/04_reward.ipynb #4fa081ed
 RewardFunction = Callable[..., Sequence[float | None]]   # f(prompts, completions, **columns) -> a score (or None) each
