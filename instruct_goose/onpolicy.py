@@ -33,7 +33,7 @@ from .core import check_number, masked_sum, masked_whiten
 from .loop import Trainer, TrainLoop, TrainingConfig, as_callbacks, batch_indices, trainer_arguments
 from .levers import fuse_activations, half_linears
 from .losses import FixedKLController, KLEstimator
-from .rollout import Samples, chunked, micro_batch_index, minibatches, sampling_seed, trim_responses
+from .rollout import Samples, chunked, like_rows, micro_batch_index, minibatches, sampling_seed, trim_responses
 from .tools import tool_stats, trainer_tools
 
 # %% ../nbs/08_onpolicy.ipynb #f1de586e
@@ -769,8 +769,9 @@ def update(
     c, acc, sums, count = self.args, loop.accelerator, {}, 0
     kept, rollout.kept = rollout.kept, None        # the rollout's pass with gradients, handed to the first micro-batch (`first_pass`): not kept alive into the next rollout
     model.train()                                  # dropout is off; train mode lets gradient checkpointing work
+    deal = like_rows(rollout, c.per_device_train_batch_size, c.shared_prefix)   # micro-batches of like rows: less padding, the same minibatches
     for epoch in range(c.num_ppo_epochs):
-        cuts = minibatches(len(rollout), c.per_device_train_batch_size, c.gradient_accumulation_steps, c.num_mini_batches)
+        cuts = minibatches(len(rollout), c.per_device_train_batch_size, c.gradient_accumulation_steps, c.num_mini_batches, deal)
         for m, micro_batches in enumerate(cuts):
             draws = [micro_batch_index(loop.state.step, epoch, m, i, c.num_ppo_epochs, c.num_mini_batches,
                                        c.gradient_accumulation_steps, acc.num_processes, acc.process_index)

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['Samples', 'RowBatch', 'trim_responses', 'chunks', 'trim_left_padding', 'chunked', 'logprobs_in_chunks', 'minibatches',
-           'micro_batch_index', 'sampling_seed']
+           'padded_positions', 'like_rows', 'micro_batch_index', 'sampling_seed']
 
 # %% ../nbs/07_rollout.ipynb #75f52868
 from collections.abc import Callable
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .agent import response_logprobs
+from .agent import prompt_groups, response_logprobs
 
 # %% ../nbs/07_rollout.ipynb #d79644e1
 class Samples(NamedTuple):
@@ -140,11 +140,45 @@ def minibatches(
     per_device_train_batch_size: int,  # rows per micro-batch
     gradient_accumulation_steps: int,  # micro-batches per minibatch
     num_mini_batches: int,             # minibatches per pass
+    deal: Callable[[Tensor], Tensor] | None = None,  # a minibatch's rows -> the same rows in the order they are cut into micro-batches (`like_rows`); None: as drawn
 ) -> list[list[Tensor]]:               # per minibatch, the rows of each of its micro-batches
-    "One pass's minibatches, each cut into micro-batches: shuffled when there are several, in order when one covers the rollout."
-    order = torch.randperm(n) if num_mini_batches > 1 else torch.arange(n)
-    return [list(minibatch.split(per_device_train_batch_size))
-            for minibatch in order.split(per_device_train_batch_size * gradient_accumulation_steps)]
+    "One pass's minibatches, each cut into micro-batches: shuffled when there are several, in order when one covers the rollout; with `deal`, dealt into micro-batches its way."
+    order, size = torch.randperm(n) if num_mini_batches > 1 else torch.arange(n), per_device_train_batch_size
+    dealt = [m if deal is None or len(m) <= size else deal(m) for m in order.split(size * gradient_accumulation_steps)]
+    return [list(minibatch.split(size)) for minibatch in dealt]
+
+# %% ../nbs/07_rollout.ipynb #c614d6e8
+def padded_positions(
+    prompt_lengths: Tensor,        # (rows,) each row's real prompt tokens, in the order the rows are cut
+    response_lengths: Tensor,      # (rows,) each row's real response tokens
+    size: int,                     # rows per micro-batch
+    groups: Tensor | None = None,  # (rows,) each row's prompt (`prompt_groups`) where a micro-batch runs each distinct prompt once (`shared_prefix`)
+) -> int:                          # positions all the micro-batches' passes read
+    "Positions read by micro-batches of `size` rows, each cut to its longest prompt P and response R (at least 1): rows × (P + R), or with `groups` distinct prompts × P + rows × R."
+    cut = lambda x, fill: F.pad(x, (0, -len(x) % size), value=fill).view(-1, size)
+    rows, P, R = cut(torch.ones_like(prompt_lengths), 0).sum(1), cut(prompt_lengths, 0).amax(1), cut(response_lengths, 0).amax(1).clamp(min=1)
+    if groups is None: return int((rows * (P + R)).sum())
+    g = cut(groups, -1).sort(1).values                                               # a micro-batch's prompts, ascending; -1 past the last row
+    prompts = ((g >= 0) & F.pad(g[:, 1:] != g[:, :-1], (1, 0), value=True)).sum(1)  # distinct among them
+    return int((prompts * P + rows * R).sum())
+
+def _lexicographic(first: Tensor, then: Tensor) -> Tensor: return first.long() * (int(then.max()) + 1) + then.long()
+
+
+# %% ../nbs/07_rollout.ipynb #b9cadb59
+def like_rows(
+    batch: RowBatch,              # a rollout (with `response_mask`)
+    size: int,                    # rows per micro-batch
+    shared_prefix: bool = False,  # a micro-batch runs each distinct prompt once (`shared_prefix`): rows of one prompt are worth dealing together
+) -> Callable[[Tensor], Tensor]:  # `minibatches`' `deal`: a minibatch's rows -> the same rows, dealt
+    "Deal a minibatch's rows the cheapest way (`padded_positions`): as drawn, by response then prompt length, by prompt then response length, or (`shared_prefix`) by prompt then response length; as drawn on a tie."
+    P, R = batch.query_attention_mask.sum(1).cpu(), batch.response_mask.sum(1).cpu()   # one sync per rollout
+    groups = prompt_groups(batch.query_ids, batch.query_attention_mask)[1].cpu() if shared_prefix else None
+    keys = [_lexicographic(R, P), _lexicographic(P, R)] + ([_lexicographic(groups, R)] if shared_prefix else [])
+    def deal(rows: Tensor) -> Tensor:
+        orders = [rows] + [rows[key[rows].argsort(stable=True)] for key in keys]
+        return min(orders, key=lambda o: padded_positions(P[o], R[o], size, None if groups is None else groups[o]))   # the first of the cheapest
+    return deal
 
 # %% ../nbs/07_rollout.ipynb #41ee10cc
 def micro_batch_index(

@@ -1,0 +1,84 @@
+"""Micro-batches of like rows: a minibatch cut into several micro-batches deals its rows by length (`like_rows`).
+
+Each micro-batch is cut to its own longest prompt and response, so which rows share a micro-batch decides how much
+padding the update's forward and backward passes read; the minibatch, and so its gradient, is the same however its
+rows are dealt (every loss is a mean over the whole minibatch's units). What must hold:
+
+- a run that deals like rows together is the run that deals them as drawn: the same parameters after two steps of SGD
+  and the same logged metrics, for PPO (shared and separate critic), RLOO and GRPO (dapo), on GPT-2, Llama and Gemma 2,
+  with two accumulated micro-batches and with two minibatches, and with `shared_prefix` (rows of one prompt together);
+  (but two statistics kept per micro-batch: PPO's `val/ratio_var` and RLOO's `policy/approxkl_avg`);
+- its update passes read fewer positions in all, and never more, than the run dealt as drawn (responses that often
+  stop early here: a sequence bias on the stop token);
+- a minibatch that is one micro-batch keeps its order: the rollout's policy pass is reused for it row for row.
+"""
+import pytest
+import torch
+
+import instruct_goose.onpolicy as onpolicy
+from instruct_goose import Agent, task_tokenizer
+
+from test_padding_free import make
+
+
+@pytest.fixture(scope="module")
+def tokenizer(): return task_tokenizer()
+
+
+def run(algo, family, tokenizer, tmp_path, dealt, monkeypatch, **more):
+    "Train; return the parameters, the logged rows and the positions each update pass read (the passes with gradients)."
+    with monkeypatch.context() as m:
+        if not dealt: m.setattr(onpolicy, "like_rows", lambda *args: None)   # as drawn
+        trainer = make(algo, family, tokenizer, tmp_path / f"dealt{dealt}", False, **more)
+        positions = []
+        def hook(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if torch.is_grad_enabled() and ids is not None and ids.shape[1] > 1: positions.append(ids.numel())
+        policy = trainer.model.model if isinstance(trainer.model, Agent) else trainer.model
+        policy.register_forward_pre_hook(hook, with_kwargs=True)
+        trainer.train()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer.loop.state.history, positions
+
+
+def assert_same_run(algo, family, tokenizer, tmp_path, monkeypatch, **more):
+    dealt, hist_dealt, pos_dealt = run(algo, family, tokenizer, tmp_path, True, monkeypatch, **more)
+    drawn, hist_drawn, pos_drawn = run(algo, family, tokenizer, tmp_path, False, monkeypatch, **more)
+    for name, p in drawn.items():
+        torch.testing.assert_close(dealt[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{algo}/{family}/{more} {name}: {m}")
+    for row_dealt, row_drawn in zip(hist_dealt, hist_drawn, strict=True):   # the sums in another order: float rounding only
+        for key, value in row_drawn.items():
+            # kept per micro-batch, so taken over other groups of rows: PPO's val/ratio_var (the token ratios' variance in each) and
+            # RLOO's policy/approxkl_avg (a mean per token in each, weighted by sequences like RLOO's loss)
+            if isinstance(value, float) and key not in ("eps", "val/clipfrac_avg", "val/ratio_var", "policy/approxkl_avg"):   # (clipfrac: test_padding_free)
+                assert row_dealt[key] == pytest.approx(value, rel=1e-4, abs=5e-6), (algo, family, more, key)
+    assert len(pos_dealt) == len(pos_drawn) > 0
+    return sum(pos_dealt), sum(pos_drawn)
+
+
+CUTS = [dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),                      # one minibatch of two micro-batches
+        dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2)]  # two minibatches (shuffled) of two
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
+@pytest.mark.parametrize("algo, loss_type", [("ppo", None), ("ppo_separate", None), ("rloo", None), ("grpo", "dapo")])
+def test_like_rows_train_as_drawn_rows(algo, loss_type, family, tokenizer, tmp_path, monkeypatch):
+    read = [assert_same_run(algo, family, tokenizer, tmp_path / str(i), monkeypatch, **cut, **({} if loss_type is None else dict(loss_type=loss_type)))
+            for i, cut in enumerate(CUTS)]
+    assert all(dealt <= drawn for dealt, drawn in read), read
+    assert sum(dealt for dealt, _ in read) < sum(drawn for _, drawn in read), read   # the stop token is favoured: lengths differ
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo"])
+def test_like_rows_with_shared_prompts(algo, tokenizer, tmp_path, monkeypatch):
+    "With `shared_prefix` the rows of one prompt are dealt together (then by length): the same run as dealt as drawn."
+    more = dict(shared_prefix=True, per_device_train_batch_size=2, gradient_accumulation_steps=2, **({"loss_type": "dapo"} if algo == "grpo" else {}))
+    assert_same_run(algo, "llama", tokenizer, tmp_path, monkeypatch, **more)
+
+
+def test_one_micro_batch_keeps_its_order(tokenizer, tmp_path, monkeypatch):
+    "A minibatch that is one micro-batch is the whole rollout in order: the rollout's pass with gradients is reused for it (`first_pass`)."
+    cuts = []
+    minibatches = onpolicy.minibatches
+    monkeypatch.setattr(onpolicy, "minibatches", lambda *args: cuts.append(minibatches(*args)) or cuts[-1])
+    make("grpo", "llama", tokenizer, tmp_path, False).train()
+    assert cuts and all([[rows.tolist() for rows in mb] for mb in cut] == [[list(range(len(cut[0][0])))]] for cut in cuts), cuts
