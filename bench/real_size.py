@@ -245,7 +245,8 @@ def run_ours(algo, a, tok, out, clock):
     ref = lambda: None   # the trainer's own copy (LoRA: the adapter-off base), as TRL's make theirs; under bf16 its linear layers are held in bf16 (`half_linears`: the same numbers)
     apply_levers(a.lever)   # before the trainer: it fuses the models' activations when it takes them
     steps = a.warmup + a.steps + bool(a.profile)   # --profile: one step more, under the profiler, not timed
-    common = dict(output_dir=out, per_device_train_batch_size=a.batch, response_length=a.response_length,
+    micro = a.micro_batch or a.batch   # rows per micro-batch, a.batch // micro of them accumulated: one optimizer step a rollout
+    common = dict(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=a.batch // micro, response_length=a.response_length,
                   learning_rate=LR, kl_coef=KL_COEF, seed=0, total_episodes=a.batch * steps, num_sample_generations=0,
                   disable_tqdm=True, mixed_precision="bf16" if a.dtype == "bf16" else "no", temperature=1.0,
                   max_prompt_length=MAX_PROMPT, save_steps=0, gradient_checkpointing=a.checkpointing != "none",
@@ -300,7 +301,7 @@ def run_ours(algo, a, tok, out, clock):
 
 # ---------------------------------------------------------------- TRL's side
 def run_trl(algo, a, tok, out, clock):
-    cuda = a.device == "cuda"
+    cuda, micro = a.device == "cuda", a.micro_batch or a.batch   # --micro_batch: as ours (run_ours)
     if algo.startswith("ppo"):
         sys.path.insert(0, a.trl_ppo_path)          # TRL 1.12.0: the last release with experimental PPO
     import torch, trl
@@ -319,7 +320,7 @@ def run_trl(algo, a, tok, out, clock):
         from trl.experimental.ppo import PPOConfig, PPOTrainer
         ids = [tok(p, add_special_tokens=False)["input_ids"][-MAX_PROMPT:] for p in ds["prompt"]]
         ds = Dataset.from_dict({"input_ids": ids})
-        cfg = PPOConfig(output_dir=out, per_device_train_batch_size=a.batch, gradient_accumulation_steps=1,
+        cfg = PPOConfig(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=a.batch // micro,
                         num_mini_batches=1, num_ppo_epochs=a.epochs, response_length=a.response_length,
                         total_episodes=a.batch * steps, learning_rate=LR, kl_coef=KL_COEF, kl_estimator="k1",
                         cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, temperature=1.0,
@@ -359,8 +360,8 @@ def run_trl(algo, a, tok, out, clock):
         clock.step_end = step_end
     else:
         from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-        shared = dict(output_dir=out, per_device_train_batch_size=a.batch, num_generations=RLOO_K,
-                      steps_per_generation=1, num_iterations=1, max_completion_length=a.response_length,
+        shared = dict(output_dir=out, per_device_train_batch_size=micro, num_generations=RLOO_K, gradient_accumulation_steps=a.batch // micro,
+                      steps_per_generation=a.batch // micro, num_iterations=1, max_completion_length=a.response_length,
                       learning_rate=LR, beta=KL_COEF, seed=0, max_steps=steps, logging_steps=1, report_to="none",
                       save_strategy="no", use_cpu=not cuda, bf16=a.dtype == "bf16", temperature=1.0, top_p=1.0,
                       top_k=0, disable_dropout=True, epsilon=0.2, max_grad_norm=1.0, optim=a.optim,
@@ -482,6 +483,9 @@ def apply_levers(levers):
             pass   # every pass after sampling over the real tokens packed in bins (the reward model's too): the configs' `padding_free`, set where they are made
         elif lever == "shared_prefix":
             pass   # every pass after sampling runs each distinct prompt once (RLOO's and GRPO's k rows of a prompt): the configs' `shared_prefix`
+        elif lever == "drawn_micro_batches":
+            # a minibatch's rows dealt into micro-batches as drawn (the library deals like rows together: `like_rows`)
+            tm.like_rows = lambda *args: None
         elif lever == "no_kept_pass":
             # a separate no-grad policy pass in the rollout (the library keeps the rollout's pass for the update: `first_pass`)
             tm.OnPolicyTrainer.keeps_first_pass = False
@@ -520,7 +524,7 @@ def child(a):
     wall = sum(s["total"] for s in timed)
     for s in steps: s["other"] = s["total"] - sum(s.get(p, 0.0) for p in PHASES if p != "other")
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    r = {"side": a.side, "algo": a.algo, "version": version, "batch": a.batch, "lora": a.lora,
+    r = {"side": a.side, "algo": a.algo, "version": version, "batch": a.batch, "micro_batch": a.micro_batch, "lora": a.lora,
          "cps": a.batch * len(timed) / wall if timed else None,
          "tokens_per_s": a.batch * a.response_length * len(timed) / wall if timed else None,
          "peak_mib": peak, "steps": steps, "levers": a.lever or [], "checkpointing": a.checkpointing, **clock.info}
@@ -573,7 +577,7 @@ def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None,
     cmd = [sys.executable, __file__, "--child", side, "--algo", algo, "--tok_dir", a.tok_dir,
            "--model-shape", a.model_shape, "--device", a.device, "--dtype", a.dtype, "--batch", str(batch),
            "--response_length", str(a.response_length), "--epochs", str(a.epochs), "--steps", str(steps),
-           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing, "--optim", a.optim, "--eos_bias", str(a.eos_bias), "--prompt_words", str(a.prompt_words)] + (["--live_bytes"] if a.live_bytes else []) + sum((["--lever", l] for l in a.lever or []), [])
+           "--warmup", str(warmup), "--trl_ppo_path", a.trl_ppo_path, "--checkpointing", a.checkpointing, "--optim", a.optim, "--eos_bias", str(a.eos_bias), "--prompt_words", str(a.prompt_words)] + (["--live_bytes"] if a.live_bytes else []) + (["--micro_batch", str(a.micro_batch)] if a.micro_batch else []) + sum((["--lever", l] for l in a.lever or []), [])
     if lora: cmd.append("--lora")
     if a.mem_limit_mib: cmd += ["--mem_limit_mib", str(a.mem_limit_mib)]
     if a.profile and side == "ours" and not a.max_batch: cmd += ["--profile", a.profile]
@@ -829,6 +833,7 @@ def main():
     p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"], help="run only these sides (e.g. a lever on ours alone)")
     p.add_argument("--batch", type=int, default=8, help="completions per step (RLOO/GRPO: batch/4 prompts x k=4); --max_batch: the first probe")
     p.add_argument("--response_length", type=int, default=64)
+    p.add_argument("--micro_batch", type=int, help="rows per micro-batch on both sides, batch / micro_batch of them accumulated into one optimizer step a rollout (default: the whole batch in one)")
     p.add_argument("--eos_bias", type=float, default=0.0, help="a bias on the policy's EOS logit, both sides: completions that stop early (a random policy almost never stops)")
     p.add_argument("--prompt_words", type=int, default=0, help="words of instructions before each prompt, both sides: long prompts, as a real task's (RLOO/GRPO run each k times: --lever shared_prefix)")
     p.add_argument("--epochs", type=int, default=4, help="PPO epochs per rollout (RLOO: 1, as TRL's num_iterations=1)")
@@ -853,7 +858,7 @@ def main():
     p.add_argument("--optim", default="adamw_torch_fused", help="🤗's optimizer name on both sides, e.g. adamw_8bit (bitsandbytes: 2 bytes of moments a parameter instead of 8); the phase tables time only AdamW's step as 'optimizer' (TRL's PPO windows too): for memory and --max_batch")
     p.add_argument("--live_bytes", action="store_true",
                    help="count the training's tensor bytes with LiveBytes (a CPU stand-in for torch.cuda.max_memory_allocated, less the weights built before training; slows the run: memory only)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching, padding_free, shared_prefix; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache, untrimmed")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching, padding_free, shared_prefix; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache, untrimmed, drawn_micro_batches")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--params", action="store_true", help="only build the shape's policy on the meta device and print its parameter count")
@@ -872,6 +877,8 @@ def main():
         if "max_batch" in d: return report_max_batch(d["max_batch"], a, d["meta"])
         return report(summarise(d["runs"], a, d.get("bandwidth")), a, d["meta"], d.get("bandwidth"))
     if a.params: return print_params(a.model_shape)
+    if a.micro_batch is not None and (a.micro_batch < 1 or a.batch % a.micro_batch):
+        p.error(f"--micro_batch must divide --batch ({a.batch}), got {a.micro_batch}")
     if {"rloo", "grpo"} & set(a.algos) and a.batch % RLOO_K:
         p.error(f"--batch must be a multiple of k={RLOO_K} for rloo and grpo, got {a.batch}")
     if a.modes and not a.max_batch: p.error("--modes is for --max_batch (use --lora for a LoRA comparison)")
@@ -897,7 +904,7 @@ def main():
     def meta_text():
         return (f"{a.model_shape} on {a.device} ({machine}), {a.dtype}{', LoRA r16' if a.lora and not a.max_batch else ''}; "
                 f"torch {torch.__version__}, transformers {transformers.__version__}; batch {a.batch}, response "
-                f"{a.response_length} tokens{f' (EOS logit +{a.eos_bias})' if a.eos_bias else ''}, PPO {a.epochs} epochs x 1 minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, "
+                f"{a.response_length} tokens{f' (EOS logit +{a.eos_bias})' if a.eos_bias else ''}{f', micro-batches of {a.micro_batch}' if a.micro_batch else ''}, PPO {a.epochs} epochs x 1 minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, "
                 + (f"1 epoch; one training step per probe (a fresh process), first batch {a.batch}, at most {a.bisect} bisections; "
                    if a.max_batch else f"1 epoch; {a.warmup} warm-up + {a.steps} timed steps x {a.reps} runs per side; ")
                 + f"levers on ours: {a.lever or 'none'}; gradient checkpointing: {a.checkpointing}; "
