@@ -433,7 +433,7 @@ def old_pass(
     if not needs_entropy:
         return None, zeros if self.reuses_current_logprobs else logprobs_in_chunks(policy, *inputs, c.temperature, c.local_rollout_forward_batch_size, c.padding_free, c.shared_prefix), None
     both = lambda q, m, r, rm: response_logprobs(policy, q, m, r, rm, c.temperature, "no_grad", padding_free=c.padding_free, shared_prefix=c.shared_prefix)[:2]
-    logprobs, entropy = chunked(both, *inputs, size=c.local_rollout_forward_batch_size, responses=True)
+    logprobs, entropy = chunked(both, *inputs, size=c.local_rollout_forward_batch_size, responses=True, by_prompt=c.shared_prefix)
     return None, zeros if self.reuses_current_logprobs else logprobs, entropy
 
 # %% ../nbs/09b_grpo.ipynb #a7b8c9d0

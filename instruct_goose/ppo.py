@@ -126,7 +126,7 @@ class RLHFTrainer(OnPolicyTrainer):
         stats = kept = self.first_pass(agent, x, loop)
         if stats is None: stats = chunked(lambda q, m, r, rm: agent.response_stats(q, m, r, rm, c.temperature, "skip", c.padding_free, c.shared_prefix),
                                           x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask,
-                                          size=c.local_rollout_forward_batch_size, responses=True)
+                                          size=c.local_rollout_forward_batch_size, responses=True, by_prompt=c.shared_prefix)
         rollout = self.make_rollout(x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask, x.scores,
                                     stats.logprobs.detach(), stats.values.detach(), loop)
         return replace(rollout, kept=kept), x

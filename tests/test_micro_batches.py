@@ -1,21 +1,23 @@
-"""Micro-batches of like rows: a minibatch cut into several micro-batches deals its rows by length (`like_rows`).
+"""Rows dealt like with like: the update's micro-batches (`like_rows`) and the rollout's pieces (`chunked`) by length.
 
-Each micro-batch is cut to its own longest prompt and response, so which rows share a micro-batch decides how much
-padding the update's forward and backward passes read; the minibatch, and so its gradient, is the same however its
-rows are dealt (every loss is a mean over the whole minibatch's units). What must hold:
+Each micro-batch, and each piece of the passes before the update (`local_rollout_forward_batch_size` rows), is cut to
+its own longest prompt and response, so which rows share one decides how much padding the passes read. A minibatch,
+and so its gradient, is the same however its rows are dealt (every loss is a mean over the whole minibatch's units),
+and a piece's rows get their own numbers whatever piece they are in. Both are dealt by `cheapest_order`. What must hold:
 
 - a run that deals like rows together is the run that deals them as drawn: the same parameters after two steps of SGD
   and the same logged metrics, for PPO (shared and separate critic), RLOO and GRPO (dapo), on GPT-2, Llama and Gemma 2,
-  with two accumulated micro-batches and with two minibatches, and with `shared_prefix` (rows of one prompt together);
+  with four accumulated micro-batches and with two minibatches of two, and with `shared_prefix` (rows of one prompt together);
   (but two statistics kept per micro-batch: PPO's `val/ratio_var` and RLOO's `policy/approxkl_avg`);
-- its update passes read fewer positions in all, and never more, than the run dealt as drawn (responses that often
-  stop early here: a sequence bias on the stop token);
+- its update passes, and its passes before the update (in pieces of 2 rows), read fewer positions in all, and never
+  more, than the run dealt as drawn (responses that often stop early here: a sequence bias on the stop token);
 - a minibatch that is one micro-batch keeps its order: the rollout's policy pass is reused for it row for row.
 """
 import pytest
 import torch
 
 import instruct_goose.onpolicy as onpolicy
+import instruct_goose.rollout as rollout
 from instruct_goose import Agent, task_tokenizer
 
 from test_padding_free import make
@@ -26,14 +28,15 @@ def tokenizer(): return task_tokenizer()
 
 
 def run(algo, family, tokenizer, tmp_path, dealt, monkeypatch, **more):
-    "Train; return the parameters, the logged rows and the positions each update pass read (the passes with gradients)."
+    "Train; return the parameters, the logged rows and the positions the policy's passes read, (with gradients, without), the sampler's aside."
     with monkeypatch.context() as m:
-        if not dealt: m.setattr(onpolicy, "like_rows", lambda *args: None)   # as drawn
+        if not dealt: m.setattr(rollout, "cheapest_order", lambda P, *args: torch.arange(len(P)))   # as drawn, as they are
         trainer = make(algo, family, tokenizer, tmp_path / f"dealt{dealt}", False, **more)
         positions = []
         def hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            if torch.is_grad_enabled() and ids is not None and ids.shape[1] > 1: positions.append(ids.numel())
+            if ids is not None and ids.shape[1] > 1 and kwargs.get("past_key_values") is None:   # (🤗 generate's prefill has its cache)
+                positions.append((torch.is_grad_enabled(), ids.numel()))
         policy = trainer.model.model if isinstance(trainer.model, Agent) else trainer.model
         policy.register_forward_pre_hook(hook, with_kwargs=True)
         trainer.train()
@@ -52,10 +55,10 @@ def assert_same_run(algo, family, tokenizer, tmp_path, monkeypatch, **more):
             if isinstance(value, float) and key not in ("eps", "val/clipfrac_avg", "val/ratio_var", "policy/approxkl_avg"):   # (clipfrac: test_padding_free)
                 assert row_dealt[key] == pytest.approx(value, rel=1e-4, abs=5e-6), (algo, family, more, key)
     assert len(pos_dealt) == len(pos_drawn) > 0
-    return sum(pos_dealt), sum(pos_drawn)
+    return [(sum(n for g, n in pos_dealt if g == grad), sum(n for g, n in pos_drawn if g == grad)) for grad in (True, False)]
 
 
-CUTS = [dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),                      # one minibatch of two micro-batches
+CUTS = [dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, local_rollout_forward_batch_size=2),   # one minibatch of four micro-batches
         dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2)]  # two minibatches (shuffled) of two
 
 
@@ -64,14 +67,16 @@ CUTS = [dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),     
 def test_like_rows_train_as_drawn_rows(algo, loss_type, family, tokenizer, tmp_path, monkeypatch):
     read = [assert_same_run(algo, family, tokenizer, tmp_path / str(i), monkeypatch, **cut, **({} if loss_type is None else dict(loss_type=loss_type)))
             for i, cut in enumerate(CUTS)]
-    assert all(dealt <= drawn for dealt, drawn in read), read
-    assert sum(dealt for dealt, _ in read) < sum(drawn for _, drawn in read), read   # the stop token is favoured: lengths differ
+    for passes in zip(*read):                                        # the update's passes, then those before it
+        assert all(dealt <= drawn for dealt, drawn in passes), read
+        assert sum(dealt for dealt, _ in passes) < sum(drawn for _, drawn in passes), read   # the stop token is favoured: lengths differ
 
 
 @pytest.mark.parametrize("algo", ["rloo", "grpo"])
 def test_like_rows_with_shared_prompts(algo, tokenizer, tmp_path, monkeypatch):
     "With `shared_prefix` the rows of one prompt are dealt together (then by length): the same run as dealt as drawn."
-    more = dict(shared_prefix=True, per_device_train_batch_size=2, gradient_accumulation_steps=2, **({"loss_type": "dapo"} if algo == "grpo" else {}))
+    more = dict(shared_prefix=True, per_device_train_batch_size=2, gradient_accumulation_steps=2, local_rollout_forward_batch_size=2,
+                **({"loss_type": "dapo"} if algo == "grpo" else {}))
     assert_same_run(algo, "llama", tokenizer, tmp_path, monkeypatch, **more)
 
 
