@@ -39,6 +39,9 @@
 #   shared_prefix bench/padding_free.py at 0.5B, 16 rows = 2 prompts x 8 of ~256 tokens, 512-token completions: padded against
 #                `shared_prefix` (new 2026-11-28, never run on a GPU; ~60 s); then GRPO ours alone with `--prompt_words 100`,
 #                without and with `--lever shared_prefix`
+#   micro_batches GRPO at 0.5B, 32 completions in micro-batches of 8, `--eos_bias 7.3` (lengths that differ): ours vs TRL,
+#                then ours alone with `--lever drawn_micro_batches` (rows dealt as drawn, the library's way before
+#                2026-11-28's `like_rows`; new, never run on a GPU)
 #   maxbatch     1.5B, GRPO, the largest batch for full fine-tuning, ours vs TRL (doubling only)
 #   maxbatch8    the same with `--optim adamw_8bit` on both sides (bitsandbytes: carry its wheel in .whl/bnb, 43 MB;
 #                the image has none): 2 bytes of optimizer moments a parameter instead of 8 (embeddings excepted), ~7.9 GB less at 1.5B
@@ -90,6 +93,8 @@ for stage in "$@"; do
     shared_prefix) timeout $(( $(left) < 150 ? $(left) : 150 )) python3 bench/padding_free.py --device cuda --model-shape 0.5b --generations 8 --prompt 256 --response 512 --lengths full --batch 16 --layouts padded shared_prefix --reps 5 --json $OUT/shared_prefix_gpu_0.5b.json 2>&1 | tee $OUT/shared_prefix_gpu_0.5b.txt
       $B --algos grpo --sides ours --prompt_words 100 --deadline_s $(deadline 100) --json $OUT/real_size_gpu_0.5b_r512_p100.json
       $B --algos grpo --sides ours --prompt_words 100 --lever shared_prefix --deadline_s $(deadline 100) --json $OUT/real_size_gpu_0.5b_r512_p100_shared_prefix.json ;;
+    micro_batches) $B --algos grpo --batch 32 --micro_batch 8 --eos_bias 7.3 --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_mb8_eos7.3.json
+      $B --algos grpo --sides ours --batch 32 --micro_batch 8 --eos_bias 7.3 --lever drawn_micro_batches --deadline_s $(deadline 100) --json $OUT/real_size_gpu_0.5b_r512_mb8_eos7.3_drawn.json ;;
     cb) $B --algos grpo --sides ours --lever continuous_batching --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_cb.json ;;
     compiled) $B --algos grpo --sides ours --lever compiled_decoder --deadline_s $(deadline 150) --json $OUT/real_size_gpu_0.5b_r512_compiled.json ;;
     maxbatch) python3 bench/real_size.py --device cuda --dtype bf16 --tok_dir .toks/qwen151936 --model-shape 1.5b --max_batch --algos grpo --response_length 512 --batch 16 --bisect 0 $CAP --deadline_s $(deadline 90) --json $OUT/real_size_gpu_1.5b_maxbatch_full.json ;;
