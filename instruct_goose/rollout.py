@@ -81,6 +81,7 @@ def padded_positions(
 
 def _lexicographic(first: Tensor, then: Tensor) -> Tensor: return first.long() * (int(then.max()) + 1) + then.long()
 
+# %% ../nbs/07_rollout.ipynb #e2617372
 def cheapest_order(
     prompt_lengths: Tensor,        # (rows,) each row's real prompt tokens
     response_lengths: Tensor,      # (rows,) each row's real response tokens
