@@ -39,17 +39,25 @@ class RowBatch:
 
     def __getitem__(self, rows: Tensor | slice):
         "The minibatch of `rows`, its prompts cut to the longest among them: padded as if they had been encoded alone."
-        if not hasattr(self, "_query_lengths"): self._query_lengths = self.query_attention_mask.sum(1).cpu()  # one sync per rollout
-        width = int(self._query_lengths[rows].max())
+        width = int(self.prompt_lengths()[rows].max())
         index = rows.to(self.query_ids.device) if isinstance(rows, Tensor) else rows
         part = type(self)(**{f.name: getattr(self, f.name)[index] for f in fields(self) if f.name != "kept"})
         part.query_ids, part.query_attention_mask = part.query_ids[:, -width:], part.query_attention_mask[:, -width:]
         return part
 
     def longest_response(self, rows: Tensor | slice) -> int:
-        "The most real tokens of a response among `rows` (at least 1), from `response_mask`'s row sums, read to the CPU once per rollout: no sync per micro-batch."
+        "The most real tokens of a response among `rows` (at least 1), from `response_lengths`: no sync per micro-batch."
+        return max(int(self.response_lengths()[rows].max()), 1)
+
+    def prompt_lengths(self) -> Tensor:
+        "Each row's real prompt tokens, on the CPU, read once per rollout (one sync)."
+        if not hasattr(self, "_query_lengths"): self._query_lengths = self.query_attention_mask.sum(1).cpu()
+        return self._query_lengths
+
+    def response_lengths(self) -> Tensor:
+        "Each row's real response tokens (`response_mask`'s row sums), on the CPU, read once per rollout (one sync)."
         if not hasattr(self, "_response_lengths"): self._response_lengths = self.response_mask.sum(1).cpu()
-        return max(int(self._response_lengths[rows].max()), 1)
+        return self._response_lengths
 
 # %% ../nbs/07_rollout.ipynb #25c95bc6
 def trim_responses(
@@ -203,7 +211,7 @@ def like_rows(
     shared_prefix: bool = False,  # a micro-batch runs each distinct prompt once (`shared_prefix`): rows of one prompt are worth dealing together
 ) -> Callable[[Tensor], Tensor]:  # `minibatches`' `deal`: a minibatch's rows -> the same rows, dealt
     "Deal a minibatch's rows into micro-batches the cheapest way (`cheapest_order`); as drawn on a tie."
-    P, R = torch.stack([batch.query_attention_mask.sum(1), batch.response_mask.sum(1)]).cpu()   # one sync per rollout
+    P, R = batch.prompt_lengths(), batch.response_lengths()   # the rollout's, read once (`RowBatch`)
     groups = prompt_groups(batch.query_ids, batch.query_attention_mask)[1].cpu() if shared_prefix else None
     return lambda rows: rows[cheapest_order(P[rows], R[rows], size, None if groups is None else groups[rows])]
 
