@@ -655,7 +655,7 @@ def train(
             self.report(loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress)
             self.log_completions(loop, rollout, samples, steps)   # `log_completions`: the step's table (`TRLOptions`)
             if loop.end_step(loop.state.step == steps): break   # the last step, or a callback's `control.should_training_stop`
-    finally: loop._restore_signals()      # an exception must not leave our Ctrl-C handler installed
+    finally: loop.leave()                 # an exception must not leave our Ctrl-C handler, nor glibc's settings
     progress.close()
     loop.save_checkpoint()
     loop.load_best()                      # 🤗's `load_best_model_at_end`: the best evaluated checkpoint's weights
