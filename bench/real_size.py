@@ -252,7 +252,8 @@ def run_ours(algo, a, tok, out, clock):
                   max_prompt_length=MAX_PROMPT, save_steps=0, gradient_checkpointing=a.checkpointing != "none",
                   gradient_checkpointing_policy="selective" if a.checkpointing == "selective" else "full", optim=a.optim,
                   padding_free="padding_free" in (a.lever or []),   # --lever padding_free, shared_prefix: config fields, not patches
-                  shared_prefix="shared_prefix" in (a.lever or []))
+                  shared_prefix="shared_prefix" in (a.lever or []),
+                  keep_freed_cpu_memory="glibc_memory" not in (a.lever or []))   # --lever glibc_memory: glibc's own malloc settings
     rm = RewardModel(reward, tokenizer=tok, padding_free="padding_free" in (a.lever or []), shared_prefix="shared_prefix" in (a.lever or []))
     if algo.startswith("ppo"):
         # TRL's PPO does not clip gradients: max_grad_norm=0 (no clipping) here too
@@ -481,6 +482,8 @@ def apply_levers(levers):
             tm.OnPolicyTrainer.trims_responses = False
         elif lever == "padding_free":
             pass   # every pass after sampling over the real tokens packed in bins (the reward model's too): the configs' `padding_free`, set where they are made
+        elif lever == "glibc_memory":
+            pass   # freed CPU memory unmapped and faulted in again, as glibc does by default (the library holds it: `keep_freed_cpu_memory`, set where the config is made)
         elif lever == "shared_prefix":
             pass   # every pass after sampling runs each distinct prompt once (RLOO's and GRPO's k rows of a prompt): the configs' `shared_prefix`
         elif lever == "drawn_micro_batches":
@@ -581,7 +584,7 @@ def run_child(a, algo, side, extra_env=None, batch=None, lora=None, warmup=None,
     if lora: cmd.append("--lora")
     if a.mem_limit_mib: cmd += ["--mem_limit_mib", str(a.mem_limit_mib)]
     if a.profile and side == "ours" and not a.max_batch: cmd += ["--profile", a.profile]
-    env = {**os.environ, **(extra_env or {})}
+    env = {**os.environ, **(extra_env or {}), **(dict(kv.split("=", 1) for kv in a.trl_env or []) if side == "trl" else {})}
     if side == "trl" and algo.startswith("ppo") and a.dtype == "bf16":
         # TRL's PPOTrainer builds its own Accelerator(), which reads the precision that `accelerate launch
         # --mixed_precision bf16` would set; without it bf16=True leaves TRL's PPO in float32 under transformers 5
@@ -858,7 +861,8 @@ def main():
     p.add_argument("--optim", default="adamw_torch_fused", help="🤗's optimizer name on both sides, e.g. adamw_8bit (bitsandbytes: 2 bytes of moments a parameter instead of 8); the phase tables time only AdamW's step as 'optimizer' (TRL's PPO windows too): for memory and --max_batch")
     p.add_argument("--live_bytes", action="store_true",
                    help="count the training's tensor bytes with LiveBytes (a CPU stand-in for torch.cuda.max_memory_allocated, less the weights built before training; slows the run: memory only)")
-    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching, padding_free, shared_prefix; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache, untrimmed, drawn_micro_batches")
+    p.add_argument("--lever", action="append", help="apply a library lever to our side: logprobs_fused, no_checks, static_cache, own_decoder, compiled_decoder, continuous_batching, padding_free, shared_prefix; or take one back: unpacked, no_kept_pass, unfused, hf_generate, dynamic_cache, untrimmed, drawn_micro_batches, glibc_memory")
+    p.add_argument("--trl_env", action="append", metavar="KEY=VALUE", help="an environment variable for TRL's processes only, e.g. GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647 (glibc's malloc as the library sets it on the CPU)")
     p.add_argument("--floor", action="store_true", help="our PPO step against its floor instead of the TRL comparison")
     p.add_argument("--lean", action="store_true", help="--floor: the floor with the library's levers (packed sampling on the CPU, no separate old-logprob pass)")
     p.add_argument("--params", action="store_true", help="only build the shape's policy on the meta device and print its parameter count")
@@ -907,7 +911,8 @@ def main():
                 f"{a.response_length} tokens{f' (EOS logit +{a.eos_bias})' if a.eos_bias else ''}{f', micro-batches of {a.micro_batch}' if a.micro_batch else ''}, PPO {a.epochs} epochs x 1 minibatch, RLOO/GRPO k={RLOO_K} x {a.batch // RLOO_K} prompts, "
                 + (f"1 epoch; one training step per probe (a fresh process), first batch {a.batch}, at most {a.bisect} bisections; "
                    if a.max_batch else f"1 epoch; {a.warmup} warm-up + {a.steps} timed steps x {a.reps} runs per side; ")
-                + f"levers on ours: {a.lever or 'none'}; gradient checkpointing: {a.checkpointing}; "
+                + f"levers on ours: {a.lever or 'none'}; " + (f"TRL's environment: {' '.join(a.trl_env)}; " if getattr(a, "trl_env", None) else "")
+                + f"gradient checkpointing: {a.checkpointing}; "
                 f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; whole bench {time.perf_counter() - t0:.0f} s; {library}")
     args = {k: v for k, v in vars(a).items() if k not in ("child", "tok_dir", "report", "json", "algo")}
     def save(partial, **d):   # after every child too: a run stopped at its time limit keeps what it measured
