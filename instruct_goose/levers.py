@@ -140,11 +140,12 @@ def _glibc() -> ctypes.CDLL | None:
     "The process's C library when it is glibc, whose `mallopt` these are; None on another (musl, macOS, Windows)."
     return ctypes.CDLL(None) if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" else None
 
-def hold_freed_memory() -> bool:   # whether glibc was told (False: another C library, nothing done)
+def hold_freed_memory() -> bool:   # whether glibc holds it now (False: another C library, or glibc refused: nothing held)
     "From now on glibc's `malloc` keeps what tensors free for the next ones: every block from its heap, none given back to the kernel."
     libc = _glibc()
     if libc is None: return False
-    if _held[0] == 0: libc.mallopt(_M_MMAP_MAX, 0); libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(2 ** 31 - 1))
+    if _held[0] == 0:   # `mallopt` answers 1 when it took a setting
+        if not (libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(2 ** 31 - 1)) == 1): return False
     _held[0] += 1
     return True
 
