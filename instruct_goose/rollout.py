@@ -164,7 +164,8 @@ def chunked(
             order = cheapest_order(prompt_lengths, lengths, size, prompt_groups(query_ids, query_attention_mask)[1].cpu() if by_prompt else None)
             if torch.equal(order, torch.arange(len(order))): order = None
     if order is not None:                                      # the pieces' rows, dealt; the results put back in the rows' order below
-        query_ids, query_attention_mask, lengths = query_ids[order.to(query_ids.device)], query_attention_mask[order.to(query_ids.device)], lengths[order]
+        dealt = order.to(query_ids.device)
+        query_ids, query_attention_mask, lengths = query_ids[dealt], query_attention_mask[dealt], lengths[order]
         per_row = [x[order.to(x.device)] for x in per_row]
     def piece(s):
         rows = [x[s] for x in per_row]
