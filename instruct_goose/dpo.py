@@ -143,7 +143,7 @@ class DPOConfig(StageConfig):
     sync_ref_model: bool = False                  # TR-DPO: every `ref_model_sync_steps` steps, π_ref ← α·π_θ + (1 − α)·π_ref
     ref_model_mixup_alpha: float = 0.6            # TR-DPO's α
     ref_model_sync_steps: int = 512               # TR-DPO's τ: optimizer steps between syncs
-    model_init_kwargs: dict | None = None         # keyword arguments of `from_pretrained` when `model` (or `ref_model`) is a name or path
+    model_init_kwargs: dict | str | None = None   # keyword arguments of `from_pretrained` when `model` (or `ref_model`) is a name or path (TRL's JSON text too)
     trust_remote_code: bool = False               # let `from_pretrained` run a checkpoint's own code (model and tokenizer)
     dataset_num_proc: int | None = None           # processes that tokenise the pairs (datasets' `num_proc`)
     activation_offloading: bool = False           # keep the policy's saved activations on the CPU between forward and backward

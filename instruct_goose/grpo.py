@@ -71,10 +71,10 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
 
     def __post_init__(self):
         refuse_unsupported(self)                  # TRL's fields not run here yet: refused by name (`_TRL_REFUSED`)
-        self.check_trl_options()                  # model loading, reference sync (`TRLOptions`)
         if isinstance(self.scale_rewards, bool) or self.scale_rewards in ("True", "False"):
             self.scale_rewards = "group" if self.scale_rewards in (True, "True") else "none"
         super().__post_init__()
+        self.check_trl_options()                  # model loading, reference sync (`TRLOptions`), after `coerce_dicts`
         if self.num_generations < 2: raise ValueError(f"`num_generations` must be at least 2 (a group needs siblings), got {self.num_generations}")
         if self.sync_ref_model and self.kl_coef == 0:
             raise ValueError("`sync_ref_model` mixes the policy into the reference, and with `beta`=0 there is none: set `beta` > 0 or leave it off")

@@ -9,7 +9,7 @@ __all__ = ['merge_names', 'generation_batches', 'setting_name', 'continuous_batc
            'trl_metric_names', 'evaluate_policy']
 
 # %% ../nbs/08_onpolicy.ipynb #2a44eff2
-import json, math, os, time
+import math, os, time
 from dataclasses import dataclass, fields
 from contextlib import contextmanager
 from typing import ClassVar, Literal, NamedTuple, get_args
@@ -88,7 +88,6 @@ def continuous_batching_options(
     "TRL's continuous-batching fields as `generate_responses`' `continuous_batching`, checked: the old name sets the new, options need the switch, and a setting of another sampler beside it is refused."
     c, options = config, config.transformers_continuous_batching_config
     if c.use_transformers_paged: c.use_transformers_continuous_batching = True      # TRL 1.16's deprecated name of the same switch
-    if isinstance(options, str): c.transformers_continuous_batching_config = options = json.loads(options)   # TRL also takes a JSON string
     if not isinstance(options, (dict, type(None))): raise ValueError(f"`transformers_continuous_batching_config` must be a dict of ContinuousBatchingConfig options, got {options!r}")
     if not c.use_transformers_continuous_batching:
         if options: raise ValueError("`transformers_continuous_batching_config` is read only with use_transformers_continuous_batching=True: set it, or drop the options")
@@ -105,10 +104,9 @@ def continuous_batching_options(
 def check_sampling_config(
     config,                  # an on-policy config
 ) -> None:
-    "Check the sampling fields (`check_sampling`, `check_generation_kwargs`, the cache, compilation, continuous batching); `generation_kwargs` given as JSON is parsed in place."
+    "Check the sampling fields (`check_sampling`, `check_generation_kwargs`, the cache, compilation, continuous batching), JSON text already read (`coerce_dicts`)."
     check_sampling(config.top_p, config.top_k, config.min_p, config.repetition_penalty)
-    config.generation_kwargs = check_generation_kwargs(json.loads(config.generation_kwargs) if isinstance(config.generation_kwargs, str)
-                                                       else config.generation_kwargs) or None   # TRL also takes a JSON string
+    config.generation_kwargs = check_generation_kwargs(config.generation_kwargs) or None
     if config.cache_implementation not in (None, "static", "dynamic"):
         raise ValueError(f"`cache_implementation` must be 'static', 'dynamic' or None (static on a GPU), got {config.cache_implementation!r}")
     if not isinstance(config.compile_generation, bool): raise ValueError(f"`compile_generation` must be True or False, got {config.compile_generation!r}")
@@ -136,20 +134,20 @@ class OnPolicyConfig(TrainingConfig):
     local_rollout_forward_batch_size: int = 64  # rows per forward pass when sampling and scoring a rollout (a memory lever)
     offload_models: bool = False           # keep the reference and reward models on the CPU, moving each to the accelerator only while it runs
     num_sample_generations: int = 10       # how many times to print a table of samples during training (0: never)
-    eval_steps: float = 0                  # evaluate on `eval_dataset` every this many steps, or 🤗's fraction in (0, 1) of all steps (0: only at the end)
+    eval_steps: float | None = None        # evaluate on `eval_dataset` every this many steps, or 🤗's fraction in (0, 1) of all steps (None or 0: every `logging_steps`, as 🤗)
     eval_temperature: float | None = None  # sampling temperature of the evaluation (None: `temperature`; 0: greedy)
     reward_weights: list[float] | None = None  # weights of several `reward_funcs` (TRL's name, GRPOConfig ≥ 0.14); None: 1 each
     top_p: float = 1.0                     # TRL 1.16: sample from the nucleus of probability top_p (1: all tokens); π_old is still the full softmax at T (generation chapter)
     top_k: int = 0                         # TRL 1.16: sample among the k most likely tokens (0: all)
     min_p: float | None = None             # TRL 1.16: drop tokens less likely than min_p × the most likely one (None: off)
     repetition_penalty: float = 1.0        # TRL 1.16: 🤗's penalty on tokens already in the prompt or completion (1: off)
-    generation_kwargs: dict | None = None  # TRL 1.16: further 🤗 `GenerationConfig` options of the sampler (e.g. suppress_tokens); a key with a field of its own is refused
+    generation_kwargs: dict | str | None = None  # TRL 1.16: further 🤗 `GenerationConfig` options of the sampler (e.g. suppress_tokens; JSON text too); a key with a field of its own is refused
     cache_implementation: str | None = None  # TRL 1.16: "static" (preallocated KV cache) or "dynamic"; None: static on a GPU, dynamic on the CPU
     use_transformers_continuous_batching: bool = False  # TRL 1.16: sample through 🤗's continuous batching (`generate_responses`' `continuous_batching`)
-    transformers_continuous_batching_config: dict | None = None  # TRL 1.16: its `ContinuousBatchingConfig` options (a JSON string too); default here: a KV cache sized to the batch
+    transformers_continuous_batching_config: dict | str | None = None  # TRL 1.16: its `ContinuousBatchingConfig` options (JSON text too); default here: a KV cache sized to the batch
     use_transformers_paged: bool = False   # TRL 1.16's older name of use_transformers_continuous_batching (deprecated there): True sets it
     compile_generation: bool = False       # our own: `decode`'s step through torch.compile, inside its CUDA graph (`generate_responses`' `compile`); at 0.5B on an H200 2.5 ms a token against 4.3, after ~34 s of compilation per batch size and 64 prompt widths with the step compiled whole (a layer at a time, as now: 14–15 s against 34–36 on 2 CPU cores)
-    chat_template_kwargs: dict | None = None  # TRL 1.16: further variables of the chat template for conversational prompts (e.g. {"enable_thinking": False})
+    chat_template_kwargs: dict | str | None = None  # TRL 1.16: further variables of the chat template for conversational prompts (e.g. {"enable_thinking": False}; JSON text too)
     num_generations_eval: int | None = None  # TRL 1.16: completions sampled per evaluation prompt; None: as in training (RLOO's k, GRPO's G, PPO's 1)
     steps_per_generation: int | None = None  # TRL 1.16: micro-batches one generation serves = gradient_accumulation_steps × num_mini_batches; sets `num_mini_batches`
     generation_batch_size: int | None = None # TRL 1.16: completions per generation, all processes = rollout_size × processes; sets `num_mini_batches`
@@ -168,7 +166,6 @@ class OnPolicyConfig(TrainingConfig):
         check_sampling_config(self)
         for name in ("padding_free", "shared_prefix"):
             if not isinstance(getattr(self, name), bool): raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.chat_template_kwargs, str): self.chat_template_kwargs = json.loads(self.chat_template_kwargs)   # TRL also takes a JSON string
         if not isinstance(self.chat_template_kwargs, (dict, type(None))):
             raise ValueError(f"`chat_template_kwargs` must be a dict of chat template variables, got {self.chat_template_kwargs!r}")
         if self.num_generations_eval is not None: check_number("num_generations_eval", self.num_generations_eval, low=1)
@@ -402,8 +399,7 @@ class TRLOptions:
     router_aux_loss_coef: float | None = None     # mixture-of-experts policies: c of the load-balancing loss c·L_aux added to each micro-batch's loss (`router_aux_coef`; None: the model config's, 0: none)
 
     def check_trl_options(self):
-        "Read a JSON `model_init_kwargs`; refuse values out of range, by name."
-        if isinstance(self.model_init_kwargs, str): self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        "Refuse values out of range, by name (after `TrainingConfig`'s `coerce_dicts` has read a JSON `model_init_kwargs`)."
         if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
             raise ValueError(f"`model_init_kwargs` must be a dict of `from_pretrained` keywords (or its JSON), got {self.model_init_kwargs!r}")
         check_number("ref_model_mixup_alpha", self.ref_model_mixup_alpha, high=1.0)

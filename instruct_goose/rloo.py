@@ -6,6 +6,7 @@
 __all__ = ['TRLNotYet', 'GRPONotYet', 'refuse_unsupported', 'RLOOConfig', 'RLOORollout', 'completion_stats', 'RLOOTrainer']
 
 # %% ../nbs/09_rloo.ipynb #c7520a5a
+import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -80,6 +81,19 @@ def refuse_unsupported(config) -> None:
         if f.name in _TRL_REFUSED and getattr(config, f.name) != f.default:
             raise ValueError(f"`{f.name}`={getattr(config, f.name)!r} is not supported: {_TRL_REFUSED[f.name]}")
 
+# %% ../nbs/09_rloo.ipynb #a9c8e7d6
+def _reward_clip_range(
+    value,                   # `reward_clip_range` as given: (min, max), or a 2-item list (YAML, the CLI)
+) -> tuple[float, float]:    # (min, max), as floats
+    "TRL 1.16's `reward_clip_range`, checked by name: two finite numbers, min < max; one number (this library's old [−c, c]) is refused with the pair to give."
+    if isinstance(value, (int, float)):
+        raise ValueError(f"`reward_clip_range` is TRL's (min, max) pair, not one number: give ({-value}, {value}) to clip to [{-value}, {value}]")
+    try: low, high = (float(v) for v in value)
+    except (TypeError, ValueError): raise ValueError(f"`reward_clip_range` must be two numbers (min, max), e.g. (-1.0, 1.0); got {value!r}") from None
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"`reward_clip_range` must be (min, max) with min < max, both finite; got {value!r}")
+    return low, high
+
 # %% ../nbs/09_rloo.ipynb #b6f793e3
 @dataclass
 class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
@@ -94,7 +108,7 @@ class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
     rloo_k: int = 2                          # TRL ≤ 0.21's name of `num_generations`
     num_iterations: int = 1                  # passes over each rollout (TRL ≥ 0.22's name and default; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
     normalize_reward: bool = False           # standardise the scores over the rollout (Reinforce++)
-    reward_clip_range: float | None = None   # clip the scores to [-c, c] (Reinforce++); None: no clipping
+    reward_clip_range: list[float] | None = None  # TRL 1.16's (min, max): the scores clipped to [min, max] (Reinforce++), a tuple or a 2-item list (YAML, the CLI); one number is refused; None: no clipping
     normalize_advantages: bool = False       # whiten the advantages over the rollout (Reinforce++; TRL ≤ 0.21: `normalize_advantage`)
     normalize_advantage: bool = False        # TRL ≤ 0.21's name of `normalize_advantages`
     token_level_kl: bool = False             # per-token KL penalty, returns-to-go and per-token ratios (Reinforce++)
@@ -106,14 +120,14 @@ class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
 
     def __post_init__(self):
         refuse_unsupported(self)
-        self.check_trl_options()                 # model loading, reference sync (`TRLOptions`)
         super().__post_init__()
+        self.check_trl_options()                 # model loading, reference sync (`TRLOptions`), after `coerce_dicts`
         k = self.num_generations
         if k < 2: raise ValueError(f"`num_generations` (`rloo_k`) must be at least 2 (the baseline needs another response), got {k}")
         if self.rollout_size % k:
             raise ValueError(f"`num_generations`={k} does not divide the rollout of {self.rollout_size} responses "
                              "(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches)")
-        if self.reward_clip_range is not None: check_number("reward_clip_range", self.reward_clip_range, low_open=True)
+        if self.reward_clip_range is not None: self.reward_clip_range = _reward_clip_range(self.reward_clip_range)
         if self.epsilon_high is not None: check_number("epsilon_high", self.epsilon_high, low_open=True)
 
     @property
@@ -218,7 +232,7 @@ def advantages(
     every = lambda x: torch.ones_like(x, dtype=torch.bool)
     whiten = lambda x, m, shift_mean=True: self.whiten(x, m, shift_mean, accelerator)   # over all processes' rows
     if c.normalize_reward: scores = whiten(scores, every(scores))
-    if c.reward_clip_range is not None: scores = scores.clamp(-c.reward_clip_range, c.reward_clip_range)
+    if c.reward_clip_range is not None: scores = scores.clamp(*c.reward_clip_range)   # TRL 1.16's (min, max)
     rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, mask, c.kl_coef, c.kl_estimator)
     if c.whiten_rewards and c.token_level_kl: rewards = whiten(rewards, mask, shift_mean=False)  # per token, as PPO
     rlhf_reward = rewards.sum(1)

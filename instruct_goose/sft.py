@@ -36,7 +36,7 @@ class StageConfig(TrainingConfig):
     num_train_epochs: float = 1.0   # passes over the training set (ignored when `max_steps` > 0)
     max_steps: int = 0              # optimizer steps in all; 0: from `num_train_epochs`
     max_length: int = 1024          # longest tokenized sequence; longer ones are cut (TRL 1.16's default)
-    eval_steps: float = 0           # evaluate every this many steps, or 🤗's fraction in (0, 1) of all steps (0: at the end only)
+    eval_steps: float | None = None # evaluate every this many steps, or 🤗's fraction in (0, 1) of all steps (None or 0: every `logging_steps`, as 🤗)
     auto_find_batch_size: bool = False  # 🤗's: on an out-of-memory error, the step again in micro-batches half as large (`TrainLoop.retry_on_oom`): the same minibatch and gradient (🤗 halves the batch instead)
     may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {"eval_steps", "num_train_epochs", "max_steps", "auto_find_batch_size"}  # a resumed run may be extended
 
@@ -70,11 +70,11 @@ class SFTConfig(StageConfig):
     pad_to_multiple_of: int | str | None = None   # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
     truncation_mode: str = "keep_start"           # past `max_length` the end is cut (TRL 1.16's only undeprecated value; "keep_end" is refused)
     shuffle_dataset: bool = False                 # TRL's: taken either way; the order here is a seeded permutation each epoch, as 🤗's sampler gives TRL with either value
-    model_init_kwargs: dict | None = None         # keyword arguments of `from_pretrained` when `model` is a name or path
+    model_init_kwargs: dict | str | None = None   # keyword arguments of `from_pretrained` when `model` is a name or path (TRL's JSON text too)
     trust_remote_code: bool = False               # let `from_pretrained` run a checkpoint's own code (model and tokenizer)
     chat_template_path: str | None = None         # the chat template to render conversations with: a Jinja file, or a tokenizer's directory (its template)
     activation_offloading: bool = False           # keep the saved activations on the CPU between forward and backward (a memory lever, as DPO's)
-    dataset_kwargs: dict | None = None            # TRL's {"skip_prepare_dataset": ...}: taken, as rows are encoded per micro-batch and never prepared here; other keys refused
+    dataset_kwargs: dict | str | None = None      # TRL's {"skip_prepare_dataset": ...}: taken, as rows are encoded per micro-batch and never prepared here; other keys refused
     dataset_num_proc: int | None = None           # refused unless None: no map over the dataset runs here to be parallelised
     router_aux_loss_coef: float | None = None     # mixture-of-experts models: c of the load-balancing loss c·L_aux added to the loss (`router_aux_coef`; None: the model config's, 0: none)
     pad_token: str | None = None                  # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
@@ -109,7 +109,7 @@ class RewardConfig(StageConfig):
     normalize: bool = True          # afterwards, scale the head so the training pairs score std 1 (and mean 0, if the head has a bias)
     center_rewards_coefficient: float | None = None  # add c·mean((r_chosen + r_rejected)²) to the loss: rewards centred on 0 (Eisenstein et al., 2023)
     disable_dropout: bool = True    # zero the reward model's dropout while it trains (TRL's default; the saved config keeps its rates)
-    model_init_kwargs: dict | None = None   # keyword arguments of `from_pretrained` when `model` is a name or path
+    model_init_kwargs: dict | str | None = None  # keyword arguments of `from_pretrained` when `model` is a name or path (TRL's JSON text too)
     trust_remote_code: bool = False         # let `from_pretrained` run a checkpoint's own code (model and tokenizer)
     chat_template_path: str | None = None   # the chat template to render conversational pairs with: a Jinja file, or a tokenizer's directory
     pad_to_multiple_of: int | None = None   # pad each micro-batch's width to a multiple of this

@@ -289,3 +289,83 @@ def test_auto_find_batch_size_keeps_the_step(tmp_path):
         assert all(math.isclose(a["loss"], b["loss"], rel_tol=1e-5) for a, b in zip(fits_loop.state.history, tight_loop.state.history))
     with pytest.raises(ValueError, match="`auto_find_batch_size`=True is not"):
         GRPOConfig(num_generations=2, auto_find_batch_size=True)
+
+
+def test_eval_steps_unset_is_every_logging_step(tmp_path):
+    "🤗's `eval_strategy`='steps' with `eval_steps` unset (None) or 0: an evaluation every `logging_steps`, at steps 1, 2, 3, 4 of 4 with logging_steps=1 (2 and 4 with 2), as 🤗's `TrainingArguments` sets it; 🤗's `save_total_limit`=None keeps every checkpoint."
+    from transformers import TrainerCallback
+    from instruct_goose import SFTTrainer, load_task, task_tokenizer, tiny_causal_lm
+    tok = task_tokenizer()
+    class Evaluations(TrainerCallback):
+        def __init__(self): self.steps = []
+        def on_evaluate(self, args, state, control, **kwargs): self.steps.append(state.global_step)
+    def evaluated_at(out, **kw):
+        seen = Evaluations()
+        args = SFTConfig(output_dir=str(tmp_path / out), max_steps=4, per_device_train_batch_size=4, max_length=64, disable_tqdm=True,
+                         eval_strategy="steps", **kw)
+        SFTTrainer(tiny_causal_lm(tok, seed=0), args=args, train_dataset=load_task("sft").select(range(16)),
+                   eval_dataset=load_task("sft").select(range(4)), processing_class=tok, callbacks=[seen]).train()
+        return seen.steps
+    assert evaluated_at("none", logging_steps=1, eval_steps=None, save_steps=1, save_total_limit=None) == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "none").glob("checkpoint-*")) == [f"checkpoint-{s}" for s in (1, 2, 3, 4)]
+    assert evaluated_at("zero", logging_steps=2, eval_steps=0, save_strategy="no") == [2, 4]
+
+
+def test_none_of_hf_and_trl_is_honoured_or_refused_by_name():
+    "🤗's `eval_steps`=None and `save_total_limit`=None are its defaults on every config; TRL's `max_completion_length`=None and `num_generations`=None have no meaning here: refused by name, with the value to give."
+    for config_class, base in CONFIGS.items():
+        c = config_class(**base, eval_steps=None, save_total_limit=None, logging_steps=3)
+        assert (c.eval_steps, c.save_total_limit) == (3, None), config_class
+    for config_class in (RLOOConfig, GRPOConfig):
+        for name in ("max_completion_length", "num_generations"):
+            with pytest.raises(ValueError, match=rf"^`{name}` must be a number, got None \(its default: \d+\)$"):
+                config_class(**{name: None})
+
+
+def test_dict_fields_given_as_json(tmp_path):
+    "🤗/TRL's JSON text for a dict field (`_VALID_DICT_FIELDS`) is read as the dict on every config, and reaches the run: `lr_scheduler_kwargs` ends a cosine at its min_lr, `model_init_kwargs` loads SFT's, the reward model's and DPO's models in bfloat16; other text is refused by name."
+    from instruct_goose import DPOTrainer, RewardTrainer, SFTTrainer, load_task, task_tokenizer, tiny_causal_lm
+    tok = task_tokenizer()
+    for config_class, base in CONFIGS.items():
+        c = config_class(**base, lr_scheduler_kwargs='{"min_lr": 1e-4}', gradient_checkpointing_kwargs='{"use_reentrant": "false"}')
+        assert (c.lr_scheduler_kwargs, c.gradient_checkpointing_kwargs) == ({"min_lr": 1e-4}, {"use_reentrant": False}), config_class
+        with pytest.raises(ValueError, match=r"^`lr_scheduler_kwargs` must be a dict, or its JSON text"):
+            config_class(**base, lr_scheduler_kwargs="min_lr=1e-4")
+    assert SFTConfig(dataset_kwargs='{"skip_prepare_dataset": true}').dataset_kwargs == {"skip_prepare_dataset": True}
+    with pytest.raises(ValueError, match=r"`dataset_kwargs` takes only TRL's 'skip_prepare_dataset'"):
+        SFTConfig(dataset_kwargs='{"num_proc": 2}')                                   # parsed, then checked by key
+    args = SFTConfig(output_dir=str(tmp_path / "cosine"), max_steps=2, per_device_train_batch_size=4, max_length=64, disable_tqdm=True,
+                     learning_rate=1e-3, save_strategy="no", eval_strategy="no", lr_scheduler_type="cosine_with_min_lr",
+                     lr_scheduler_kwargs='{"min_lr": 1e-4}', gradient_checkpointing=True, gradient_checkpointing_kwargs='{"use_reentrant": false}')
+    sft = SFTTrainer(tiny_causal_lm(tok, seed=0), args=args, train_dataset=load_task("sft").select(range(16)), processing_class=tok)
+    sft.train()
+    assert math.isclose(sft.loop.state.history[-1]["learning_rate"], 1e-4)
+    path = tmp_path / "model"
+    tiny_causal_lm(tok, seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    pairs = load_task("preferences").select(range(8))
+    for trainer, config_class, data in ((SFTTrainer, SFTConfig, load_task("sft").select(range(8))), (RewardTrainer, RewardConfig, pairs),
+                                        (DPOTrainer, DPOConfig, pairs)):
+        made = trainer(str(path), args=config_class(output_dir=str(tmp_path / config_class.__name__), model_init_kwargs='{"dtype": "bfloat16"}'),
+                       train_dataset=data)
+        model = made.reward_model if trainer is RewardTrainer else made.model
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}, config_class
+
+
+def test_run_name_reaches_every_tracker_that_names_runs(tmp_path, monkeypatch):
+    "🤗's `run_name` reaches Accelerate's `init_trackers` under each tracker's own keyword (wandb/trackio `name`, mlflow `run_name`, clearml `task_name`, swanlab `experiment_name`, dvclive `exp_name`, comet an `ExperimentConfig`); tensorboard and aim take none. No tracker is installed: Accelerate's are stood in for."
+    import types
+    import accelerate
+    import instruct_goose.loop as loop_module
+    calls = []
+    plain_init = accelerate.Accelerator.__init__
+    monkeypatch.setattr(loop_module, "check_tracker", lambda name: name)                          # none is installed here
+    monkeypatch.setattr(accelerate.Accelerator, "__init__", lambda self, *a, log_with=None, **k: plain_init(self, *a, **k))
+    monkeypatch.setattr(accelerate.Accelerator, "init_trackers", lambda self, project, config=None, init_kwargs=None: calls.append(init_kwargs))
+    monkeypatch.setitem(sys.modules, "comet_ml", types.SimpleNamespace(ExperimentConfig=lambda name: ("ExperimentConfig", name)))
+    expected = {"wandb": {"name": "my-run"}, "trackio": {"name": "my-run"}, "mlflow": {"run_name": "my-run"}, "clearml": {"task_name": "my-run"},
+                "swanlab": {"experiment_name": "my-run"}, "dvclive": {"exp_name": "my-run"},
+                "comet_ml": {"experiment_config": ("ExperimentConfig", "my-run")}, "tensorboard": None, "aim": None}
+    for tracker, kwargs in expected.items():
+        loop_module.TrainLoop(SFTConfig(output_dir=str(tmp_path / tracker), report_to=tracker, run_name="my-run"))
+        assert calls.pop() == ({tracker: kwargs} if kwargs else {}), tracker
