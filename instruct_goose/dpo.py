@@ -26,7 +26,7 @@ from .core import _without_autocast, check_number, typecheck
 from .data import _pad_token_id, is_conversational, pad_rows, pad_to_multiple, preference_dataset, warn_cut_prompts
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
-from .sft import StageConfig, drop_long_prompts, fit_to_context, offloaded
+from .sft import StageConfig, drop_long_prompts, fit_to_context, offloaded, pad_multiple, within_context
 from .onpolicy import SyncRefModelCallback, frozen_reference, mix_reference
 
 # %% ../nbs/09c_dpo.ipynb #cb13c4eb
@@ -152,7 +152,7 @@ class DPOConfig(StageConfig):
     pad_token: str | None = None                  # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
 
     def __post_init__(self):
-        if self.pad_to_multiple_of == "auto": self.pad_to_multiple_of = None     # TRL: 128 on Neuron only
+        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)   # before 🤗's number checks: "auto" is TRL's too
         super().__post_init__()
         if isinstance(self.loss_type, str): self.loss_type = [t.strip() for t in self.loss_type.split(",")]
         if isinstance(self.loss_weights, (list, tuple)) and all(isinstance(w, str) for w in self.loss_weights):
@@ -171,7 +171,7 @@ class DPOConfig(StageConfig):
         check_number("discopop_tau", self.discopop_tau, low_open=True)
         if self.truncation_mode not in ("keep_start", "keep_end"):
             raise ValueError(f"`truncation_mode` must be 'keep_start' or 'keep_end'; got {self.truncation_mode!r}")
-        for name in ("max_prompt_length", "precompute_ref_batch_size", "pad_to_multiple_of", "ref_model_sync_steps", "dataset_num_proc"):
+        for name in ("max_prompt_length", "precompute_ref_batch_size", "ref_model_sync_steps", "dataset_num_proc"):
             if getattr(self, name) is not None: setattr(self, name, check_number(name, int(getattr(self, name)), low=1))
         check_number("ref_model_mixup_alpha", self.ref_model_mixup_alpha, high=1)
         if self.sync_ref_model and self.precompute_ref_log_probs:
@@ -321,7 +321,7 @@ def pairs(self: DPOTrainer, data, name: str) -> Dataset:
     tokenizer, limit = self.processing_class, self.args.max_prompt_length
     rows = preference_dataset(data, name, tokenizer)
     if limit is not None: warn_cut_prompts([len(ids) for ids in tokenizer(list(rows["prompt"]), add_special_tokens=False).input_ids], limit)
-    if limit is None or limit >= self.max_length: rows = drop_long_prompts(rows, tokenizer, self.max_length, name)
+    if self.max_length is not None and (limit is None or limit >= self.max_length): rows = drop_long_prompts(rows, tokenizer, self.max_length, name)
     add_eos = not is_conversational(data[0]["chosen"])   # a conversation ends the way its chat template ends the turn
     return rows.map(lambda batch: tokenize_pairs(tokenizer, batch, limit, add_eos), batched=True, keep_in_memory=True,
                     num_proc=self.args.dataset_num_proc)
@@ -354,6 +354,7 @@ def encode(
     "A micro-batch: chosen then rejected rows (`collate_pairs`), with the cached reference log-probabilities in the same order."
     a = self.args
     batch = collate_pairs(rows, _pad_token_id(self.processing_class), self.max_length, a.truncation_mode, a.pad_to_multiple_of)
+    if self.max_length is None: within_context(batch[1], self.model)   # nothing is cut: past the model's context is an error naming `max_length`
     cached = None if ref_logps is None else torch.cat([ref_logps[:, 0], ref_logps[:, 1]])
     return (*batch, cached), len(rows["prompt_ids"])
 

@@ -18,7 +18,7 @@ from datasets import Dataset
 from trl import RewardConfig as TRLRewardConfig, SFTConfig as TRLSFTConfig, SFTTrainer as TRLSFTTrainer
 from trl.data_utils import pack_dataset
 
-from instruct_goose import RewardConfig, SFTConfig, SFTTrainer, router_aux_losses, task_tokenizer, tiny_causal_lm
+from instruct_goose import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer, chat_task_tokenizer, router_aux_losses, task_tokenizer, tiny_causal_lm
 from instruct_goose.sft import best_fit_bins
 
 assert trl.__version__ == "1.16.0", trl.__version__
@@ -203,3 +203,90 @@ def test_a_batch_without_loss_tokens_logs_zero(tmp_path):
     ids, mask, loss_mask = batch
     loss, stats = ours.nll_sum(ours.model, (ids, mask, torch.zeros_like(loss_mask)), stats=True)
     assert loss.item() == 0 and {k: v.item() for k, v in stats.items()} == {"entropy": 0.0, "mean_token_accuracy": 0.0}
+
+
+def _trl_packed_bins(tmp_path, rows, **options):
+    "TRL 1.16's packed training set as bins of row token ids (`seq_lengths` splits each example), sorted: TRL shuffles the bins again after packing."
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    tok = task_tokenizer()
+    args = TRLSFTConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", packing=True, **options)
+    packed = TRLSFTTrainer(tiny_causal_lm(tok, seed=0), args=args, train_dataset=Dataset.from_list(rows), processing_class=tok).train_dataset
+    return sorted([tuple(map(tuple, _split(ids, sizes))) for ids, sizes in zip(packed["input_ids"], packed["seq_lengths"])])
+
+
+def _our_packed_bins(tmp_path, rows, **options):
+    tok = task_tokenizer()
+    ours = SFTTrainer(tiny_causal_lm(tok, seed=0), SFTConfig(output_dir=str(tmp_path), packing=True, **options), rows, processing_class=tok)
+    (ids, mask, _), _ = ours.encode(ours.train_dataset[:])
+    row_ids = [tuple(r[m.bool()].tolist()) for r, m in zip(ids, mask)]
+    return sorted([tuple(row_ids[i] for i in b) for b in ours.pack(ours.train_dataset)])
+
+
+def test_shuffled_packing_is_trls(tmp_path):
+    "`shuffle_dataset=True` with `packing`: the rows shuffled with `seed` before best-fit decreasing, so the bins hold TRL 1.16's rows (ties in length fall otherwise)."
+    words = ["good", "bad", "fine", "dull", "warm", "slow"]
+    rows = [{"prompt": "Review:", "completion": " " + " ".join(words[(i + k) % 6] for k in range(1 + i % 3)) + "."} for i in range(40)]
+    for seed in (0, 1):
+        theirs = _trl_packed_bins(tmp_path, rows, max_length=24, shuffle_dataset=True, seed=seed)
+        assert _our_packed_bins(tmp_path, rows, max_length=24, shuffle_dataset=True, seed=seed) == theirs, seed
+    assert _our_packed_bins(tmp_path, rows, max_length=24) == _trl_packed_bins(tmp_path, rows, max_length=24)
+    assert _our_packed_bins(tmp_path, rows, max_length=24) != theirs                  # the test can tell: unshuffled rows fall otherwise
+
+
+def _reward_sides(tmp_path, pairs, tok, max_length):
+    "TRL 1.16's RewardTrainer and ours on the same pairs: the token ids of each kept pair's chosen and rejected as TRL counts them."
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    model_dir = tmp_path / "lm"
+    tiny_causal_lm(tok, seed=0).save_pretrained(model_dir)
+    args = trl.RewardConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", max_length=max_length)
+    kept = trl.RewardTrainer(str(model_dir), args=args, train_dataset=Dataset.from_list(pairs), processing_class=tok).train_dataset
+    theirs = [(tuple(c), tuple(r)) for c, r in zip(kept["chosen_ids"], kept["rejected_ids"])]
+    with pytest.warns(UserWarning, match="pairs have a chosen or rejected text longer than max_length"):
+        ours = RewardTrainer(tiny_causal_lm(tok, seed=0), RewardConfig(output_dir=str(tmp_path), max_length=max_length), processing_class=tok,
+                             train_dataset=pairs).train_dataset
+    return theirs, ours
+
+
+@pytest.mark.parametrize("prompt", [None, "Review:"], ids=["implicit_prompt", "explicit_prompt"])
+def test_reward_pairs_kept_are_trls_text(tmp_path, prompt):
+    "TRL 1.16 leaves out a text pair whose prompt + chosen or prompt + rejected, with the EOS it appends, is longer than `max_length`: ours keeps the same pairs, at the boundary too."
+    tok = task_tokenizer()
+    n = lambda text: len(tok(text + tok.eos_token).input_ids)
+    base = "Review: it was a fine film"
+    texts = [base + "." + " film" * k for k in range(6)]                                 # " film" is one token: lengths rise one at a time
+    limit = n(texts[3])                                                                   # texts[3] fits exactly, texts[4] only without TRL's EOS
+    assert [n(t) - limit for t in texts] == [-3, -2, -1, 0, 1, 2]
+    pairs = [{"chosen": texts[i], "rejected": texts[j]} for i, j in ((0, 1), (3, 2), (4, 0), (1, 5), (2, 3), (3, 4))]
+    if prompt: pairs = [{"prompt": prompt, "chosen": p["chosen"][len(prompt):], "rejected": p["rejected"][len(prompt):]} for p in pairs]
+    theirs, ours = _reward_sides(tmp_path, pairs, tok, limit)
+    assert len(theirs) == len(ours) == 3, (len(theirs), len(ours))
+    eos = tok.eos_token
+    counted = [(tuple(tok(p + c + eos).input_ids), tuple(tok(p + r + eos).input_ids)) for p, c, r in zip(ours["prompt"], ours["chosen"], ours["rejected"])]
+    assert counted == theirs
+
+
+def test_reward_pairs_kept_are_trls_chat(tmp_path):
+    "Conversational pairs: TRL counts the chat template's tokens, no EOS appended; ours keeps the same pairs."
+    tok = chat_task_tokenizer()
+    turn = lambda text: [{"role": "assistant", "content": text}]
+    prompt = [{"role": "user", "content": "Review: it was"}]
+    replies = [" a fine film." + " film" * k for k in range(6)]
+    lengths = [len(tok.apply_chat_template(prompt + turn(r), tokenize=True, return_dict=True)["input_ids"]) for r in replies]
+    pairs = [{"prompt": prompt, "chosen": turn(replies[i]), "rejected": turn(replies[j])} for i, j in ((0, 1), (3, 2), (4, 0), (1, 5))]
+    theirs, ours = _reward_sides(tmp_path, pairs, tok, lengths[3])
+    assert len(theirs) == len(ours) == 2, (len(theirs), len(ours))
+    assert [len(c) for c, _ in theirs] == [lengths[0], lengths[3]]
+    assert [len(tok(p + c).input_ids) for p, c in zip(ours["prompt"], ours["chosen"])] == [lengths[0], lengths[3]]
+
+
+@pytest.mark.parametrize("name", ["SFTConfig", "RewardConfig", "DPOConfig"])
+def test_trl_defaults_pad_auto_and_max_length_none_are_taken(tmp_path, name):
+    "TRL 1.16's `pad_to_multiple_of` default (\"auto\": no padding off Neuron) and `max_length=None` (no limit): each supervised config takes them with TRL's meaning."
+    from instruct_goose import DPOConfig
+    ours_class = {"SFTConfig": SFTConfig, "RewardConfig": RewardConfig, "DPOConfig": DPOConfig}[name]
+    theirs = getattr(trl, name)(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, max_length=None)
+    assert {f.name: f.default for f in dataclasses.fields(getattr(trl, name))}["pad_to_multiple_of"] == "auto"    # TRL's default
+    ours = ours_class(output_dir=str(tmp_path), pad_to_multiple_of="auto", max_length=None)
+    assert (ours.pad_to_multiple_of, ours.max_length) == (theirs.pad_to_multiple_of, theirs.max_length) == (None, None)
