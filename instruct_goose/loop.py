@@ -124,7 +124,7 @@ def check_hf_settings(config) -> None:
     if config.optim in _OPTIM_REFUSED: raise ValueError(f"`optim`={config.optim!r} is not supported: {_OPTIM_REFUSED[config.optim]}")
     if config.logging_strategy != "steps":
         raise ValueError(f"`logging_strategy`={config.logging_strategy!r} is not supported: metrics are logged every `logging_steps` (and at the last step)")
-    if config.eval_strategy not in ("no", "steps", "epoch"): raise ValueError(f"`eval_strategy` must be 'no', 'steps' or 'epoch'; got {config.eval_strategy!r}")
+    if config.eval_strategy not in (None, "no", "steps", "epoch"): raise ValueError(f"`eval_strategy` must be 'no', 'steps', 'epoch' or None; got {config.eval_strategy!r}")
     if config.save_strategy not in ("no", "steps", "epoch", "best"):
         raise ValueError(f"`save_strategy` must be 'no', 'steps', 'epoch' or 'best'; got {config.save_strategy!r}")
     check_number("per_device_eval_batch_size", config.per_device_eval_batch_size, low=1)
@@ -170,7 +170,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     logging_strategy: Literal["steps"] = "steps"  # 🤗's: metrics are logged every `logging_steps` ("no" and "epoch" are refused)
     logging_steps: float = 1                      # log metrics every this many steps, or 🤗's fraction in (0, 1) of all the run's steps (rounded up)
     logging_first_step: bool = False              # 🤗's: log the first step too
-    eval_strategy: Literal["no", "steps", "epoch"] = "steps"  # "steps": every `eval_steps` (unset or 0: every `logging_steps`, as 🤗) and at the end; "epoch": after each pass; "no": never (🤗's default is "no"; here a given eval set is evaluated)
+    eval_strategy: Literal["no", "steps", "epoch"] | None = None  # "steps": every `eval_steps` (unset or 0: every `logging_steps`, as 🤗) and at the end; "epoch": after each pass; "no": never; None: "steps" at `eval_steps` where given, else only at the end (🤗's default is "no"; here a given eval set is evaluated, once at least)
     per_device_eval_batch_size: int = 8           # examples per forward pass when evaluating
     eval_on_start: bool = False                   # 🤗's: evaluate once before the first step, a baseline row at step 0 (not again when a run resumes)
     save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"  # "steps": every `save_steps` and at the end; "epoch": after each pass; "best": at each new best evaluation (`metric_for_best_model`) and at the end; "no": no checkpoints at all (the model is still saved)
@@ -275,8 +275,9 @@ def _check_numbers(config):
     check_number("learning_rate", config.learning_rate, low_open=True)
     for name in ("weight_decay", "max_grad_norm", "warmup_steps"): check_number(name, getattr(config, name))
     if config.save_total_limit is not None: check_number("save_total_limit", config.save_total_limit)
-    if hasattr(config, "eval_steps") and not config.eval_steps:   # 🤗's: under "steps", unset (None) or 0 is every `logging_steps`
-        config.eval_steps = config.logging_steps if config.eval_strategy == "steps" else 0
+    if hasattr(config, "eval_steps") and not config.eval_steps and config.eval_strategy == "steps":   # (unset, None: ours, `eval_steps` where given, else at the end only; kept None, so a `replace` reads the same)
+        config.eval_steps = config.logging_steps                                     # 🤗's: "steps" asked for with `eval_steps` unset (None) or 0 is every `logging_steps`
+    if hasattr(config, "eval_steps") and config.eval_steps is None: config.eval_steps = 0   # 0: only at the end
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"): check_number(name, getattr(config, name), low=1)
     for name in ("logging_steps", "save_steps", "eval_steps"):   # eval_steps: the stages' and on-policy configs'
         if hasattr(config, name): setattr(config, name, steps_or_fraction(name, getattr(config, name), zero=name != "logging_steps"))
@@ -302,9 +303,10 @@ def _check_best(config):
     if not c.load_best_model_at_end or c.save_strategy == "best": return
     if c.save_only_model:
         raise ValueError("`load_best_model_at_end` reloads a checkpoint's whole state, which `save_only_model`=True checkpoints do not hold: set one of them")
-    if c.save_strategy != c.eval_strategy or c.save_strategy == "no":
+    evaluates = c.eval_strategy or "steps"                                       # unset evaluates as "steps"
+    if c.save_strategy != evaluates or c.save_strategy == "no":
         raise ValueError(f"`load_best_model_at_end` needs checkpoints where the evaluations are: `save_strategy` ({c.save_strategy!r}) must be "
-                         f"`eval_strategy` ({c.eval_strategy!r}) and not 'no', or 'best'")
+                         f"`eval_strategy` ({evaluates!r}) and not 'no', or 'best'")
     save, every = c.save_steps, getattr(c, "eval_steps", 0)
     if c.save_strategy == "steps" and every and not (save and _multiple(save, every)):
         raise ValueError(f"`load_best_model_at_end` with `eval_steps`={every} needs checkpoints there: `save_steps` ({save}) must be a multiple "
@@ -1072,7 +1074,7 @@ def leave(self: TrainLoop):
 @patch
 def every(
     self: TrainLoop,
-    strategy: str,           # a 🤗 `*_strategy`: "no", "steps" or "epoch" (save_strategy "best": `end_step`)
+    strategy: str | None,    # a 🤗 `*_strategy`: "no", "steps" or "epoch" (save_strategy "best": `end_step`); None (`eval_strategy` unset) as "steps"
     steps: float,            # the matching `*_steps` (0: only at the end; 🤗's fraction of all steps: `steps_of`)
 ) -> int | None:             # steps between events: None never, 0 only at the end
     "Steps between evaluations or checkpoints under 🤗's strategy: `steps`, one pass over the training set (`steps_per_epoch`), or never."

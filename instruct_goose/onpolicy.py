@@ -134,7 +134,7 @@ class OnPolicyConfig(TrainingConfig):
     local_rollout_forward_batch_size: int = 64  # rows per forward pass when sampling and scoring a rollout (a memory lever)
     offload_models: bool = False           # keep the reference and reward models on the CPU, moving each to the accelerator only while it runs
     num_sample_generations: int = 10       # how many times to print a table of samples during training (0: never)
-    eval_steps: float | None = None        # evaluate on `eval_dataset` every this many steps, or 🤗's fraction in (0, 1) of all steps (None or 0: every `logging_steps`, as 🤗)
+    eval_steps: float | None = None        # evaluate on `eval_dataset` every this many steps, or 🤗's fraction in (0, 1) of all steps (None or 0: only at the end; every `logging_steps` where `eval_strategy`="steps" is given, as 🤗)
     eval_temperature: float | None = None  # sampling temperature of the evaluation (None: `temperature`; 0: greedy)
     reward_weights: list[float] | None = None  # weights of several `reward_funcs` (TRL's name, GRPOConfig ≥ 0.14); None: 1 each
     top_p: float = 1.0                     # TRL 1.16: sample from the nucleus of probability top_p (1: all tokens); π_old is still the full softmax at T (generation chapter)

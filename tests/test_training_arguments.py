@@ -292,7 +292,7 @@ def test_auto_find_batch_size_keeps_the_step(tmp_path):
 
 
 def test_eval_steps_unset_is_every_logging_step(tmp_path):
-    "🤗's `eval_strategy`='steps' with `eval_steps` unset (None) or 0: an evaluation every `logging_steps`, at steps 1, 2, 3, 4 of 4 with logging_steps=1 (2 and 4 with 2), as 🤗's `TrainingArguments` sets it; 🤗's `save_total_limit`=None keeps every checkpoint."
+    "🤗's `eval_strategy`='steps' with `eval_steps` unset (None) or 0: an evaluation every `logging_steps`, at steps 1, 2, 3, 4 of 4 with logging_steps=1 (2 and 4 with 2), as 🤗's `TrainingArguments` sets it (with `eval_strategy` unset, ours: once, at the end); 🤗's `save_total_limit`=None keeps every checkpoint."
     from transformers import TrainerCallback
     from instruct_goose import SFTTrainer, load_task, task_tokenizer, tiny_causal_lm
     tok = task_tokenizer()
@@ -302,20 +302,23 @@ def test_eval_steps_unset_is_every_logging_step(tmp_path):
     def evaluated_at(out, **kw):
         seen = Evaluations()
         args = SFTConfig(output_dir=str(tmp_path / out), max_steps=4, per_device_train_batch_size=4, max_length=64, disable_tqdm=True,
-                         eval_strategy="steps", **kw)
+                         **{"eval_strategy": "steps", **kw})
         SFTTrainer(tiny_causal_lm(tok, seed=0), args=args, train_dataset=load_task("sft").select(range(16)),
                    eval_dataset=load_task("sft").select(range(4)), processing_class=tok, callbacks=[seen]).train()
         return seen.steps
     assert evaluated_at("none", logging_steps=1, eval_steps=None, save_steps=1, save_total_limit=None) == [1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "none").glob("checkpoint-*")) == [f"checkpoint-{s}" for s in (1, 2, 3, 4)]
     assert evaluated_at("zero", logging_steps=2, eval_steps=0, save_strategy="no") == [2, 4]
+    assert evaluated_at("unset", logging_steps=1, save_strategy="no", eval_strategy=None) == [4]   # not asked for: once, at the end
 
 
 def test_none_of_hf_and_trl_is_honoured_or_refused_by_name():
     "🤗's `eval_steps`=None and `save_total_limit`=None are its defaults on every config; TRL's `max_completion_length`=None and `num_generations`=None have no meaning here: refused by name, with the value to give."
     for config_class, base in CONFIGS.items():
-        c = config_class(**base, eval_steps=None, save_total_limit=None, logging_steps=3)
+        c = config_class(**base, eval_strategy="steps", eval_steps=None, save_total_limit=None, logging_steps=3)
         assert (c.eval_steps, c.save_total_limit) == (3, None), config_class
+        c = config_class(**base, eval_steps=None, logging_steps=3)   # `eval_strategy` unset: ours, once at the end
+        assert (c.eval_strategy, c.eval_steps) == (None, 0), config_class
     for config_class in (RLOOConfig, GRPOConfig):
         for name in ("max_completion_length", "num_generations"):
             with pytest.raises(ValueError, match=rf"^`{name}` must be a number, got None \(its default: \d+\)$"):
