@@ -122,7 +122,7 @@ class OnPolicyConfig(TrainingConfig):
     whiten_rewards: bool = False           # scale rewards to unit variance (mean kept) before computing advantages
     temperature: float = 1.0               # sampling temperature; log-probabilities use the same
     response_length: int = 53              # tokens sampled per response
-    stop_token: Literal["eos"] | None = None  # TRL's spelling (TRL 0.11's PPO/RLOO configs): "eos" ends responses at the tokenizer's EOS, as leaving both unset does
+    stop_token: Literal["eos"] | None = None  # TRL's spelling (TRL 0.11's PPO/RLOO configs): "eos" ends responses at the tokenizer's EOS, as leaving both unset does (TRL: unset is no stop token at all)
     stop_token_id: int | None = None       # token that ends a response (None: the tokenizer's EOS)
     missing_eos_penalty: float | None = None  # subtracted from the score of a response without a stop token
     num_ppo_epochs: int = 4                # passes over each rollout
@@ -181,6 +181,7 @@ class OnPolicyConfig(TrainingConfig):
             raise ValueError(f"`per_device_eval_batch_size`={self.per_device_eval_batch_size} is not supported by the on-policy trainers: "
                              "held-out prompts are sampled in chunks of `local_rollout_forward_batch_size`")
         if self.stop_token not in (None, "eos"): raise ValueError(f"`stop_token` must be 'eos' or None; got {self.stop_token!r}")
+        if self.stop_token is not None and self.stop_token_id is not None: raise ValueError("`stop_token` and `stop_token_id` name the stop token twice (TRL refuses both too): give one")
         if self.missing_eos_penalty is not None: check_number("missing_eos_penalty", self.missing_eos_penalty)
         if self.kl_estimator not in get_args(KLEstimator):
             raise ValueError(f"`kl_estimator` must be one of {', '.join(get_args(KLEstimator))}; got {self.kl_estimator!r}")
