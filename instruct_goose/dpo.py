@@ -154,6 +154,7 @@ class DPOConfig(StageConfig):
     def __post_init__(self):
         self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)   # before 🤗's number checks: "auto" is TRL's too
         super().__post_init__()
+        if self.loss_type is None: self.loss_type = "sigmoid"   # 🤗's `HfArgumentParser` (TRL's `TrlParser`) gives a list-or-text field no default: TRL's
         if isinstance(self.loss_type, str): self.loss_type = [t.strip() for t in self.loss_type.split(",")]
         if isinstance(self.loss_weights, (list, tuple)) and all(isinstance(w, str) for w in self.loss_weights):
             self.loss_weights = "".join(self.loss_weights)   # today's CLI applies `list[float]` to the text: one character each

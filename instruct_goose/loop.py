@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import UnionType
-from typing import ClassVar, Literal, Union, get_args, get_origin
+from typing import ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -223,17 +223,23 @@ def _number_types(annotation) -> set:
     args = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
     return {a for a in args if a in (int, float)}
 
+def _annotations(config) -> dict:
+    "Each field's annotation as the class declares it. Not `Field.type`: 🤗's `HfArgumentParser` (TRL's `TrlParser`) rewrites that in place, `int | None` to `int`, when it makes a flag."
+    return get_type_hints(type(config))
+
 # %% ../nbs/05_loop.ipynb #140586d5
 def coerce_numbers(config) -> None:
     "Turn text given for a dataclass's int or float fields (`'1e-3'`, `'8'`) into numbers, and a whole float given for an int field (`8.0`) into an int, in place; refuse other text, a fraction for an int field, and None for a field that has no None, by name."
+    declared = _annotations(config)
     for f in fields(config):
-        value, kinds = getattr(config, f.name), _number_types(f.type)
-        if value is None and kinds and type(None) not in get_args(f.type):   # e.g. TRL's `max_completion_length`=None: no meaning here
+        value, kind = getattr(config, f.name), declared[f.name]
+        kinds = _number_types(kind)
+        if value is None and kinds and type(None) not in get_args(kind):   # e.g. TRL's `max_completion_length`=None: no meaning here
             raise ValueError(f"`{f.name}` must be a number, got None (its default: {f.default!r})")
         if isinstance(value, float) and kinds == {int}:   # 8.0 is 8; 2.5 steps or rows is no setting at all
             if not value.is_integer(): raise ValueError(f"`{f.name}` must be a whole number, got {value!r}")
             setattr(config, f.name, int(value)); continue
-        if not isinstance(value, str) or not kinds or (type(None) in get_args(f.type) and value.lower() == "none"): continue
+        if not isinstance(value, str) or not kinds or (type(None) in get_args(kind) and value.lower() == "none"): continue
         try: number = float(value)
         except ValueError: raise ValueError(f"`{f.name}` must be a number, got {value!r}") from None
         if float not in kinds:
@@ -249,9 +255,10 @@ def _admits_dict(annotation) -> bool:
 
 def coerce_dicts(config) -> None:
     "Turn the JSON text of an object given for a dataclass's dict fields into the dict, in place, as 🤗's and TRL's `_VALID_DICT_FIELDS` are read (🤗's `_convert_str_dict`: the texts 'true' and '8' inside become True and 8); any other text is refused by the field's name."
+    declared = _annotations(config)
     for f in fields(config):
         value = getattr(config, f.name)
-        if not isinstance(value, str) or not _admits_dict(f.type): continue
+        if not isinstance(value, str) or not _admits_dict(declared[f.name]): continue
         try: parsed = json.loads(value)
         except json.JSONDecodeError: parsed = None
         if not isinstance(parsed, dict): raise ValueError(f"`{f.name}` must be a dict, or its JSON text such as '{{\"key\": 1}}'; got {value!r}")

@@ -372,3 +372,27 @@ def test_run_name_reaches_every_tracker_that_names_runs(tmp_path, monkeypatch):
     for tracker, kwargs in expected.items():
         loop_module.TrainLoop(SFTConfig(output_dir=str(tmp_path / tracker), report_to=tracker, run_name="my-run"))
         assert calls.pop() == ({tracker: kwargs} if kwargs else {}), tracker
+
+
+def test_trl_parser_reads_every_config():
+    "TRL's own scripts parse their config with `TrlParser` (🤗's `HfArgumentParser`), which rewrites each dataclass field's `type` in place (`int | None` -> `int`): every config parses with its defaults and with flags (a number, a JSON dict, DPO's loss list) to the config made directly, and is made directly again after. In a child process: the rewritten fields would reach the other tests."
+    script = r'''
+import json, sys
+from dataclasses import asdict
+from trl import TrlParser
+from instruct_goose import DPOConfig, GRPOConfig, RewardConfig, RLHFConfig, RLOOConfig, SFTConfig
+CONFIGS = {SFTConfig: {}, RewardConfig: {}, RLHFConfig: {}, RLOOConfig: {}, GRPOConfig: {"num_generations": 2}, DPOConfig: {}}
+for C, base in CONFIGS.items():
+    flags = ["--output_dir", "out", *[x for k, v in base.items() for x in (f"--{k}", str(v))]]
+    given = ["--save_total_limit", "2", "--lr_scheduler_kwargs", '{"num_cycles": 0.5}']
+    (parsed,) = TrlParser((C,)).parse_args_and_config(flags)
+    (with_flags,) = TrlParser((C,)).parse_args_and_config(flags + given + (["--loss_type", "sigmoid", "sft"] if C is DPOConfig else []))
+    direct = C(output_dir="out", **base)
+    assert asdict(parsed) == asdict(direct), C.__name__
+    extra = dict(save_total_limit=2, lr_scheduler_kwargs={"num_cycles": 0.5}, **({"loss_type": ["sigmoid", "sft"]} if C is DPOConfig else {}))
+    assert asdict(with_flags) == asdict(C(output_dir="out", **base, **extra)), C.__name__
+    print(C.__name__, "ok")
+'''
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [w for c in CONFIGS for w in (c.__name__, "ok")]
