@@ -280,6 +280,7 @@ def steps_or_fraction(
 def _check_numbers(config):
     "The ranges of `TrainingConfig`'s numbers (after `coerce_numbers`), each refused by name; the `*_steps` intervals as `steps_or_fraction` keeps them, `eval_steps` unset as 🤗 sets it."
     check_number("learning_rate", config.learning_rate, low_open=True)
+    if getattr(config, "max_steps", None) == -1: config.max_steps = 0              # 🤗's default, spelled out: not set (0 here)
     for name in ("weight_decay", "max_grad_norm", "warmup_steps"): check_number(name, getattr(config, name))
     if config.save_total_limit is not None: check_number("save_total_limit", config.save_total_limit)
     if hasattr(config, "eval_steps") and not config.eval_steps and config.eval_strategy == "steps":   # (unset, None: ours, `eval_steps` where given, else at the end only; kept None, so a `replace` reads the same)

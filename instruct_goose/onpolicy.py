@@ -127,8 +127,8 @@ class OnPolicyConfig(TrainingConfig):
     missing_eos_penalty: float | None = None  # subtracted from the score of a response without a stop token
     num_ppo_epochs: int = 4                # passes over each rollout
     num_mini_batches: int = 1              # minibatches per pass; a rollout has per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches responses per process
-    total_episodes: int = 1024             # responses to sample in all (all processes)
-    max_steps: int = 0                     # training steps in all (HF's name; one step = one rollout and its updates); 0: from `num_train_epochs` or `total_episodes`
+    total_episodes: int | None = 1024      # responses to sample in all (all processes); None (TRL 1.12's PPO default): from `num_train_epochs`, 🤗's 3.0 if unset, as TRL reads it
+    max_steps: int = 0                     # training steps in all (HF's name; one step = one rollout and its updates); 0 (or 🤗's -1): from `num_train_epochs` or `total_episodes`
     num_train_epochs: float | None = None  # passes over the prompts (🤗's and TRL's GRPO/RLOO way to set the length; 🤗's default 3.0); None: from `total_episodes`
     max_prompt_length: int | None = None   # cut prompts to their last this many tokens, with a warning (None: never cut; TRL 1.16's GRPO and RLOO have no such field)
     local_rollout_forward_batch_size: int = 64  # rows per forward pass when sampling and scoring a rollout (a memory lever)
@@ -171,8 +171,9 @@ class OnPolicyConfig(TrainingConfig):
         if self.num_generations_eval is not None: check_number("num_generations_eval", self.num_generations_eval, low=1)
         check_number("kl_coef", self.kl_coef)
         for name in ("cliprange", "temperature"): check_number(name, getattr(self, name), low_open=True)
+        if self.total_episodes is None and self.num_train_epochs is None: self.num_train_epochs = 3.0   # TRL 1.12's PPO: epochs × prompts, 🤗's 3.0
         for name in ("response_length", "num_ppo_epochs", "num_mini_batches", "total_episodes", "local_rollout_forward_batch_size"):
-            check_number(setting_name(self, name), getattr(self, name), low=1)
+            if getattr(self, name) is not None: check_number(setting_name(self, name), getattr(self, name), low=1)
         if self.max_prompt_length is not None: check_number("max_prompt_length", self.max_prompt_length, low=1)
         for name in ("num_sample_generations", "max_steps"): check_number(name, getattr(self, name))
         if self.eval_temperature is not None: check_number("eval_temperature", self.eval_temperature)

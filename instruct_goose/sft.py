@@ -35,7 +35,7 @@ from .reward import RewardModel
 class StageConfig(TrainingConfig):
     "A supervised stage: how long to train, how long a sequence may be, when to evaluate."
     num_train_epochs: float = 1.0   # passes over the training set (ignored when `max_steps` > 0)
-    max_steps: int = 0              # optimizer steps in all; 0: from `num_train_epochs`
+    max_steps: int = 0              # optimizer steps in all; 0 (or 🤗's -1): from `num_train_epochs`
     max_length: int | None = 1024   # longest tokenized sequence; longer ones are cut (TRL 1.16's default; None: nothing is cut)
     eval_steps: float | None = None # evaluate every this many steps, or 🤗's fraction in (0, 1) of all steps (None or 0: only at the end; every `logging_steps` where `eval_strategy`="steps" is given, as 🤗)
     auto_find_batch_size: bool = False  # 🤗's: on an out-of-memory error, the step again in micro-batches half as large (`TrainLoop.retry_on_oom`): the same minibatch and gradient (🤗 halves the batch instead)

@@ -396,3 +396,11 @@ for C, base in CONFIGS.items():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [w for c in CONFIGS for w in (c.__name__, "ok")]
+
+
+def test_hf_unset_max_steps_is_taken():
+    "🤗's default `max_steps`=-1 (not set), as a TRL config dump spells it, is 0 here (from the epochs or episodes) on every config; other negative numbers are refused by name."
+    for config_class, base in CONFIGS.items():
+        assert config_class(**base, max_steps=-1).max_steps == 0, config_class
+        with pytest.raises(ValueError, match="`max_steps` must be"):
+            config_class(**base, max_steps=-2)
