@@ -21,10 +21,10 @@ from jaxtyping import Bool, Float
 from .core import check_number, masked_mean, masked_sum, typecheck
 from .loop import TrainLoop
 from .losses import AdaptiveEntropyController, kl_penalty
-from .rloo import GRPONotYet, completion_stats, refuse_unsupported
+from .rloo import _TRL_REFUSED, GRPONotYet, completion_stats
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
 from .agent import response_logprobs
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, _prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, _prompt_columns, refuse_unsupported
 from .tools import ToolConfig
 
 # %% ../nbs/09b_grpo.ipynb #b7dc7cdd
@@ -70,7 +70,7 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
                                               "num_iterations": "num_ppo_epochs"}
 
     def __post_init__(self):
-        refuse_unsupported(self)                  # TRL's fields not run here yet: refused by name (`_TRL_REFUSED`)
+        refuse_unsupported(self, _TRL_REFUSED)    # TRL's fields not run here yet: refused by name (`_TRL_REFUSED`)
         if isinstance(self.scale_rewards, bool) or self.scale_rewards in ("True", "False"):
             self.scale_rewards = "group" if self.scale_rewards in (True, "True") else "none"
         super().__post_init__()

@@ -218,11 +218,15 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
         return self.seed if self.data_seed is None else self.data_seed
 
 # %% ../nbs/05_loop.ipynb #cbaa7574
+def _members(annotation) -> tuple:
+    "The types a field's annotation allows: a union's members, or the annotation itself."
+    return get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+
 def _number_types(annotation) -> set:
     "The number types (int, float) a field's annotation allows."
-    args = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return {a for a in args if a in (int, float)}
+    return {a for a in _members(annotation) if a in (int, float)}
 
+# %% ../nbs/05_loop.ipynb #e0992de3
 def _annotations(config) -> dict:
     "Each field's annotation as the class declares it. Not `Field.type`: 🤗's `HfArgumentParser` (TRL's `TrlParser`) rewrites that in place, `int | None` to `int`, when it makes a flag."
     return get_type_hints(type(config))
@@ -250,9 +254,9 @@ def coerce_numbers(config) -> None:
 # %% ../nbs/05_loop.ipynb #c0e1d2c7
 def _admits_dict(annotation) -> bool:
     "Whether a field's annotation allows a dict (`dict`, `dict[str, Any]`, alone or in a union)."
-    args = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return any(a is dict or get_origin(a) is dict for a in args)
+    return any(a is dict or get_origin(a) is dict for a in _members(annotation))
 
+# %% ../nbs/05_loop.ipynb #6e2ba344
 def coerce_dicts(config) -> None:
     "Turn the JSON text of an object given for a dataclass's dict fields into the dict, in place, as 🤗's and TRL's `_VALID_DICT_FIELDS` are read (🤗's `_convert_str_dict`: the texts 'true' and '8' inside become True and 8); any other text is refused by the field's name."
     declared = _annotations(config)
@@ -276,6 +280,12 @@ def steps_or_fraction(
     if not float(value).is_integer(): raise ValueError(f"`{name}` must be a whole number of steps or a fraction in (0, 1) of them all, got {value!r}")
     return int(value)
 
+# %% ../nbs/05_loop.ipynb #2bfe38cc
+def _resolve_eval_steps(config):
+    "🤗's `eval_steps`: with `eval_strategy`=\"steps\" asked for, unset (None) or 0 is every `logging_steps`; with it unset (None, ours, kept None so a `replace` reads the same), `eval_steps` where given, else 0: only at the end."
+    if not config.eval_steps and config.eval_strategy == "steps": config.eval_steps = config.logging_steps
+    elif config.eval_steps is None: config.eval_steps = 0
+
 # %% ../nbs/05_loop.ipynb #3d014996
 def _check_numbers(config):
     "The ranges of `TrainingConfig`'s numbers (after `coerce_numbers`), each refused by name; the `*_steps` intervals as `steps_or_fraction` keeps them, `eval_steps` unset as 🤗 sets it."
@@ -283,9 +293,7 @@ def _check_numbers(config):
     if getattr(config, "max_steps", None) == -1: config.max_steps = 0              # 🤗's default, spelled out: not set (0 here)
     for name in ("weight_decay", "max_grad_norm", "warmup_steps"): check_number(name, getattr(config, name))
     if config.save_total_limit is not None: check_number("save_total_limit", config.save_total_limit)
-    if hasattr(config, "eval_steps") and not config.eval_steps and config.eval_strategy == "steps":   # (unset, None: ours, `eval_steps` where given, else at the end only; kept None, so a `replace` reads the same)
-        config.eval_steps = config.logging_steps                                     # 🤗's: "steps" asked for with `eval_steps` unset (None) or 0 is every `logging_steps`
-    if hasattr(config, "eval_steps") and config.eval_steps is None: config.eval_steps = 0   # 0: only at the end
+    if hasattr(config, "eval_steps"): _resolve_eval_steps(config)
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"): check_number(name, getattr(config, name), low=1)
     for name in ("logging_steps", "save_steps", "eval_steps"):   # eval_steps: the stages' and on-policy configs'
         if hasattr(config, name): setattr(config, name, steps_or_fraction(name, getattr(config, name), zero=name != "logging_steps"))

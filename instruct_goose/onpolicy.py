@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['merge_names', 'generation_batches', 'setting_name', 'continuous_batching_options', 'check_sampling_config',
-           'OnPolicyConfig', 'sampling_options', 'frozen_reference', 'trl_arguments', 'PolicyPass', 'OnPolicyTrainer',
-           'TRLOptions', 'mix_reference', 'SyncRefModelCallback', 'CompletionsResume', 'prompt_budget', 'step_rows',
-           'trl_metric_names', 'evaluate_policy']
+           'OnPolicyConfig', 'refuse_unsupported', 'sampling_options', 'frozen_reference', 'trl_arguments',
+           'PolicyPass', 'OnPolicyTrainer', 'TRLOptions', 'mix_reference', 'SyncRefModelCallback', 'CompletionsResume',
+           'prompt_budget', 'step_rows', 'trl_metric_names', 'evaluate_policy']
 
 # %% ../nbs/08_onpolicy.ipynb #2a44eff2
 import math, os, time
@@ -191,6 +191,16 @@ class OnPolicyConfig(TrainingConfig):
     def rollout_size(self) -> int:
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+
+# %% ../nbs/08_onpolicy.ipynb #69c3bf14
+def refuse_unsupported(
+    config,                    # a config whose refused fields are declared at TRL's defaults
+    refused: dict[str, str],   # field -> why it is not run here
+) -> None:
+    "Raise a one-line `ValueError` for the first field of `refused` that `config` sets away from its declared (TRL's) default: a config that leaves such fields alone, or spells the defaults out, works unchanged."
+    for f in fields(config):
+        if f.name in refused and getattr(config, f.name) != f.default:
+            raise ValueError(f"`{f.name}`={getattr(config, f.name)!r} is not supported: {refused[f.name]}")
 
 # %% ../nbs/08_onpolicy.ipynb #c7d2a1b4
 def sampling_options(

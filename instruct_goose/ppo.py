@@ -7,7 +7,7 @@ __all__ = ['PPOConfig', 'PPOTrainer', 'TRLPPOFields', 'RLHFConfig', 'Rollout', '
 
 # %% ../nbs/08b_ppo.ipynb #a3f2750d
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 from fastcore.basics import patch
@@ -19,7 +19,7 @@ from .data import as_dataset, encode_sft
 from .core import check_number, masked_mean, masked_sum, masked_var, pad_to_side, typecheck
 from .loop import TrainLoop, batch_indices
 from .losses import AdaptiveKLController, PPOLoss, compute_gae, compute_rewards
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, refuse_unsupported
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
 
 # %% ../nbs/08b_ppo.ipynb #c8e2f3a4
@@ -70,8 +70,7 @@ class RLHFConfig(OnPolicyConfig, TRLPPOFields):
 
     def __post_init__(self):
         super().__post_init__()
-        for f in fields(TRLPPOFields):
-            if getattr(self, f.name) != f.default: raise ValueError(f"`{f.name}`={getattr(self, f.name)!r} is not supported: {_PPO_REFUSED[f.name]}")
+        refuse_unsupported(self, _PPO_REFUSED)   # TRL 1.12's PPO-only fields, by name
         for name in ("vf_coef", "ent_coef", "ptx_coef"): check_number(name, getattr(self, name))
         for name in ("gamma", "lam"): check_number(name, getattr(self, name), high=1.0)
         for name in ("cliprange_value", "kl_target", "kl_horizon"): check_number(name, getattr(self, name), low_open=True)

@@ -147,6 +147,7 @@ def _context(model: nn.Module) -> int | None:
     config = next((m.config for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     return getattr(config.get_text_config(), "max_position_embeddings", None) if config is not None else None
 
+# %% ../nbs/06_sft.ipynb #ddd22d68
 def fit_to_context(
     max_length: int | None,   # the configured longest sequence (None: no limit)
     model: nn.Module,         # a 🤗 model, or a module holding one (a `RewardModel`)
@@ -157,6 +158,7 @@ def fit_to_context(
     warnings.warn(f"`max_length` ({max_length}) is longer than the model's context ({limit} tokens): {limit} is taken instead")
     return limit
 
+# %% ../nbs/06_sft.ipynb #e1f70741
 def within_context(
     mask: Tensor,             # (batch, seq): 1 on each sequence's real tokens
     model: nn.Module,         # the model that reads them
@@ -217,6 +219,7 @@ def _leave_out(
     drop = set(long)
     return dataset.select([i for i in range(len(dataset)) if i not in drop])
 
+# %% ../nbs/06_sft.ipynb #97576367
 def drop_long_prompts(
     dataset: Dataset,         # rows with a "prompt" column or conversations ("messages"); others are returned as they are
     tokenizer,                # the tokenizer that will encode them
@@ -224,8 +227,8 @@ def drop_long_prompts(
     name: str,                # the dataset's argument name, for messages
 ) -> Dataset:                 # `dataset` without the rows whose prompt fills `max_length`
     "Leave out, with a warning naming them, the rows whose prompt alone fills `max_length` tokens: nothing of their completion would be seen."
-    lengths = None if max_length is None else _prompt_lengths(dataset, tokenizer)
-    if lengths is None: return dataset
+    if max_length is None: return dataset
+    lengths = _prompt_lengths(dataset, tokenizer)
     return _leave_out(dataset, [i for i, n in enumerate(lengths) if n >= max_length], name,
                       f"every prompt of `{name}` fills max_length ({max_length}) tokens",
                       f"prompts fill max_length ({max_length}) tokens, leaving no room for their completion")
