@@ -4,23 +4,31 @@
 # README.md is written from nbs/index.ipynb by `make readme` (nbdev_readme needs Quarto).
 # torch is installed before the project so pip takes the CPU build from this machine's disk
 # instead of fetching a multi-GB CUDA build.
+# Versions: `make install` (and so test, demo, CI) installs the exact versions of constraints.txt, the set the suite last
+# passed with; the library's own requirements (settings.ini) stay ranges. `make test-latest` runs the suite on the newest
+# releases in a venv of its own, `make lock` does the same and rewrites constraints.txt only if it passes,
+# `make test-oldest` runs it on the lower bounds settings.ini declares.
 
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
+LOCK   := constraints.txt
+# what the venv is installed with: torch first (the CPU build on this disk), then the project under these constraints
+TORCH       ?= torch==2.13.0
+CONSTRAINTS ?= -c $(LOCK)
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BNB    := $(VENV)/bnb
 
-.PHONY: test demo install check-export readme
+.PHONY: test demo install check-export readme test-latest lock test-oldest
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # bitsandbytes (the 8-bit optimizers' tests) goes apart from the venv, in $(BNB): peft imports it whenever it is
 # installed, 2 s more for every process; tests/test_training_arguments.py puts it on the path of the process that needs it.
-$(STAMP): $(BIN)/python setup.py settings.ini
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+$(STAMP): $(BIN)/python setup.py settings.ini $(LOCK)
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet $(CONSTRAINTS) -e ".[dev]"
 	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(BNB) bitsandbytes==0.50.2
 	touch $(STAMP)
 
@@ -45,6 +53,29 @@ test: check-export
 	$(BIN)/python tools/test_notebooks.py --n_workers 2 --timing
 	@echo "== pytest"
 	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile --durations=10
+
+# The newest releases of every dependency (torch included: the newest pip may take here), in a venv made anew each time,
+# so that the next release that breaks the suite is found here before a user finds it.
+LATEST := .venv-latest
+test-latest:
+	rm -rf $(LATEST)
+	$(MAKE) test VENV=$(LATEST) TORCH=torch CONSTRAINTS=
+
+# The same on the newest releases of all but torch (kept at $(TORCH), the CPU build CI takes from disk; `make lock
+# TORCH=torch` for the newest), and constraints.txt rewritten from that venv only once its suite has passed.
+lock:
+	rm -rf $(LATEST)
+	$(MAKE) test VENV=$(LATEST) CONSTRAINTS=
+	(echo '# The exact versions `make test` last passed with (written by `make lock`; `make install` installs them).'; \
+	 $(LATEST)/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$$//') > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+
+# The lower bounds settings.ini declares (tools/oldest.py writes them as == constraints), in a venv of their own.
+OLDEST := .venv-oldest
+test-oldest:
+	rm -rf $(OLDEST)
+	$(PYTHON) tools/oldest.py > $(OLDEST).txt
+	$(MAKE) test VENV=$(OLDEST) TORCH="$$(grep '^torch==' $(OLDEST).txt)" CONSTRAINTS="-c $(OLDEST).txt"
 
 demo: $(STAMP)
 	$(BIN)/goose pipeline --output_dir runs/demo --overwrite_output_dir

@@ -134,15 +134,24 @@ class PPOLoss(nn.Module):
     "PPO's clipped surrogate, clipped value loss and entropy bonus as one loss to minimise."
     def __init__(
         self,
-        cliprange: float = 0.2,         # ε: clip range of the policy ratio
-        cliprange_value: float = 0.2,   # ε_v: clip range of the value update
-        vf_coef: float = 0.1,           # c₁: weight of the value loss
+        epsilon: float = 0.1,           # ε: clip range of the policy ratio (TRL's `cliprange`)
+        value_clip_range: float = 0.2,  # ε_v: clip range of the value update (TRL's `cliprange_value`)
+        value_coeff: float = 0.1,       # c₁: weight of the value loss (TRL's `vf_coef`)
         ent_coef: float = 0.0,          # c₂: weight of the entropy bonus
+        *,
+        cliprange: float | None = None,        # TRL's name for `epsilon`
+        cliprange_value: float | None = None,  # TRL's name for `value_clip_range`
+        vf_coef: float | None = None,          # TRL's name for `value_coeff`
     ):
         super().__init__()
-        self.cliprange = check_number("cliprange", cliprange, low_open=True)
-        self.cliprange_value = check_number("cliprange_value", cliprange_value, low_open=True)
-        self.vf_coef = check_number("vf_coef", vf_coef)
+        given = dict(epsilon=(epsilon, 0.1, cliprange, "cliprange"), value_clip_range=(value_clip_range, 0.2,
+                     cliprange_value, "cliprange_value"), value_coeff=(value_coeff, 0.1, vf_coef, "vf_coef"))
+        for name, (value, default, trl_value, trl_name) in given.items():
+            if trl_value is not None and value != default and value != trl_value:
+                raise ValueError(f"give `{name}` or its TRL name `{trl_name}`, not both")
+            low_open = name != "value_coeff"
+            if trl_value is None: setattr(self, name, check_number(name, value, low_open=low_open))
+            else: setattr(self, name, check_number(trl_name, trl_value, low_open=low_open))
         self.ent_coef = check_number("ent_coef", ent_coef)
 
     @typecheck
@@ -168,9 +177,9 @@ class PPOLoss(nn.Module):
         "The same computation as `forward`, returning every term (`PPOTerms`) for logging."
         if padding_masks is None: padding_masks = torch.ones_like(pi_logprobs, dtype=torch.bool)
         if value_padding_masks is None: value_padding_masks = padding_masks
-        pg_loss, ratios, clipfrac = policy_loss(pi_old_logprobs, pi_logprobs, advantages, padding_masks, self.cliprange)
-        vf_loss, vf_clipfrac = value_loss(phi_old_values, phi_values, returns, value_padding_masks, self.cliprange_value)
-        loss = pg_loss + self.vf_coef * vf_loss
+        pg_loss, ratios, clipfrac = policy_loss(pi_old_logprobs, pi_logprobs, advantages, padding_masks, self.epsilon)
+        vf_loss, vf_clipfrac = value_loss(phi_old_values, phi_values, returns, value_padding_masks, self.value_clip_range)
+        loss = pg_loss + self.value_coeff * vf_loss
         mean_entropy = torch.zeros_like(loss) if entropy is None else masked_mean(entropy, padding_masks)
         if self.ent_coef > 0:
             if entropy is None: raise ValueError("`entropy` is required when `ent_coef` > 0")

@@ -133,7 +133,8 @@ class RLHFTrainer(OnPolicyTrainer):
             if isinstance(model, Agent): raise ValueError("`model` is an Agent, which has its critic already: give `value_model` with a causal LM")
             self.model = Agent(self.model.model, value_model)
         self.pretrain_dataset = None if pretrain_dataset is None else as_dataset(pretrain_dataset, "pretrain_dataset", [("text",)])
-        c, self.loss_fn = self.args, PPOLoss(self.args.cliprange, self.args.cliprange_value, self.args.vf_coef, self.args.ent_coef)
+        c, self.loss_fn = self.args, PPOLoss(cliprange=self.args.cliprange, cliprange_value=self.args.cliprange_value,
+                                            vf_coef=self.args.vf_coef, ent_coef=self.args.ent_coef)
         if c.adaptive_kl: self.kl_ctl = AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon)
 
     def policy_from(
