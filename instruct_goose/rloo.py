@@ -102,7 +102,7 @@ class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
     rloo_k: int = 2                          # TRL ≤ 0.21's name of `num_generations`
     num_iterations: int = 1                  # passes over each rollout (TRL ≥ 0.22's name and default; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
     normalize_reward: bool = False           # standardise the scores over the rollout (Reinforce++)
-    reward_clip_range: list[float] | float | None = None  # the scores clipped to TRL 1.16's (min, max) (Reinforce++), or to [−c, c] for the seed's one number c; None: no clipping
+    reward_clip_range: list[float] | None = None  # the scores clipped to TRL 1.16's (min, max) (Reinforce++); the seed's one number c: [−c, c]; None: no clipping
     normalize_advantages: bool = False       # whiten the advantages over the rollout (Reinforce++; TRL ≤ 0.21: `normalize_advantage`)
     normalize_advantage: bool = False        # TRL ≤ 0.21's name of `normalize_advantages`
     token_level_kl: bool = False             # per-token KL penalty, returns-to-go and per-token ratios (Reinforce++)
