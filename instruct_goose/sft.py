@@ -73,7 +73,7 @@ class SFTConfig(StageConfig):
     neftune_noise_alpha: float | None = None      # 🤗's NEFTune: uniform noise of half-width α/√(L·d) added to the input embeddings while training (None: off)
     dataset_text_field: str = "text"              # the column of plain-text rows
     completion_only_loss: bool | None = None      # prompt-completion rows: the loss on the completion alone (None, True: TRL's default) or on the prompt too (False)
-    assistant_only_loss: bool = True              # conversations: the loss on the assistant's turns (True), or on every token (False, TRL 1.16's default)
+    assistant_only_loss: bool = False             # conversations only: the loss on the assistant's turns (True), or every token (False: TRL 1.16's)
     loss_type: str = "nll"                        # "nll", or "dft": Dynamic Fine-Tuning, each token's NLL times its probability (no gradient through it); TRL's "chunked_nll" is "nll"
     eos_token: str | None = None                  # the token that ends each completion and text row (None: the tokenizer's EOS)
     padding_free: bool = False                    # each micro-batch's sequences end to end, no pad token in their attention (`packed_forward`): the same loss, no work on padding
@@ -175,23 +175,28 @@ def _chat_rows(rows: dict) -> bool:
     return "messages" in rows or ("prompt" in rows and is_conversational(rows["prompt"][0]))
 
 # %% ../nbs/06_sft.ipynb #71b4ec5b
+def _overlap(spans: list, others: list) -> list:
+    "The character spans where one of `spans` and one of `others` both are."
+    return [(max(a, c), min(b, d)) for a, b in spans for c, d in others if min(b, d) > max(a, c)]
+
 def _render_sft(
     tokenizer,
-    rows: dict,                  # a batch of conversational SFT rows ({column: values})
-    completion_only: bool = True,  # a prompt-completion row's loss on its completion (`completion_only_loss`)
-    assistant_only: bool = True,   # otherwise on the assistant's turns (`assistant_only_loss`), else on the whole conversation
+    rows: dict,                     # a batch of conversational SFT rows ({column: values})
+    completion_only: bool = True,   # a prompt-completion row's loss on its completion (`completion_only_loss`)
+    assistant_only: bool = False,   # the loss on the assistant's turns (`assistant_only_loss`)
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:   # the rendered texts and their loss spans (characters)
-    "Texts and loss spans of a batch of conversational SFT rows (`chat_spans`)."
+    "Texts and loss spans of a batch of conversational SFT rows, as TRL 1.16 masks them: the whole conversation, cut to the completion (`completion_only`, prompt-completion rows) and to the assistant's turns (`assistant_only`) where asked (`chat_spans`)."
     rendered = []
     for prompt, completion in (zip(rows["messages"], [None] * len(rows["messages"])) if "messages" in rows else zip(rows["prompt"], rows["completion"])):
         column = "messages" if completion is None else "prompt"
-        if completion is not None and completion_only: rendered.append(chat_spans(tokenizer, prompt, completion, column=column)); continue
         if completion is not None and not is_conversational(completion):
             raise ValueError(f"`completion` must be a list of {{'role', 'content'}} messages when `prompt` is one, got {str(completion)[:60]!r}")
         turns = prompt + (completion or [])
-        if assistant_only: rendered.append(chat_spans(tokenizer, turns, column=column)); continue
         text = apply_chat(tokenizer, turns, column=column)
-        rendered.append((text, [(0, len(text))]))
+        spans = [(0, len(text))]
+        if completion is not None and completion_only: spans = _overlap(spans, chat_spans(tokenizer, prompt, completion, column=column)[1])
+        if assistant_only: spans = _overlap(spans, chat_spans(tokenizer, turns, column=column)[1])
+        rendered.append((text, spans))
     return [t for t, _ in rendered], [s for _, s in rendered]
 
 # %% ../nbs/06_sft.ipynb #a4ca9911
@@ -200,7 +205,7 @@ def _prompt_lengths(dataset: Dataset, tokenizer) -> list[int] | None:
     if not ({"prompt", "messages"} & set(dataset.column_names)): return None
     rows = dataset[:]
     if not _chat_rows(rows): return [len(ids) for ids in tokenizer(list(rows["prompt"]), add_special_tokens=False).input_ids]
-    texts, spans = _render_sft(tokenizer, rows)
+    texts, spans = _render_sft(tokenizer, rows, assistant_only=True)
     offsets = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
     return [sum(start < row_spans[0][0] for start, _ in row) for row, row_spans in zip(offsets, spans)]
 
@@ -310,7 +315,7 @@ def best_fit_bins(
 
 # %% ../nbs/06_sft.ipynb #54dfe776
 class SFTTrainer(Trainer):
-    "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS), conversations (loss on the assistant's turns) or plain text, as `SFTConfig`'s loss options say. TRL 1.16's `SFTTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
+    "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS), conversations (loss on every token, or the assistant's turns) or plain text, as `SFTConfig`'s loss options say. TRL 1.16's `SFTTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
     config_class = SFTConfig
     def __init__(
         self,
@@ -343,10 +348,13 @@ class SFTTrainer(Trainer):
 # %% ../nbs/06_sft.ipynb #e552dcb4
 @patch
 def rows(self: SFTTrainer, data, name: str) -> Dataset:
-    "`data` as a Dataset of SFT rows (text in `dataset_text_field`, prompt/completion or conversations), without those whose prompt fills `max_length` when the loss is on the completion or the assistant's turns; with `shuffle_dataset`, shuffled with `seed` as TRL 1.16 shuffles them (before `pack`)."
+    "`data` as a Dataset of SFT rows (text in `dataset_text_field`, prompt/completion or conversations), without those whose prompt fills `max_length` when the loss is on the completion or the assistant's turns; with `shuffle_dataset`, shuffled with `seed` as TRL 1.16 shuffles them (before `pack`). `assistant_only_loss` on rows that are not conversations is refused, as by TRL."
     a = self.args
     data = as_dataset(data, name, [("messages",), ("prompt", "completion"), (a.dataset_text_field,)])
     columns = set(data.column_names)
+    if a.assistant_only_loss and not _chat_rows(data[:1]):
+        raise ValueError(f"`assistant_only_loss=True` needs conversations (`messages`, or `prompt`/`completion` as messages); "
+                         f"`{name}` holds text: set it False")
     after_prompt = a.assistant_only_loss if "messages" in columns else "prompt" in columns and a.completion_only_loss is not False
     data = drop_long_prompts(data, self.processing_class, self.max_length, name) if after_prompt else data
     return data.shuffle(seed=a.seed) if a.shuffle_dataset else data

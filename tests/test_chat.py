@@ -1,4 +1,4 @@
-"Conversations end to end for the supervised stages (issue 17): chat SFT trains only on the assistant's tokens, a chat reward model learns, LoRA from Python keeps the reward head trainable, and the trainers take TRL's keywords."
+"Conversations end to end for the supervised stages (issue 17): chat SFT with `assistant_only_loss` trains only on the assistant's tokens, a chat reward model learns, LoRA from Python keeps the reward head trainable, and the trainers take TRL's keywords."
 import copy
 
 import pytest
@@ -31,7 +31,7 @@ def llama3_tokenizer():
 ])
 def test_chat_sft_loss_mask_is_the_assistant_turns(make_tokenizer, expected, turns, tmp_path):
     tok = make_tokenizer()
-    trainer = SFTTrainer(tiny_causal_lm(tok), args=SFTConfig(output_dir=str(tmp_path)), train_dataset=[{"messages": TWO_TURNS}],
+    trainer = SFTTrainer(tiny_causal_lm(tok), args=SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True), train_dataset=[{"messages": TWO_TURNS}],
                          processing_class=tok)
     (ids, mask, loss_mask), n_tokens = trainer.encode(trainer.train_dataset[:1])
     assert loss_mask[0].nonzero().flatten().tolist() == expected and n_tokens == len(expected)
@@ -45,7 +45,7 @@ def test_chat_sft_lowers_the_held_out_loss(tmp_path):
     tok = chat_task_tokenizer()
     demos, held_out = load_task("sft", chat=True).train_test_split(test_size=32, seed=0).values()
     config = SFTConfig(output_dir=str(tmp_path), learning_rate=3e-3, per_device_train_batch_size=16, max_steps=40, warmup_steps=4,
-                       disable_tqdm=True)
+                       disable_tqdm=True, assistant_only_loss=True)
     steps = []
     counter = type("Counter", (), {"on_step_end": lambda self, args, state, control, **kw: steps.append(state.global_step)})()
     trainer = SFTTrainer(tiny_causal_lm(tok, seed=0), args=config, train_dataset=demos, eval_dataset=held_out, processing_class=tok,
@@ -61,7 +61,7 @@ def test_chat_sft_lowers_the_held_out_loss(tmp_path):
 def test_chat_reward_model_beats_chance(tmp_path):
     tok = chat_task_tokenizer()
     sft = SFTTrainer(tiny_causal_lm(tok, seed=0), args=SFTConfig(output_dir=str(tmp_path / "sft"), learning_rate=3e-3, per_device_train_batch_size=16,
-                                                                 max_steps=40, warmup_steps=4, disable_tqdm=True),
+                                                                 max_steps=40, warmup_steps=4, disable_tqdm=True, assistant_only_loss=True),
                      train_dataset=load_task("sft", chat=True), processing_class=tok).train()
     config = RewardConfig(output_dir=str(tmp_path / "rm"), learning_rate=1e-3, per_device_train_batch_size=32, max_steps=20, warmup_steps=2,
                           disable_tqdm=True)

@@ -290,3 +290,52 @@ def test_trl_defaults_pad_auto_and_max_length_none_are_taken(tmp_path, name):
     assert {f.name: f.default for f in dataclasses.fields(getattr(trl, name))}["pad_to_multiple_of"] == "auto"    # TRL's default
     ours = ours_class(output_dir=str(tmp_path), pad_to_multiple_of="auto", max_length=None)
     assert (ours.pad_to_multiple_of, ours.max_length) == (theirs.pad_to_multiple_of, theirs.max_length) == (None, None)
+
+
+# ChatML (`CHATML_TEMPLATE`, the same text) with TRL's `{% generation %}` markers around each assistant turn and its end:
+# TRL 1.16's `assistant_only_loss` reads its mask from them; ours finds the same turns by rendering (`chat_spans`).
+GENERATION_CHATML = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+_user, _assistant = (lambda text: {"role": "user", "content": text}), (lambda text: {"role": "assistant", "content": text})
+SFT_FORMS = {   # TRL's four SFT row formats; the conversations have an assistant turn before the last, so the options differ
+    "text": [{"text": "Review: it was a great film."}, {"text": "Review: the plot is fine."}],
+    "prompt_completion": [{"prompt": "Review: it was", "completion": " a great film."},
+                          {"prompt": "Review: the plot", "completion": " is fine."}],
+    "chat_prompt_completion": [
+        {"prompt": [_user("Review: it"), _assistant("was good."), _user("And the plot?")], "completion": [_assistant("It is fine.")]},
+        {"prompt": [_user("Review: the film")], "completion": [_assistant("made me smile.")]}],
+    "messages": [{"messages": [_user("Review: it"), _assistant("was good."), _user("And the plot?"), _assistant("It is fine.")]},
+                 {"messages": [_user("Review: the film"), _assistant("made me smile.")]}],
+}
+_UNSET = object()
+
+
+@pytest.mark.parametrize("assistant_only", [_UNSET, True, False], ids=["aol_default", "aol_true", "aol_false"])
+@pytest.mark.parametrize("completion_only", [_UNSET, True, False], ids=["col_default", "col_true", "col_false"])
+@pytest.mark.parametrize("form", list(SFT_FORMS))
+def test_loss_tokens_are_trls(tmp_path, form, completion_only, assistant_only):
+    "Each data format × `completion_only_loss` × `assistant_only_loss` (given or left at the default): the tokens our loss averages over are those TRL 1.16's labels keep (!= -100), or both refuse."
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    rows, chat = SFT_FORMS[form], form in ("chat_prompt_completion", "messages")
+    tok = chat_task_tokenizer() if chat else task_tokenizer()
+    if chat: tok.chat_template = GENERATION_CHATML
+    options = {k: v for k, v in (("completion_only_loss", completion_only), ("assistant_only_loss", assistant_only)) if v is not _UNSET}
+    model = tiny_causal_lm(tok, seed=0)
+    args = TRLSFTConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", max_length=64, **options)
+    make_ours = lambda: SFTTrainer(copy.deepcopy(model), SFTConfig(output_dir=str(tmp_path), max_length=64, **options), rows, processing_class=tok)
+    if options.get("assistant_only_loss") and not chat:                  # TRL: "the dataset is not conversational"
+        with pytest.raises(ValueError, match="not conversational"): TRLSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        with pytest.raises(ValueError, match="`assistant_only_loss=True` needs conversations"): make_ours()
+        return
+    theirs = TRLSFTTrainer(copy.deepcopy(model), args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    inputs = theirs.data_collator([theirs.train_dataset[i] for i in range(len(rows))])
+    ours = make_ours()
+    (ids, mask, loss_mask), n_tokens = ours.encode(ours.train_dataset[:])
+    assert torch.equal(ids, inputs["input_ids"]) and torch.equal(mask, inputs["attention_mask"])
+    trl_tokens = inputs["labels"][:, 1:] != -100                          # the tokens TRL's shifted loss predicts
+    assert torch.equal(loss_mask[:, 1:], trl_tokens) and not loss_mask[:, 0].any(), (form, options, n_tokens, int(trl_tokens.sum()))
+    assert n_tokens == int(trl_tokens.sum())
