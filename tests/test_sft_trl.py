@@ -339,3 +339,36 @@ def test_loss_tokens_are_trls(tmp_path, form, completion_only, assistant_only):
     trl_tokens = inputs["labels"][:, 1:] != -100                          # the tokens TRL's shifted loss predicts
     assert torch.equal(loss_mask[:, 1:], trl_tokens) and not loss_mask[:, 0].any(), (form, options, n_tokens, int(trl_tokens.sum()))
     assert n_tokens == int(trl_tokens.sum())
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_reward_margin_is_trls(tmp_path, chat):
+    "A `margin` column, with `center_rewards_coefficient`: TRL 1.16's `compute_loss` is −mean log σ(r_c − r_r − m) + c·mean((r_c + r_r)²) on its rewards, and our first step's logged loss is that formula on ours, the logged `margin` TRL's mean r_c − r_r."
+    from instruct_goose import load_task
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    tok = chat_task_tokenizer() if chat else task_tokenizer()
+    margins, c = [0.5, 2.0, 0.0, 1.5], 0.1
+    pairs = [{**p, "margin": m} for p, m in zip(load_task("preferences", chat=chat).select(range(4)), margins)]
+    model_dir = tmp_path / "lm"
+    tiny_causal_lm(tok, seed=0).save_pretrained(model_dir)
+    by_hand = lambda r_c, r_r: (-torch.nn.functional.logsigmoid(r_c - r_r - torch.tensor(margins)).mean()
+                                + c * ((r_c + r_r) ** 2).mean()).item()
+    args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to="none", center_rewards_coefficient=c)
+    theirs = trl.RewardTrainer(str(model_dir), args=args, train_dataset=Dataset.from_list(pairs), processing_class=tok)
+    inputs = theirs.data_collator([theirs.train_dataset[i] for i in range(4)])
+    assert inputs["margin"].tolist() == margins
+    theirs.model.eval()
+    with torch.no_grad(): trl_loss, out = theirs.compute_loss(theirs.model, inputs, return_outputs=True)
+    assert trl_loss.item() == pytest.approx(by_hand(*out.logits.squeeze(-1).chunk(2)), rel=1e-6)      # TRL's formula
+    config = RewardConfig(output_dir=str(tmp_path / "ours"), per_device_train_batch_size=4, max_steps=1, center_rewards_coefficient=c,
+                          save_strategy="no", disable_tqdm=True, normalize=False)
+    ours = RewardTrainer(tiny_causal_lm(tok, seed=0), config, pairs, processing_class=tok)
+    assert ours.train_dataset["margin"] == margins                                                    # kept through `preference_dataset`
+    with torch.no_grad(): r_c, r_r = ours.pair_scores(ours.reward_model.eval(), ours.train_dataset[:])
+    ours.train()
+    logged = ours.loop.state.history[0]
+    assert logged["loss"] == pytest.approx(by_hand(r_c, r_r), rel=1e-5), (logged["loss"], by_hand(r_c, r_r))
+    assert logged["margin"] == pytest.approx((r_c - r_r).mean().item(), rel=1e-5)
+    without = (-torch.nn.functional.logsigmoid(r_c - r_r).mean() + c * ((r_c + r_r) ** 2).mean()).item()
+    assert abs(logged["loss"] - without) > 0.1, (logged["loss"], without)                             # the test can tell: m moves the loss
