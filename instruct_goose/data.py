@@ -260,10 +260,11 @@ def preference_dataset(
     name: str,             # the argument's name, for messages
     tokenizer=None,        # renders conversational rows (`render_chat`)
 ) -> Dataset:              # columns prompt, chosen, rejected, as text
-    "Preference pairs as text with an explicit prompt: an implicit one split off (`split_prompt`), conversations rendered (`render_chat`)."
+    "Preference pairs as text with an explicit prompt: an implicit one split off (`split_prompt`), conversations rendered (`render_chat`); other columns (TRL's `margin`, a `category`) kept."
     data = as_dataset(data, name, [("prompt", "chosen", "rejected"), ("chosen", "rejected")])
     if "prompt" in data.column_names and not isinstance(data[0]["chosen"], list): return data
     with quiet_progress():
         if isinstance(data[0]["chosen"], list):
-            return data.map(lambda row: render_chat(row, tokenizer), remove_columns=data.column_names, keep_in_memory=True)
+            return data.map(lambda row: render_chat(row, tokenizer), keep_in_memory=True,
+                            remove_columns=[c for c in ("prompt", "chosen", "rejected") if c in data.column_names])
         return data.map(lambda row: split_prompt(row["chosen"], row["rejected"]), keep_in_memory=True)

@@ -79,7 +79,8 @@ class RewardModel(nn.Module):
     def reads_last_token(self) -> bool: return hasattr(self.model, "score")   # decoders' classifiers; encoders pool their first token
 
     @property
-    def backbone(self) -> nn.Module: return self.model.base_model
+    def backbone(self) -> nn.Module:   # the trunk, inside peft's wrapper where the classifier has adapters
+        return (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).base_model
 
     @property
     def can_pack(self) -> bool: return self.reads_last_token and _accepts(self.backbone, "position_ids")   # `padding_free` possible

@@ -73,7 +73,7 @@ class SFTConfig(StageConfig):
     neftune_noise_alpha: float | None = None      # 🤗's NEFTune: uniform noise of half-width α/√(L·d) added to the input embeddings while training (None: off)
     dataset_text_field: str = "text"              # the column of plain-text rows
     completion_only_loss: bool | None = None      # prompt-completion rows: the loss on the completion alone (None, True: TRL's default) or on the prompt too (False)
-    assistant_only_loss: bool = True              # conversations: the loss on the assistant's turns (True), or on every token (False, TRL 1.16's default)
+    assistant_only_loss: bool = False             # conversations only: the loss on the assistant's turns (True), or every token (False: TRL 1.16's)
     loss_type: str = "nll"                        # "nll", or "dft": Dynamic Fine-Tuning, each token's NLL times its probability (no gradient through it); TRL's "chunked_nll" is "nll"
     eos_token: str | None = None                  # the token that ends each completion and text row (None: the tokenizer's EOS)
     padding_free: bool = False                    # each micro-batch's sequences end to end, no pad token in their attention (`packed_forward`): the same loss, no work on padding
@@ -175,23 +175,28 @@ def _chat_rows(rows: dict) -> bool:
     return "messages" in rows or ("prompt" in rows and is_conversational(rows["prompt"][0]))
 
 # %% ../nbs/06_sft.ipynb #71b4ec5b
+def _overlap(spans: list, others: list) -> list:
+    "The character spans where one of `spans` and one of `others` both are."
+    return [(max(a, c), min(b, d)) for a, b in spans for c, d in others if min(b, d) > max(a, c)]
+
 def _render_sft(
     tokenizer,
-    rows: dict,                  # a batch of conversational SFT rows ({column: values})
-    completion_only: bool = True,  # a prompt-completion row's loss on its completion (`completion_only_loss`)
-    assistant_only: bool = True,   # otherwise on the assistant's turns (`assistant_only_loss`), else on the whole conversation
+    rows: dict,                     # a batch of conversational SFT rows ({column: values})
+    completion_only: bool = True,   # a prompt-completion row's loss on its completion (`completion_only_loss`)
+    assistant_only: bool = False,   # the loss on the assistant's turns (`assistant_only_loss`)
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:   # the rendered texts and their loss spans (characters)
-    "Texts and loss spans of a batch of conversational SFT rows (`chat_spans`)."
+    "Texts and loss spans of a batch of conversational SFT rows, as TRL 1.16 masks them: the whole conversation, cut to the completion (`completion_only`, prompt-completion rows) and to the assistant's turns (`assistant_only`) where asked (`chat_spans`)."
     rendered = []
     for prompt, completion in (zip(rows["messages"], [None] * len(rows["messages"])) if "messages" in rows else zip(rows["prompt"], rows["completion"])):
         column = "messages" if completion is None else "prompt"
-        if completion is not None and completion_only: rendered.append(chat_spans(tokenizer, prompt, completion, column=column)); continue
         if completion is not None and not is_conversational(completion):
             raise ValueError(f"`completion` must be a list of {{'role', 'content'}} messages when `prompt` is one, got {str(completion)[:60]!r}")
         turns = prompt + (completion or [])
-        if assistant_only: rendered.append(chat_spans(tokenizer, turns, column=column)); continue
         text = apply_chat(tokenizer, turns, column=column)
-        rendered.append((text, [(0, len(text))]))
+        spans = [(0, len(text))]
+        if completion is not None and completion_only: spans = _overlap(spans, chat_spans(tokenizer, prompt, completion, column=column)[1])
+        if assistant_only: spans = _overlap(spans, chat_spans(tokenizer, turns, column=column)[1])
+        rendered.append((text, spans))
     return [t for t, _ in rendered], [s for _, s in rendered]
 
 # %% ../nbs/06_sft.ipynb #a4ca9911
@@ -200,7 +205,7 @@ def _prompt_lengths(dataset: Dataset, tokenizer) -> list[int] | None:
     if not ({"prompt", "messages"} & set(dataset.column_names)): return None
     rows = dataset[:]
     if not _chat_rows(rows): return [len(ids) for ids in tokenizer(list(rows["prompt"]), add_special_tokens=False).input_ids]
-    texts, spans = _render_sft(tokenizer, rows)
+    texts, spans = _render_sft(tokenizer, rows, assistant_only=True)
     offsets = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
     return [sum(start < row_spans[0][0] for start, _ in row) for row, row_spans in zip(offsets, spans)]
 
@@ -250,11 +255,6 @@ def drop_long_pairs(
     long = [i for i, (c, r) in enumerate(zip(lengths("chosen"), lengths("rejected"))) if max(c, r) > max_length]
     return _leave_out(pairs, long, name, f"every pair of `{name}` has a chosen or rejected text longer than max_length ({max_length}) tokens",
                       f"pairs have a chosen or rejected text longer than max_length ({max_length}) tokens (TRL 1.16 leaves them out too)")
-
-# %% ../nbs/06_sft.ipynb #0f6a8392
-def _merged(model: nn.Module) -> nn.Module:
-    "A model trained with peft adapters as a plain 🤗 model, the adapters merged into its weights (others as they are)."
-    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
 
 # %% ../nbs/06_sft.ipynb #ec482df6
 def set_chat_template(
@@ -310,7 +310,7 @@ def best_fit_bins(
 
 # %% ../nbs/06_sft.ipynb #54dfe776
 class SFTTrainer(Trainer):
-    "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS), conversations (loss on the assistant's turns) or plain text, as `SFTConfig`'s loss options say. TRL 1.16's `SFTTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
+    "Causal-LM fine-tuning on (prompt, completion) pairs (loss on the completion + EOS), conversations (loss on every token, or the assistant's turns) or plain text, as `SFTConfig`'s loss options say. TRL 1.16's `SFTTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
     config_class = SFTConfig
     def __init__(
         self,
@@ -319,7 +319,7 @@ class SFTTrainer(Trainer):
         train_dataset=None,              # columns prompt + completion (text or messages), messages, or text (a Dataset or list of dicts)
         eval_dataset=None,               # the same columns, for `eval_loss`
         processing_class=None,           # the tokenizer (with a pad token); None: loaded from `model` when that is a name/path
-        peft_config=None,                # a peft config (e.g. `LoraConfig`): train adapters only, merged into the model at the end
+        peft_config=None,                # a peft config (e.g. `LoraConfig`): train adapters only, saved as peft's adapter
         callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
         optimizers=(None, None),         # 🤗's: (your optimizer over the model's trainable parameters, its lr_scheduler or None) (`check_optimizers`)
         optimizer_cls_and_kwargs=None,   # 🤗's: (optimizer class, its keyword arguments) instead of `args.optim`/`optim_args`
@@ -343,10 +343,13 @@ class SFTTrainer(Trainer):
 # %% ../nbs/06_sft.ipynb #e552dcb4
 @patch
 def rows(self: SFTTrainer, data, name: str) -> Dataset:
-    "`data` as a Dataset of SFT rows (text in `dataset_text_field`, prompt/completion or conversations), without those whose prompt fills `max_length` when the loss is on the completion or the assistant's turns; with `shuffle_dataset`, shuffled with `seed` as TRL 1.16 shuffles them (before `pack`)."
+    "`data` as a Dataset of SFT rows (text in `dataset_text_field`, prompt/completion or conversations), without those whose prompt fills `max_length` when the loss is on the completion or the assistant's turns; with `shuffle_dataset`, shuffled with `seed` as TRL 1.16 shuffles them (before `pack`). `assistant_only_loss` on rows that are not conversations is refused, as by TRL."
     a = self.args
     data = as_dataset(data, name, [("messages",), ("prompt", "completion"), (a.dataset_text_field,)])
     columns = set(data.column_names)
+    if a.assistant_only_loss and not _chat_rows(data[:1]):
+        raise ValueError(f"`assistant_only_loss=True` needs conversations (`messages`, or `prompt`/`completion` as messages); "
+                         f"`{name}` holds text: set it False")
     after_prompt = a.assistant_only_loss if "messages" in columns else "prompt" in columns and a.completion_only_loss is not False
     data = drop_long_prompts(data, self.processing_class, self.max_length, name) if after_prompt else data
     return data.shuffle(seed=a.seed) if a.shuffle_dataset else data
@@ -429,7 +432,7 @@ def train(
     self: SFTTrainer,
     resume_from_checkpoint: bool | str | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
 ) -> PreTrainedModel:
-    "Fine-tune, log 🤗's `loss` (and `eval_loss`), checkpoint, and save the model (LoRA adapters merged in) and tokenizer to `output_dir`."
+    "Fine-tune, log 🤗's `loss` (and `eval_loss`), checkpoint, and save the model (with `peft_config`: its adapter) and tokenizer to `output_dir`."
     self.resume_setting(resume_from_checkpoint)
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
     self.loop = loop = self.make_loop(self.args, self.processing_class, self.callbacks)
@@ -452,8 +455,8 @@ def train(
     try: trained = loop.fit(self.model, n_examples, steps, encode, loss_fn, evaluate, self.args.eval_steps, "sft", loss_name="loss")
     finally:
         if noise is not None: deactivate_neftune(self.model, noise)
-    self.model = _merged(trained)
-    loop.save_model(self.model)
+    self.model = trained
+    loop.save_model(self.model)        # with `peft_config`: the adapter alone, as TRL and the RL trainers save it
     loop.end()
     return self.model
 
@@ -470,19 +473,18 @@ def _reward_model(model, tokenizer, seed: int, **from_pretrained_kwargs) -> Rewa
     return model
 
 # %% ../nbs/06_sft.ipynb #bc5cb34a
-def _trunk_adapters(reward_model: RewardModel, peft_config, merge: bool = False) -> RewardModel:
-    "Peft adapters on the reward model's trunk only (`merge`: merged back in), so its score head stays outside them and is trained in full: a new head must learn."
-    classifier, prefix = reward_model.model, reward_model.model.base_model_prefix
-    if merge: setattr(classifier, prefix, _merged(getattr(classifier, prefix)))
-    else:
-        peft_config = copy.deepcopy(peft_config)
-        peft_config.task_type = None   # the trunk is a plain model: no task head to wrap
-        setattr(classifier, prefix, with_peft(getattr(classifier, prefix), peft_config))
+def _classifier_adapters(reward_model: RewardModel, peft_config) -> RewardModel:
+    "TRL's `peft_config` on a reward model: adapters on the whole 🤗 classifier as a sequence-classification task (`task_type` \"SEQ_CLS\", set on a copy where None), so peft trains the new score head in full (`modules_to_save`) and saves it with the adapters."
+    peft_config = copy.deepcopy(peft_config)
+    if peft_config.task_type is None: peft_config.task_type = "SEQ_CLS"
+    if peft_config.task_type != "SEQ_CLS":
+        raise ValueError(f"`peft_config.task_type`={peft_config.task_type!r}: a reward model is a sequence classifier, give 'SEQ_CLS' or None")
+    reward_model.model = with_peft(reward_model.model, peft_config)
     return reward_model
 
 # %% ../nbs/06_sft.ipynb #ede62ba5
 class RewardTrainer(Trainer):
-    "Fits a reward model to preference pairs (`preference_dataset`: explicit, implicit-prompt or conversational) with the Bradley–Terry loss; normalises it afterwards. TRL 1.16's `RewardTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
+    "Fits a reward model to preference pairs (`preference_dataset`: explicit, implicit-prompt or conversational) with the Bradley–Terry loss (less TRL's per-pair `margin`, where a column gives one); normalises it afterwards. TRL 1.16's `RewardTrainer` keywords; `tokenizer=` and `config=` are the old names of `processing_class` and `args`."
     config_class = RewardConfig
     def __init__(
         self,
@@ -491,7 +493,7 @@ class RewardTrainer(Trainer):
         train_dataset=None,              # pairs: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or conversations
         eval_dataset=None,               # the same columns, for `eval_loss` and `eval_accuracy`
         processing_class=None,           # the tokenizer that reads the pairs; None: the `RewardModel`'s own, or loaded from a name/path
-        peft_config=None,                # a peft config (e.g. `LoraConfig`): adapters on the trunk and the whole score head trained, merged in at the end
+        peft_config=None,                # a peft config (e.g. `LoraConfig`): adapters and the whole score head trained, saved as peft's adapter
         callbacks=None,                  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
         optimizers=(None, None),         # 🤗's: (your optimizer over the model's trainable parameters, its lr_scheduler or None) (`check_optimizers`)
         optimizer_cls_and_kwargs=None,   # 🤗's: (optimizer class, its keyword arguments) instead of `args.optim`/`optim_args`
@@ -507,7 +509,7 @@ class RewardTrainer(Trainer):
         if c.disable_dropout: disable_dropout(self.reward_model)
         self.processing_class = self.reward_model.tokenizer
         if c.chat_template_path is not None: self.processing_class = self.reward_model.tokenizer = set_chat_template(copy.deepcopy(self.processing_class), c.chat_template_path)
-        if peft_config is not None: _trunk_adapters(self.reward_model, peft_config)
+        if peft_config is not None: _classifier_adapters(self.reward_model, peft_config)
         self.callbacks, self.loss_fn = callbacks, PairwiseLoss()
         self.max_length = fit_to_context(self.args.max_length, self.reward_model)
         tok = self.reward_model.tokenizer
@@ -539,13 +541,19 @@ def pair_scores(
 @patch
 def pair_loss(
     self: RewardTrainer,
-    chosen: Tensor,          # the chosen completions' rewards
-    rejected: Tensor,        # the rejected ones', pair by pair
-) -> Tensor:                 # the mean over the pairs
-    "The Bradley–Terry loss −log σ(r_c − r_r), plus `center_rewards_coefficient` · (r_c + r_r)² when it is set (TRL's), averaged over the pairs."
-    loss = self.loss_fn(chosen, rejected)
+    chosen: Tensor,                # the chosen completions' rewards
+    rejected: Tensor,              # the rejected ones', pair by pair
+    margin: Tensor | None = None,  # TRL's `margin` column: how far each chosen reward should lead (None: 0)
+) -> Tensor:                       # the mean over the pairs
+    "The Bradley–Terry loss −log σ(r_c − r_r − m), plus `center_rewards_coefficient` · (r_c + r_r)² when it is set (TRL's), averaged over the pairs."
+    loss = self.loss_fn(chosen, rejected, margin)
     c = self.args.center_rewards_coefficient
     return loss if c is None else loss + c * ((chosen + rejected) ** 2).mean()
+
+# %% ../nbs/06_sft.ipynb #f513016e
+def _margins(rows: dict, like: Tensor) -> Tensor | None:
+    "A batch's `margin` column (TRL's, one number a pair) as a float32 tensor beside `like`; None without one."
+    return torch.tensor(rows["margin"], dtype=torch.float32, device=like.device) if "margin" in rows else None
 
 # %% ../nbs/06_sft.ipynb #7e7093b7
 @patch
@@ -553,7 +561,7 @@ def pair_loss_sum(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Te
     "(Σ of the pairs' losses, TRL 1.16's statistics: accuracy, margin, min/mean/max_reward, num_tokens) for a batch of rows: the loss before the minibatch mean (`pair_loss`)."
     tokens = []
     chosen, rejected = self.pair_scores(model, rows, tokens)
-    loss = self.pair_loss(chosen, rejected)
+    loss = self.pair_loss(chosen, rejected, _margins(rows, chosen))   # the logged `margin` is r_c − r_r, as TRL's
     both = torch.cat([chosen, rejected]).detach()
     return loss * len(chosen), {"accuracy": pairwise_accuracy(chosen, rejected).detach(), "margin": (chosen - rejected).mean().detach(),
                                 "min_reward": both.min(), "mean_reward": both.mean(), "max_reward": both.max(), "num_tokens": tokens[0]}
@@ -583,7 +591,8 @@ def evaluate(
     with eval_mode(model):
         pairs = [self.pair_scores(model, dataset[i:i + batch_size]) for i in range(0, len(dataset), batch_size)]
     chosen, rejected = torch.cat([c for c, _ in pairs]).float().cpu(), torch.cat([r for _, r in pairs]).float().cpu()
-    out = {"eval_loss": self.pair_loss(chosen, rejected).item(), "eval_accuracy": pairwise_accuracy(chosen, rejected).item()}
+    loss = self.pair_loss(chosen, rejected, _margins({k: dataset[k] for k in ["margin"] if k in dataset.column_names}, chosen))
+    out = {"eval_loss": loss.item(), "eval_accuracy": pairwise_accuracy(chosen, rejected).item()}
     if not report: return out
     length = lambda column: completion_lengths(dataset[column], self.processing_class)
     groups = list(dataset[category_column]) if category_column in dataset.column_names else None
@@ -603,7 +612,7 @@ def train(
     self: RewardTrainer,
     resume_from_checkpoint: bool | str | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
 ) -> RewardModel:
-    "Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir` (LoRA adapters merged in)."
+    "Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir` (with `peft_config`: the adapter and score head, as TRL)."
     self.resume_setting(resume_from_checkpoint)
     if self.train_dataset is None: raise ValueError("`train_dataset` is needed to train")
     self.loop = loop = self.make_loop(self.args, callbacks=self.callbacks)
@@ -615,7 +624,6 @@ def train(
         with offloaded(self.args.activation_offloading): return self.pair_loss_sum(model, rows)
     self.reward_model = loop.fit(self.reward_model, len(self.train_dataset), steps, encode, loss_fn, evaluate,
                                  self.args.eval_steps, "reward", loss_name="loss")
-    _trunk_adapters(self.reward_model, None, merge=True)
     if self.args.normalize:
         with torch.no_grad(), eval_mode(self.reward_model):
             train = self.train_dataset

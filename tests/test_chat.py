@@ -1,4 +1,4 @@
-"Conversations end to end for the supervised stages (issue 17): chat SFT trains only on the assistant's tokens, a chat reward model learns, LoRA from Python keeps the reward head trainable, and the trainers take TRL's keywords."
+"Conversations end to end for the supervised stages (issue 17): chat SFT with `assistant_only_loss` trains only on the assistant's tokens, a chat reward model learns, LoRA from Python keeps the reward head trainable and saves the adapter, and the trainers take TRL's keywords."
 import copy
 
 import pytest
@@ -31,7 +31,7 @@ def llama3_tokenizer():
 ])
 def test_chat_sft_loss_mask_is_the_assistant_turns(make_tokenizer, expected, turns, tmp_path):
     tok = make_tokenizer()
-    trainer = SFTTrainer(tiny_causal_lm(tok), args=SFTConfig(output_dir=str(tmp_path)), train_dataset=[{"messages": TWO_TURNS}],
+    trainer = SFTTrainer(tiny_causal_lm(tok), args=SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True), train_dataset=[{"messages": TWO_TURNS}],
                          processing_class=tok)
     (ids, mask, loss_mask), n_tokens = trainer.encode(trainer.train_dataset[:1])
     assert loss_mask[0].nonzero().flatten().tolist() == expected and n_tokens == len(expected)
@@ -45,7 +45,7 @@ def test_chat_sft_lowers_the_held_out_loss(tmp_path):
     tok = chat_task_tokenizer()
     demos, held_out = load_task("sft", chat=True).train_test_split(test_size=32, seed=0).values()
     config = SFTConfig(output_dir=str(tmp_path), learning_rate=3e-3, per_device_train_batch_size=16, max_steps=40, warmup_steps=4,
-                       disable_tqdm=True)
+                       disable_tqdm=True, assistant_only_loss=True)
     steps = []
     counter = type("Counter", (), {"on_step_end": lambda self, args, state, control, **kw: steps.append(state.global_step)})()
     trainer = SFTTrainer(tiny_causal_lm(tok, seed=0), args=config, train_dataset=demos, eval_dataset=held_out, processing_class=tok,
@@ -61,7 +61,7 @@ def test_chat_sft_lowers_the_held_out_loss(tmp_path):
 def test_chat_reward_model_beats_chance(tmp_path):
     tok = chat_task_tokenizer()
     sft = SFTTrainer(tiny_causal_lm(tok, seed=0), args=SFTConfig(output_dir=str(tmp_path / "sft"), learning_rate=3e-3, per_device_train_batch_size=16,
-                                                                 max_steps=40, warmup_steps=4, disable_tqdm=True),
+                                                                 max_steps=40, warmup_steps=4, disable_tqdm=True, assistant_only_loss=True),
                      train_dataset=load_task("sft", chat=True), processing_class=tok).train()
     config = RewardConfig(output_dir=str(tmp_path / "rm"), learning_rate=1e-3, per_device_train_batch_size=32, max_steps=20, warmup_steps=2,
                           disable_tqdm=True)
@@ -75,12 +75,13 @@ def test_chat_reward_model_beats_chance(tmp_path):
     assert reloaded.tokenizer.chat_template == tok.chat_template
 
 
-def test_reward_lora_trains_the_head_and_saves_a_plain_classifier(tmp_path):
+def test_reward_lora_trains_the_head_and_saves_the_adapter(tmp_path):
     peft = pytest.importorskip("peft")
     tok = task_tokenizer()
-    config = RewardConfig(output_dir=str(tmp_path), learning_rate=1e-3, per_device_train_batch_size=8, max_steps=1, disable_tqdm=True)
+    tiny_causal_lm(tok, seed=0).save_pretrained(tmp_path / "base")   # the base the saved adapter names
+    config = RewardConfig(output_dir=str(tmp_path / "rm"), learning_rate=1e-3, per_device_train_batch_size=8, max_steps=1, disable_tqdm=True)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"])
-    trainer = RewardTrainer(tiny_causal_lm(tok, seed=0), args=config, train_dataset=load_task("preferences").select(range(8)),
+    trainer = RewardTrainer(str(tmp_path / "base"), args=config, train_dataset=load_task("preferences").select(range(8)),
                             processing_class=tok, peft_config=lora)
     assert lora.task_type is None and lora.modules_to_save is None   # the caller's config is left as it was
     trainable = {n for n, p in trainer.reward_model.named_parameters() if p.requires_grad}
@@ -90,8 +91,8 @@ def test_reward_lora_trains_the_head_and_saves_a_plain_classifier(tmp_path):
     loss.backward()
     assert trainer.reward_model.head.weight.grad.abs().sum() > 0   # the new head learns
     trained = trainer.train()
-    assert not hasattr(trained.model, "peft_config")   # adapters merged in
-    reloaded = RewardModel.from_pretrained(tmp_path)
+    assert hasattr(trained.model, "peft_config") and (tmp_path / "rm" / "adapter_config.json").is_file()   # the adapter, as TRL saves it
+    reloaded = RewardModel.from_pretrained(tmp_path / "rm")
     texts = [r["prompt"] + r["chosen"] for r in trainer.train_dataset.select(range(4))]
     torch.testing.assert_close(reloaded(*reloaded.encode(texts)), trained.eval()(*trained.encode(texts)), atol=1e-5, rtol=1e-5)
 
@@ -108,9 +109,11 @@ def test_sft_lora_from_python_and_a_path(tmp_path):
     assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} and all(
         "lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
     trained = trainer.train()
-    assert type(trained).__name__ == "GPT2LMHeadModel"   # merged: a plain 🤗 model, as saved
+    assert (tmp_path / "sft" / "adapter_config.json").is_file()   # the adapter, as TRL saves it
+    merged = trained.merge_and_unload()
+    assert type(merged).__name__ == "GPT2LMHeadModel"            # merged: a plain 🤗 model
     base = dict(model.named_parameters())
-    assert any(not torch.equal(p, base[n]) for n, p in trained.named_parameters() if "c_attn" in n)
+    assert any(not torch.equal(p, base[n]) for n, p in merged.named_parameters() if "c_attn" in n)
 
 
 def test_trainers_take_trl_keywords_and_refuse_the_old_order(tmp_path):

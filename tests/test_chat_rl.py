@@ -21,7 +21,7 @@ def chat_sft(tmp_path_factory):
     "(tokenizer, SFT model): 40 steps of chat SFT on the task's conversations (the run of tests/test_chat.py), a few seconds."
     tok, out = chat_task_tokenizer(), tmp_path_factory.mktemp("chat_sft")
     config = SFTConfig(output_dir=str(out), learning_rate=3e-3, per_device_train_batch_size=16, max_steps=40, warmup_steps=4,
-                       disable_tqdm=True, seed=0)
+                       disable_tqdm=True, seed=0, assistant_only_loss=True)
     model = SFTTrainer(tiny_causal_lm(tok, seed=0), args=config, train_dataset=load_task("sft", chat=True), processing_class=tok).train()
     return tok, model.eval()
 

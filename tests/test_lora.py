@@ -1,5 +1,6 @@
 """LoRA policies (peft) in PPO and RLOO: only adapters (and PPO's value head) train, the reference is the base model
-with the adapter off (no second copy), and what is saved loads back."""
+with the adapter off (no second copy), and what is saved loads back. SFT and reward models with LoRA save the adapter
+as TRL does, and it loads back with peft's and 🤗's classes."""
 import json
 from pathlib import Path
 
@@ -8,8 +9,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from instruct_goose import (Agent, AdapterOffReference, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer,
-                            create_reference_model, load_task, response_logits, task_tokenizer)
+from instruct_goose import (Agent, AdapterOffReference, RewardConfig, RewardModel, RewardTrainer, RLHFConfig, RLHFTrainer, RLOOConfig,
+                            RLOOTrainer, SFTConfig, SFTTrainer, create_reference_model, load_task, response_logits, task_tokenizer,
+                            tiny_causal_lm)
 
 
 def reward(prompts, completions): return [len(c) / 10 for c in completions]
@@ -132,3 +134,61 @@ def test_compiled_decode_samples_through_the_adapters_a_layer_at_a_time(arch):
         assert torch.equal(compiled, eager), (arch, n_layer)
         graphs.append(len(noted))
     assert graphs == ([3, 3] if arch == "llama" else [1, 1]), graphs   # Llama: the rotary table, a layer, the output layer; GPT-2: a layer
+
+
+def _saved_base(tmp_path):
+    "A tiny GPT-2 and its tokenizer saved: the base a peft adapter names (`base_model_name_or_path`)."
+    tok = task_tokenizer()
+    tiny_causal_lm(tok, seed=0).save_pretrained(tmp_path / "base"); tok.save_pretrained(tmp_path / "base")
+    return tok, tmp_path / "base"
+
+
+def test_lora_sft_saves_the_adapter_as_trl(tmp_path):
+    "SFT with `peft_config` writes what TRL writes (the adapter and the tokenizer, no full model); peft's AutoPeftModelForCausalLM loads it to the trained model's logits, and `merge_and_unload` gives them too."
+    from peft import AutoPeftModelForCausalLM
+    tok, base = _saved_base(tmp_path)
+    out = tmp_path / "sft"
+    config = SFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2, disable_tqdm=True)
+    trained = SFTTrainer(str(base), config, load_task("sft").select(range(8)),
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"])).train()
+    saved = {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= saved and "model.safetensors" not in saved, saved
+    ids = torch.tensor([tok("Review: The movie was fine.").input_ids])
+    with torch.no_grad():
+        ours = trained.eval()(input_ids=ids).logits
+        loaded = AutoPeftModelForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(base).eval()(input_ids=ids).logits
+        merged = trained.merge_and_unload()(input_ids=ids).logits
+    torch.testing.assert_close(loaded, ours, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, ours, atol=1e-5, rtol=1e-5)
+    assert (plain - ours).abs().max() > 1e-3                                   # the adapter trained: the test can tell
+
+
+def test_lora_reward_saves_the_adapter_and_score_head(tmp_path):
+    "A reward model with `peft_config` writes the adapter with its score head (peft's `modules_to_save`, as TRL's with task_type SEQ_CLS), normalised; AutoPeftModelForSequenceClassification, 🤗's AutoModelForSequenceClassification and RewardModel load it to the trained scores, and `merge_and_unload` gives them too."
+    from peft import AutoPeftModelForSequenceClassification
+    from safetensors import safe_open
+    from transformers import AutoModelForSequenceClassification
+    tok, base = _saved_base(tmp_path)
+    out = tmp_path / "rm"
+    config = RewardConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=8, learning_rate=1e-2, disable_tqdm=True)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"])
+    trained = RewardTrainer(str(base), config, load_task("preferences").select(range(8)), processing_class=tok, peft_config=lora).train()
+    assert lora.task_type is None and lora.modules_to_save is None            # the caller's config is left as it was
+    saved = {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= saved and "model.safetensors" not in saved, saved
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "SEQ_CLS" and "score" in adapter["modules_to_save"] and adapter["base_model_name_or_path"] == str(base)
+    with safe_open(out / "adapter_model.safetensors", "pt") as f: assert any(k.endswith("score.weight") for k in f.keys())
+    texts = ["Review: The movie was wonderful.", "Review: dull"]
+    ids, mask = trained.encode(texts)
+    with torch.no_grad():
+        ours = trained.eval()(ids, mask)
+        for loaded in (AutoPeftModelForSequenceClassification.from_pretrained(out, num_labels=1),
+                       AutoModelForSequenceClassification.from_pretrained(out, num_labels=1)):
+            loaded.config.pad_token_id = tok.pad_token_id                      # the base LM's config names none
+            torch.testing.assert_close(loaded.eval()(input_ids=ids, attention_mask=mask).logits.squeeze(-1), ours, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(RewardModel.from_pretrained(out)(ids, mask), ours, atol=1e-5, rtol=1e-5)
+        trained.model = trained.model.merge_and_unload()
+        torch.testing.assert_close(trained(ids, mask), ours, atol=1e-5, rtol=1e-5)
+    assert type(trained.model).__name__ == "GPT2ForSequenceClassification"

@@ -290,3 +290,85 @@ def test_trl_defaults_pad_auto_and_max_length_none_are_taken(tmp_path, name):
     assert {f.name: f.default for f in dataclasses.fields(getattr(trl, name))}["pad_to_multiple_of"] == "auto"    # TRL's default
     ours = ours_class(output_dir=str(tmp_path), pad_to_multiple_of="auto", max_length=None)
     assert (ours.pad_to_multiple_of, ours.max_length) == (theirs.pad_to_multiple_of, theirs.max_length) == (None, None)
+
+
+# ChatML (`CHATML_TEMPLATE`, the same text) with TRL's `{% generation %}` markers around each assistant turn and its end:
+# TRL 1.16's `assistant_only_loss` reads its mask from them; ours finds the same turns by rendering (`chat_spans`).
+GENERATION_CHATML = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+_user, _assistant = (lambda text: {"role": "user", "content": text}), (lambda text: {"role": "assistant", "content": text})
+SFT_FORMS = {   # TRL's four SFT row formats; the conversations have an assistant turn before the last, so the options differ
+    "text": [{"text": "Review: it was a great film."}, {"text": "Review: the plot is fine."}],
+    "prompt_completion": [{"prompt": "Review: it was", "completion": " a great film."},
+                          {"prompt": "Review: the plot", "completion": " is fine."}],
+    "chat_prompt_completion": [
+        {"prompt": [_user("Review: it"), _assistant("was good."), _user("And the plot?")], "completion": [_assistant("It is fine.")]},
+        {"prompt": [_user("Review: the film")], "completion": [_assistant("made me smile.")]}],
+    "messages": [{"messages": [_user("Review: it"), _assistant("was good."), _user("And the plot?"), _assistant("It is fine.")]},
+                 {"messages": [_user("Review: the film"), _assistant("made me smile.")]}],
+}
+_UNSET = object()
+
+
+@pytest.mark.parametrize("assistant_only", [_UNSET, True, False], ids=["aol_default", "aol_true", "aol_false"])
+@pytest.mark.parametrize("completion_only", [_UNSET, True, False], ids=["col_default", "col_true", "col_false"])
+@pytest.mark.parametrize("form", list(SFT_FORMS))
+def test_loss_tokens_are_trls(tmp_path, form, completion_only, assistant_only):
+    "Each data format × `completion_only_loss` × `assistant_only_loss` (given or left at the default): the tokens our loss averages over are those TRL 1.16's labels keep (!= -100), or both refuse."
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    rows, chat = SFT_FORMS[form], form in ("chat_prompt_completion", "messages")
+    tok = chat_task_tokenizer() if chat else task_tokenizer()
+    if chat: tok.chat_template = GENERATION_CHATML
+    options = {k: v for k, v in (("completion_only_loss", completion_only), ("assistant_only_loss", assistant_only)) if v is not _UNSET}
+    model = tiny_causal_lm(tok, seed=0)
+    args = TRLSFTConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", max_length=64, **options)
+    make_ours = lambda: SFTTrainer(copy.deepcopy(model), SFTConfig(output_dir=str(tmp_path), max_length=64, **options), rows, processing_class=tok)
+    if options.get("assistant_only_loss") and not chat:                  # TRL: "the dataset is not conversational"
+        with pytest.raises(ValueError, match="not conversational"): TRLSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        with pytest.raises(ValueError, match="`assistant_only_loss=True` needs conversations"): make_ours()
+        return
+    theirs = TRLSFTTrainer(copy.deepcopy(model), args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    inputs = theirs.data_collator([theirs.train_dataset[i] for i in range(len(rows))])
+    ours = make_ours()
+    (ids, mask, loss_mask), n_tokens = ours.encode(ours.train_dataset[:])
+    assert torch.equal(ids, inputs["input_ids"]) and torch.equal(mask, inputs["attention_mask"])
+    trl_tokens = inputs["labels"][:, 1:] != -100                          # the tokens TRL's shifted loss predicts
+    assert torch.equal(loss_mask[:, 1:], trl_tokens) and not loss_mask[:, 0].any(), (form, options, n_tokens, int(trl_tokens.sum()))
+    assert n_tokens == int(trl_tokens.sum())
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_reward_margin_is_trls(tmp_path, chat):
+    "A `margin` column, with `center_rewards_coefficient`: TRL 1.16's `compute_loss` is −mean log σ(r_c − r_r − m) + c·mean((r_c + r_r)²) on its rewards, and our first step's logged loss is that formula on ours, the logged `margin` TRL's mean r_c − r_r."
+    from instruct_goose import load_task
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    tok = chat_task_tokenizer() if chat else task_tokenizer()
+    margins, c = [0.5, 2.0, 0.0, 1.5], 0.1
+    pairs = [{**p, "margin": m} for p, m in zip(load_task("preferences", chat=chat).select(range(4)), margins)]
+    model_dir = tmp_path / "lm"
+    tiny_causal_lm(tok, seed=0).save_pretrained(model_dir)
+    by_hand = lambda r_c, r_r: (-torch.nn.functional.logsigmoid(r_c - r_r - torch.tensor(margins)).mean()
+                                + c * ((r_c + r_r) ** 2).mean()).item()
+    args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to="none", center_rewards_coefficient=c)
+    theirs = trl.RewardTrainer(str(model_dir), args=args, train_dataset=Dataset.from_list(pairs), processing_class=tok)
+    inputs = theirs.data_collator([theirs.train_dataset[i] for i in range(4)])
+    assert inputs["margin"].tolist() == margins
+    theirs.model.eval()
+    with torch.no_grad(): trl_loss, out = theirs.compute_loss(theirs.model, inputs, return_outputs=True)
+    assert trl_loss.item() == pytest.approx(by_hand(*out.logits.squeeze(-1).chunk(2)), rel=1e-6)      # TRL's formula
+    config = RewardConfig(output_dir=str(tmp_path / "ours"), per_device_train_batch_size=4, max_steps=1, center_rewards_coefficient=c,
+                          save_strategy="no", disable_tqdm=True, normalize=False)
+    ours = RewardTrainer(tiny_causal_lm(tok, seed=0), config, pairs, processing_class=tok)
+    assert ours.train_dataset["margin"] == margins                                                    # kept through `preference_dataset`
+    with torch.no_grad(): r_c, r_r = ours.pair_scores(ours.reward_model.eval(), ours.train_dataset[:])
+    ours.train()
+    logged = ours.loop.state.history[0]
+    assert logged["loss"] == pytest.approx(by_hand(r_c, r_r), rel=1e-5), (logged["loss"], by_hand(r_c, r_r))
+    assert logged["margin"] == pytest.approx((r_c - r_r).mean().item(), rel=1e-5)
+    without = (-torch.nn.functional.logsigmoid(r_c - r_r).mean() + c * ((r_c + r_r) ** 2).mean()).item()
+    assert abs(logged["loss"] - without) > 0.1, (logged["loss"], without)                             # the test can tell: m moves the loss
