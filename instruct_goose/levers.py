@@ -105,8 +105,8 @@ _WRITTEN_OUT_GELUS = (activations.NewGELUActivation, activations.FastGELUActivat
 def fuse_activations(
     model: nn.Module,   # any model; only its tanh-GELU modules written out in Python change
 ) -> nn.Module:         # `model`
-    "Run each tanh-GELU written out in Python (`gelu_new`, `gelu_fast`) as PyTorch's fused kernel (🤗's `gelu_pytorch_tanh`): the same function to float rounding, one tensor kept for the backward instead of four. 🤗's hub kernels go off first, so that every pass runs this one function."
-    for m in model.modules():
+    "Run each tanh-GELU written out in Python (`gelu_new`, `gelu_fast`) as PyTorch's fused kernel (🤗's `gelu_pytorch_tanh`): the same function to float rounding, one tensor kept for the backward instead of four."
+    for m in model.modules():   # 🤗's hub kernels off first: each train()/eval() would reset the forwards set below
         if isinstance(m, PreTrainedModel) and getattr(m, "use_kernels", False): m.use_kernels = False
     for m in model.modules():
         if type(m) in _WRITTEN_OUT_GELUS and "forward" not in vars(m): m.forward = _gelu_tanh   # a forward set on the instance (a library's hook) stays

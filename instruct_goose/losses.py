@@ -178,7 +178,8 @@ class PPOLoss(nn.Module):
         if padding_masks is None: padding_masks = torch.ones_like(pi_logprobs, dtype=torch.bool)
         if value_padding_masks is None: value_padding_masks = padding_masks
         pg_loss, ratios, clipfrac = policy_loss(pi_old_logprobs, pi_logprobs, advantages, padding_masks, self.epsilon)
-        vf_loss, vf_clipfrac = value_loss(phi_old_values, phi_values, returns, value_padding_masks, self.value_clip_range)
+        vf_loss, vf_clipfrac = value_loss(phi_old_values, phi_values, returns, value_padding_masks,
+                                          self.value_clip_range)
         loss = pg_loss + self.value_coeff * vf_loss
         mean_entropy = torch.zeros_like(loss) if entropy is None else masked_mean(entropy, padding_masks)
         if self.ent_coef > 0:

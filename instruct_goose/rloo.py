@@ -78,9 +78,10 @@ class GRPONotYet(TRLNotYet):
 def _reward_clip_range(
     value,                   # as given: TRL 1.16's (min, max) or a 2-item list (YAML, the CLI); the seed's one number c
 ) -> tuple[float, float]:    # (min, max), as floats
-    "`reward_clip_range` checked by name: TRL 1.16's two finite numbers, min < max, or the seed's one number c > 0, [−c, c]."
+    "`reward_clip_range` checked by name: TRL 1.16's (min, max), min < max, or the seed's one number c > 0, [−c, c]."
     if isinstance(value, (int, float)):
-        if not (math.isfinite(value) and value > 0): raise ValueError(f"`reward_clip_range` as one number c clips to [−c, c]: c must be > 0, got {value}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"`reward_clip_range` as one number c clips to [−c, c]: c must be > 0, got {value}")
         return -float(value), float(value)
     try: low, high = (float(v) for v in value)
     except (TypeError, ValueError): raise ValueError(f"`reward_clip_range` must be two numbers (min, max), e.g. (-1.0, 1.0); got {value!r}") from None
@@ -102,7 +103,7 @@ class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
     rloo_k: int = 2                          # TRL ≤ 0.21's name of `num_generations`
     num_iterations: int = 1                  # passes over each rollout (TRL ≥ 0.22's name and default; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
     normalize_reward: bool = False           # standardise the scores over the rollout (Reinforce++)
-    reward_clip_range: list[float] | None = None  # the scores clipped to TRL 1.16's (min, max) (Reinforce++); the seed's one number c: [−c, c]; None: no clipping
+    reward_clip_range: list[float] | None = None  # TRL's (min, max), or the seed's c: [−c, c]; None: off
     normalize_advantages: bool = False       # whiten the advantages over the rollout (Reinforce++; TRL ≤ 0.21: `normalize_advantage`)
     normalize_advantage: bool = False        # TRL ≤ 0.21's name of `normalize_advantages`
     token_level_kl: bool = False             # per-token KL penalty, returns-to-go and per-token ratios (Reinforce++)
