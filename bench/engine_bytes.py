@@ -16,7 +16,10 @@ full weights while it runs). Activations and the KV cache are not model state an
     OMP_NUM_THREADS=1 ACCELERATE_USE_CPU=true ACCELERATE_USE_FSDP=true FSDP_VERSION=2 \\
         FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP FSDP_RESHARD_AFTER_FORWARD=true \\
         torchrun --standalone --nproc_per_node 2 bench/engine_bytes.py fsdp2
-    python bench/engine_bytes.py --merge       # writes bench/engine_bytes.json from the two runs' parts
+    python bench/engine_bytes.py --merge       # writes engine_bytes.json from the two runs' parts
+
+Each run writes its part into bench/results/<today>_engine_bytes/; `--merge` joins the parts of the newest such folder
+into its engine_bytes.json (the scaling chapter reads the newest one).
 """
 import json
 import os
@@ -27,6 +30,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _results import RESULTS, results_dir
 
 
 def storage_bytes(tensors) -> int:
@@ -98,18 +103,21 @@ def measure(engine: str, lora: bool) -> dict:
 
 def main():
     if sys.argv[1] == "--merge":
-        rows = [json.loads(p.read_text()) for p in sorted(HERE.glob("engine_bytes_*.part.json"))]
-        (HERE / "engine_bytes.json").write_text(json.dumps({
+        parts = sorted(RESULTS.glob("????-??-??_engine_bytes/engine_bytes_*.part.json"))
+        if not parts: sys.exit("no bench/results/<date>_engine_bytes/engine_bytes_*.part.json: run ddp and fsdp2 first")
+        out = parts[-1].parent
+        rows = [json.loads(p.read_text()) for p in sorted(out.glob("engine_bytes_*.part.json"))]
+        (out / "engine_bytes.json").write_text(json.dumps({
             "meta": f"tiny GPT-2 (4 layers, 128 wide) policy + separate GPT-2 critic, fp32 on the CPU, 2 processes over gloo; "
                     f"torch {torch.__version__}; storage summed per process (rank 0) by bench/engine_bytes.py",
             "rows": rows}, indent=1) + "\n")
-        for p in HERE.glob("engine_bytes_*.part.json"): p.unlink()
+        for p in out.glob("engine_bytes_*.part.json"): p.unlink()
         return
     engine = sys.argv[1]
     rows = [measure(engine, lora) for lora in (False, True)]
     if int(os.environ.get("RANK", "0")) == 0:
         for row in rows:
-            (HERE / f"engine_bytes_{engine}_{'lora' if row['lora'] else 'full'}.part.json").write_text(json.dumps(row, indent=1))
+            (results_dir("engine_bytes") / f"engine_bytes_{engine}_{'lora' if row['lora'] else 'full'}.part.json").write_text(json.dumps(row, indent=1))
             print(json.dumps(row["bytes_per_param"]))
 
 

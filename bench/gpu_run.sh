@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device command for a session lent 15 minutes of one H100 (bench/gpu_session.md is the 30-minute plan this cuts
+# One device command for a session lent 15 minutes of one H100 (bench/results/2026-11-26_real_size_h100_0.5b_r512/gpu_session.md is the 30-minute plan this cuts
 # down). Stages run in the order given, each started only while the time left allows it; every JSON and log lands in
 # $OUT as soon as it is written, so a command stopped at its limit keeps what ran.
 #   run: bash bench/gpu_run.sh <SHA> <DIRTY> <budget s> <stage>...      carry: [".whl", ".toks"]   timeout_s: budget + 30
@@ -46,7 +46,7 @@
 #   maxbatch8    the same with `--optim adamw_8bit` on both sides (bitsandbytes: carry its wheel in .whl/bnb, 43 MB;
 #                the image has none): 2 bytes of optimizer moments a parameter instead of 8 (embeddings excepted), ~7.9 GB less at 1.5B
 # 2026-11-26 ran: grpo_rloo and the first two (the script then had no stages). 2026-11-27 (an H200) ran selective,
-# decode_short, ppo_shared, tests_compiled, maxbatch (bench/README.md §5). Next, in one ~9-minute call:
+# decode_short, ppo_shared, tests_compiled, maxbatch (bench/results/HISTORY.md §5). Next, in one ~9-minute call:
 #   tests decode_sync ppo_separate rloo_selective     then, in a second call if time is left:   decode_autotune maxbatch_lora maxbatch_trl profile
 #   (tests first: since 2026-11-27 graphs record through `_record`, not `torch.cuda.graph`, and `compile` compiles a layer
 #   at a time with automatic dynamic shapes; none of it has run on a GPU)

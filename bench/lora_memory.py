@@ -1,6 +1,6 @@
 """Peak memory of PPO with full fine-tuning vs LoRA on a ~20M-parameter GPT-2, each in its own process.
 
-    OMP_NUM_THREADS=1 python bench/lora_memory.py [--steps 3] [--json bench/lora_memory.json]
+    OMP_NUM_THREADS=1 python bench/lora_memory.py [--steps 3] [--json bench/results/<date>_lora_memory/lora_memory.json]
 
 Full fine-tuning keeps the policy, a frozen copy as the reference, a gradient and two Adam moments per weight; LoRA
 keeps the policy once (the reference is the same weights with the adapter off) and a gradient and Adam moments for the
@@ -53,6 +53,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="PPO steps per side")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
+    if args.json: Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for side in ("full", "lora"):
         # glibc raises its mmap threshold after large frees, after which freed tensors stay in the heap and RSS reports

@@ -129,6 +129,7 @@ def main():
     p.add_argument("--lever", action="append")
     p.add_argument("--json")
     a = p.parse_args()
+    if a.json: Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     a.device, a.dtype, a.steps, a.warmup, a.lora, a.trl_ppo_path = "cpu", "bf16", 1, 1, False, "/tmp/trl112"
     rs.quiet()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""

@@ -38,6 +38,7 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json")
     a = p.parse_args()
+    if a.json: Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     import torch
     import real_size as rs
     from instruct_goose.agent import response_logprobs

@@ -18,9 +18,9 @@ pass of its own (TRL reads it from the sampler's logits; we from the first epoch
 `ppo_separate best_possible_ratio=X`, divides TRL's measured step (from a real_size.py JSON, or `--trl_step_s`) by the
 floor: no implementation of this arithmetic can be more than X times TRL's speed on this machine.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/ppo_separate_floor.py --from_json bench/real_size_cpu_gpt2-small_1128c.json
+    OMP_NUM_THREADS=2 .venv/bin/python bench/ppo_separate_floor.py --from_json bench/results/2026-11-28_real_size_cpu_gpt2-small_freed_memory_kept/real_size_cpu_gpt2-small_1128c.json
 """
-import argparse, json, statistics, time
+import argparse, json, os, statistics, time
 
 import torch
 
@@ -74,6 +74,7 @@ def main():
     p.add_argument("--from_json", help="a real_size.py JSON: both steps from its ppo_separate summary")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
+    if a.json: os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     if a.from_json:
         s = json.load(open(a.from_json))["summary"]["ppo_separate"]
         a.trl_step_s = a.trl_step_s or s["trl"]["phases_s"]["total"]

@@ -24,9 +24,9 @@ The last lines are `<algorithm> ratio=X.XX` (ours/TRL completions/s). Per side a
 parameters, and generation ms per decoding step beside the floor (policy weights in bf16 / fp32 bytes ÷ the memory
 bandwidth, measured once per bench by a large copy). `--max_batch`: the largest batch whose first training step fits
 (doubling, then bisection; a probe fails on out-of-memory or a peak over `--mem_limit_mib`). The plan for a GPU
-session: bench/gpu_session.md.
+session: bench/results/2026-11-26_real_size_h100_0.5b_r512/gpu_session.md.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/real_size.py --trl_ppo_path /tmp/trl112 --json bench/real_size_cpu.json
+    OMP_NUM_THREADS=2 .venv/bin/python bench/real_size.py --trl_ppo_path /tmp/trl112 --json bench/results/<date>_real_size_cpu/real_size_cpu.json
     python3 bench/real_size.py --device cuda --dtype bf16 --model-shape 0.5b --trl_ppo_path /tmp/trl112
     .venv/bin/python bench/real_size.py --floor --reps 3      # our PPO step against its floor, with --lever ...
     .venv/bin/python bench/real_size.py --model-shape tiny --algos grpo --max_batch --modes full lora --batch 4 --mem_limit_mib 600
@@ -402,7 +402,7 @@ def run_trl(algo, a, tok, out, clock):
 
 # ---------------------------------------------------------------- levers (library changes measured by monkeypatching)
 def apply_levers(levers):
-    "Experiments on the library, applied in our child only; each is the change proposed in bench/README.md."
+    "Experiments on the library, applied in our child only; each is the change proposed in bench/results/HISTORY.md."
     import torch
     import instruct_goose.agent as am
     import instruct_goose.core as cm
@@ -871,6 +871,7 @@ def main():
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--algo", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.json: Path(a.json).parent.mkdir(parents=True, exist_ok=True)   # e.g. bench/results/<date>_<what>/
     global PROMPT_WORDS, MAX_PROMPT
     PROMPT_WORDS, MAX_PROMPT = a.prompt_words, MAX_PROMPT + 3 * a.prompt_words   # (a word is 1-3 tokens of the bench's tokenizer)
     if a.child == "bandwidth": return bandwidth_child(a)

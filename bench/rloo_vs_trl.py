@@ -212,6 +212,7 @@ def main():
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # set per child: repetition r uses seed r
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.save: Path(a.save).parent.mkdir(parents=True, exist_ok=True)
     if a.child: return child(a.child[0], a.child[1], a.steps, a.lr, a.seed)
     if a.report: meta, res = (lambda d: (d["meta"], d["res"]))(json.loads(Path(a.report).read_text()))
     else: meta, res = measure(a)

@@ -1,14 +1,18 @@
-"""Time and peak RSS of one PPO step as the response length and the batch size grow; table + bench/scaling.png.
+"""Time and peak RSS of one PPO step as the response length and the batch size grow; table + scaling.png.
 
 Each configuration runs in its own subprocess (so peak RSS is that configuration's): 1 warm-up step, then the median
 of `--reps` steps. Peak RSS = max of psutil's RSS sampled every 5 ms by a thread during the timed steps.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/scaling.py --reps 3
+
+Writes scaling.json and scaling.png into bench/results/<today>_scaling/; `--replot` redraws the newest such folder's plot.
 """
 import argparse, json, os, subprocess, sys, threading, time
 from pathlib import Path
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _results import latest, results_dir
 
 
 def child(batch, length, reps):
@@ -43,10 +47,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--child", nargs=2, type=int)
-    p.add_argument("--replot", action="store_true", help="only redraw scaling.png from scaling.json")
+    p.add_argument("--replot", action="store_true", help="only redraw scaling.png from the newest bench/results/*_scaling/scaling.json")
     a = p.parse_args()
     if a.child: return child(*a.child, a.reps)
-    if a.replot: return plot(json.loads((HERE / "scaling.json").read_text()))
+    if a.replot: src = latest("scaling", "scaling.json"); return plot(json.loads(src.read_text()), src.parent)
     runs = {"response length (batch 8)": [(8, n) for n in (16, 32, 64, 128, 256)],
             "batch size (response 32)": [(b, 32) for b in (4, 8, 16, 32, 64)]}
     results = {}
@@ -67,11 +71,12 @@ def main():
         xs, ys = [r[key] for r in rows], [r["s"] for r in rows]
         print(f"log-log slope of time vs {key}: {fit_exponent(xs, ys):.2f} overall, "
               f"{fit_exponent(xs[-3:], ys[-3:]):.2f} over the largest three (1.00 = linear)")
-    (HERE / "scaling.json").write_text(json.dumps(results, indent=1))
-    plot(results)
+    out = results_dir("scaling")
+    (out / "scaling.json").write_text(json.dumps(results, indent=1))
+    plot(results, out)
 
 
-def plot(results):
+def plot(results, out):
     import matplotlib; matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
@@ -85,8 +90,8 @@ def plot(results):
         axes[1, col].set(xlabel=name, ylabel="peak RSS (MiB)", xscale="log")
         for ax in axes[:, col]: ax.set_xticks(xs, [str(x) for x in xs]); ax.minorticks_off()
     fig.suptitle("instruct_goose PPO step scaling (tiny GPT-2, 2 layers, 64 hidden; CPU, OMP_NUM_THREADS=1)")
-    fig.tight_layout(); fig.savefig(HERE / "scaling.png", dpi=100)
-    print(f"\nsaved {HERE / 'scaling.png'}")
+    fig.tight_layout(); fig.savefig(out / "scaling.png", dpi=100)
+    print(f"\nsaved {out / 'scaling.png'}")
 
 
 if __name__ == "__main__":
