@@ -19,7 +19,7 @@ full weights while it runs). Activations and the KV cache are not model state an
     python bench/engine_bytes.py --merge       # writes engine_bytes.json from the two runs' parts
 
 Each run writes its part into bench/results/<today>_engine_bytes/; `--merge` joins the parts of the newest such folder
-into its engine_bytes.json (the scaling chapter reads the newest one).
+into its engine_bytes.json (chapter 14 reads the 2026-11-24 run's by its path).
 """
 import json
 import os

@@ -160,7 +160,7 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     max_grad_norm: float = 1.0                    # clip the gradient norm to this (0: no clipping)
     per_device_train_batch_size: int = 8          # examples per micro-batch and process; on-policy, completions (not prompts), as TRL counts them
     gradient_accumulation_steps: int = 1          # micro-batches whose gradients make one optimizer step
-    mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # autocast precision, through Accelerate (a memory lever; a speed lever too on a CPU that multiplies bf16 itself, AVX-512 BF16 or AMX: GPT-2-small's PPO and GRPO steps 1.4–1.6× faster, bench/README.md §5); None: from `bf16`/`fp16`, else "no"
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # autocast precision, through Accelerate (a memory lever; a speed lever too on a CPU that multiplies bf16 itself, AVX-512 BF16 or AMX: GPT-2-small's PPO and GRPO steps 1.4–1.6× faster, bench/results/HISTORY.md §5); None: from `bf16`/`fp16`, else "no"
     bf16: bool | None = None                      # 🤗/TRL's switch for `mixed_precision="bf16"`; None: on when a bf16-capable GPU is present and neither `mixed_precision` nor `fp16` is given (TRL 1.16 says True, which fails on a CPU)
     fp16: bool = False                            # 🤗/TRL's switch for `mixed_precision="fp16"`
     warmup_ratio: float = 0.0                     # warm-up as a fraction of the optimizer steps (transformers 4's name; `warmup_steps` wins when both are set)
