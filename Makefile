@@ -1,5 +1,5 @@
 # The two commands of the README, each doing its own set-up on a fresh machine:
-#   make test   every notebook (nbdev's runner, slowest first: tools/test_notebooks.py), pytest, and a check that the library matches the notebooks
+#   make test   every notebook (nbdev's runner, slowest first: dev/test_notebooks.py), pytest, and a check that the library matches the notebooks
 #   make demo   SFT -> reward model -> PPO-ptx -> eval on the built-in task (about a minute on 2 CPU cores)
 # README.md is written from nbs/index.ipynb by `make readme` (nbdev_readme needs Quarto).
 # torch is installed before the project so pip takes the CPU build from this machine's disk
@@ -40,17 +40,17 @@ check-export: $(STAMP)
 	$(BIN)/nbdev_export && \
 	if diff -r -x __pycache__ "$$before/instruct_goose" instruct_goose; then rm -rf "$$before"; \
 	else rm -rf "$$before"; echo "nbdev_export changed instruct_goose/: export the notebooks and commit the library with them"; exit 1; fi
-	$(BIN)/python tools/readme.py --check
+	$(BIN)/python dev/readme.py --check
 
 readme: $(STAMP)
-	$(BIN)/python tools/readme.py
+	$(BIN)/python dev/readme.py
 
 # Tiny models on 2 cores: one intra-op thread per process is faster than threads fighting (5 min -> 50 s);
 # pytest runs on both cores (pytest-xdist, a file per worker; torchrun tests pick a free port with --standalone).
 test: export OMP_NUM_THREADS := 1
 test: check-export
 	@echo "== every notebook, as nbdev_test runs them, the slowest first"
-	$(BIN)/python tools/test_notebooks.py --n_workers 2 --timing
+	$(BIN)/python dev/test_notebooks.py --n_workers 2 --timing
 	@echo "== pytest"
 	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile --durations=10
 
@@ -70,17 +70,17 @@ lock:
 	 $(LATEST)/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$$//') > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 
-# The lower bounds settings.ini declares (tools/oldest.py writes them as == constraints), in a venv of their own.
+# The lower bounds settings.ini declares (dev/oldest.py writes them as == constraints), in a venv of their own.
 OLDEST := .venv-oldest
 test-oldest:
 	rm -rf $(OLDEST)
-	$(PYTHON) tools/oldest.py > $(OLDEST).txt
+	$(PYTHON) dev/oldest.py > $(OLDEST).txt
 	$(MAKE) test VENV=$(OLDEST) TORCH="$$(grep '^torch==' $(OLDEST).txt)" CONSTRAINTS="-c $(OLDEST).txt"
 
 demo: $(STAMP)
 	$(BIN)/goose pipeline --output_dir runs/demo --overwrite_output_dir
 
-# The documentation site, built without Quarto (tools/docs.py: nbdev's processors run every notebook -> MkDocs -> _site/,
+# The documentation site, built without Quarto (dev/docs.py: nbdev's processors run every notebook -> MkDocs -> _site/,
 # KaTeX from npm bundled so it works offline), then checked page by page in Debian's headless Chromium.
 # Executed notebooks are cached in build/docs-cache/ by a hash of the notebook and the library, so a rebuild runs only
 # what changed (cold: every chapter and tutorial, several minutes on 2 cores). DOCS_ARGS=--no-execute skips running them.
@@ -88,9 +88,9 @@ demo: $(STAMP)
 docs: export OMP_NUM_THREADS := 1
 docs: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[docs]"
-	$(BIN)/python tools/docs.py $(DOCS_ARGS)
+	$(BIN)/python dev/docs.py $(DOCS_ARGS)
 
 docs-check: docs
 	@command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 	$(BIN)/python -m pip install --quiet playwright==1.65.2
-	$(BIN)/python tools/docs_check.py
+	$(BIN)/python dev/docs_check.py

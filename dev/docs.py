@@ -1,4 +1,4 @@
-"""Build the documentation site into _site/ without Quarto (which `nbdev_docs` needs): `python tools/docs.py`.
+"""Build the documentation site into _site/ without Quarto (which `nbdev_docs` needs): `python dev/docs.py`.
 
 1. Every notebook is processed by nbdev's own processors (`FilterDefaults`, what `nbdev_proc_nbs` runs), with one
    change: where nbdev executes only the cells `show_doc` needs (`exec_show_docs`), `exec_all` runs every code cell
@@ -422,9 +422,9 @@ def nav_entries() -> list[tuple[str, str, str]]:
     "(notebook, nav title, group) for every notebook; ones missing from the lists above go after the chapters."
     known = {nb for nb, _ in CHAPTERS + TUTORIALS + LAST}
     extra = sorted(p.stem for p in (ROOT / "nbs").glob("*.ipynb") if p.stem not in known)
-    for nb in extra: print(f"docs: {nb}.ipynb is not in tools/docs.py's navigation; added after the chapters")
+    for nb in extra: print(f"docs: {nb}.ipynb is not in dev/docs.py's navigation; added after the chapters")
     missing = [nb for nb, _ in CHAPTERS + TUTORIALS + LAST if not (ROOT / "nbs" / f"{nb}.ipynb").exists()]
-    for nb in missing: print(f"docs: {nb}.ipynb is in tools/docs.py's navigation but not in nbs/; left out")
+    for nb in missing: print(f"docs: {nb}.ipynb is in dev/docs.py's navigation but not in nbs/; left out")
     entries = ([(nb, t, "") for nb, t in CHAPTERS] + [(nb, "", "") for nb in extra]
                + [(nb, t, "Tutorials") for nb, t in TUTORIALS] + [(nb, t, "") for nb, t in LAST])
     return [e for e in entries if e[0] not in missing]
@@ -459,7 +459,7 @@ def write_pages(entries, results: dict[str, dict]) -> tuple[list, dict]:
 def github_links(md: str) -> str:
     "Links to files of the repository (`nbs/11_tutorial_pipeline.ipynb`, `examples/`) go to them on GitHub."
     base = settings()["git_url"].rstrip("/") + "/blob/" + settings()["branch"] + "/"
-    return re.sub(r"\]\((?:\.\./)?((?:nbs|examples|configs|bench|tests|tools)/[^)\s]*)\)", lambda m: f"]({base}{m[1]})", md)
+    return re.sub(r"\]\((?:\.\./)?((?:nbs|examples|configs|bench|tests|dev)/[^)\s]*)\)", lambda m: f"]({base}{m[1]})", md)
 
 
 def copy_assets():

@@ -1,4 +1,4 @@
-"""Check the built site in a headless Chromium: `python tools/docs_check.py [SITE]` (after `python tools/docs.py`).
+"""Check the built site in a headless Chromium: `python dev/docs_check.py [SITE]` (after `python dev/docs.py`).
 
 _site/ is served on 127.0.0.1 and every page is opened with Debian's /usr/bin/chromium, driven by Playwright
 (never `playwright install`). Checks, one line each: no console error, failed request or request leaving the
@@ -229,7 +229,7 @@ def main():
         report("tutorial screenshots taken", not missing_shots, f"no page {', '.join(missing_shots)}" if missing_shots else
                ", ".join(f"screenshots/{s}" for s in TUTORIAL_SHOTS.values()))
         report("every page in the manifest", not manifest or set(manifest) <= set(pages),
-               "docs-manifest.json lists every page" if manifest else "no docs-manifest.json (built by an older tools/docs.py)")
+               "docs-manifest.json lists every page" if manifest else "no docs-manifest.json (built by an older dev/docs.py)")
         check_api_once(api_entries)
         print(f"\n{'page':<28} {'images':>6} {'tables':>6}  group")
         for html, (n_img, n_tab) in counts.items():

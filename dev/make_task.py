@@ -3,7 +3,7 @@
 Everything is made from fixed templates with a seeded `random.Random`, so the files are the same
 on every run. Run from the repository root:
 
-    python tools/make_task.py
+    python dev/make_task.py
 
 It writes, into instruct_goose/task_data/ (JSON Lines, one object per line):
 

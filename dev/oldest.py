@@ -1,6 +1,6 @@
 """Print the lower bounds settings.ini declares as pip constraints (`name==version`), for `make test-oldest`.
 
-    python tools/oldest.py > .venv-oldest.txt
+    python dev/oldest.py > .venv-oldest.txt
 
 Every `name>=version` of the runtime and dev requirements becomes `name==version`; a requirement with no lower bound
 is left to pip. The dev requirements' own pins (nbdev, trl) stay as they are.

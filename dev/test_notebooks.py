@@ -1,6 +1,6 @@
 """Every notebook run as `nbdev_test --n_workers 2` runs them, the slowest first.
 
-    .venv/bin/python tools/test_notebooks.py [--n_workers 2] [--timing]
+    .venv/bin/python dev/test_notebooks.py [--n_workers 2] [--timing]
 
 The same notebooks (nbdev's `nbglob`, `.notest` siblings skipped), the same runner (nbdev's `test_nb`: a fresh shell per
 notebook, the `tst_flags` cells of settings.ini skipped, `IN_TEST` set) and the same parallel workers. Only the order

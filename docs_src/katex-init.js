@@ -7,6 +7,6 @@ document$.subscribe(({ body }) => {
         { left: "\\(", right: "\\)", display: false },
         { left: "\\[", right: "\\]", display: true },
       ],
-    });  // a formula KaTeX cannot parse stays as TeX and is logged to the console, which tools/docs_check.py catches
+    });  // a formula KaTeX cannot parse stays as TeX and is logged to the console, which dev/docs_check.py catches
   }
 });

@@ -1,8 +1,8 @@
-"tools/docs.py turns a processed notebook into a Markdown page (no nbdev_proc_nbs, no MkDocs: runs in well under a second)."
+"dev/docs.py turns a processed notebook into a Markdown page (no nbdev_proc_nbs, no MkDocs: runs in well under a second)."
 import importlib.util
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("docs", Path(__file__).resolve().parents[1] / "tools" / "docs.py")
+spec = importlib.util.spec_from_file_location("docs", Path(__file__).resolve().parents[1] / "dev" / "docs.py")
 docs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(docs)
 
