@@ -91,7 +91,8 @@ def response_logits(
     query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
     response_ids: Int[Tensor, "batch resp"],  # responses, right-padded
     response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
-    output_hidden_states: bool = False,  # also return the last hidden state at those positions
+    # also return the last hidden state at those positions
+    output_hidden_states: bool = False,
 ) -> tuple[Float[Tensor, "batch resp vocab"], Float[Tensor, "batch resp hidden"] | None]:  # (logits, hidden)
     "Logits (and last hidden states) at the positions that predict each response token."
     _check_left_padded(query_attention_mask)
@@ -111,8 +112,8 @@ def response_logits(
     return out.logits[:, -n_resp - 1 : -1], hidden
 
 # %% ../nbs/03_agent.ipynb #a93c0e01
-def _softcapped(z: Tensor, value: float) -> Tensor:
-    return torch.tanh(z / value) * value  # Gemma 2: logits / c, tanh, × c
+def _softcapped(z: Tensor, value: float) -> Tensor:  # Gemma 2: logits / c, tanh, × c
+    return torch.tanh(z / value) * value
 
 
 def _times(z: Tensor, value: float) -> Tensor:
@@ -150,10 +151,10 @@ class _OutputLayer(NamedTuple):
 
     weight: Tensor
     bias: Tensor | None
-    after: (
-        Callable[[Tensor], Tensor] | None
-    )  # what the model's forward does to the layer's logits (soft-capping, scaling); None: nothing
-    float32: bool = False  # the layer computes in float32 under autocast too (`cast_lm_head_to_fp32`)
+    # what the model's forward does to the layer's logits (soft-capping, scaling); None: nothing
+    after: Callable[[Tensor], Tensor] | None
+    # the layer computes in float32 under autocast too (`cast_lm_head_to_fp32`)
+    float32: bool = False
 
     @property
     def out_features(self) -> int:
@@ -204,11 +205,12 @@ def _logits_after(config) -> Callable[[Tensor], Tensor] | None | bool:
     if any(getattr(config, name, None) is not None for name in _LOGIT_TRANSFORMS if name != field):
         return False
     value = getattr(config, field, None) if field else None
+    # a scale of 1: nothing
     return (
         None
         if value is None or (op is not _softcapped and value == 1)
         else functools.partial(op, value=value)
-    )  # a scale of 1: nothing
+    )
 
 
 def _running_layer(
@@ -239,15 +241,17 @@ def _output_layer(model: nn.Module) -> _OutputLayer | None:
     base = _causal_lm(model)
     head = _running_layer(
         base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None,
+        # `AdapterOffReference`: its forward turns them off
         adapters_off=getattr(model, "adapters_off", False),
-    )  # `AdapterOffReference`: its forward turns them off
+    )
     if type(head) not in (nn.Linear, Float32Linear) or not _accepts(model, "logits_to_keep"):
         return None
     after = _logits_after(base.config)
     if after is False:
         return None
+    # DeepSpeed ZeRO-3 partitions it: only the module's own forward gathers it
     if hasattr(head.weight, "ds_id"):
-        return None  # DeepSpeed ZeRO-3 partitions it: only the module's own forward gathers it
+        return None
     whole = type(head.weight.data) is Tensor and head.weight.shape == (head.out_features, head.in_features)
     return _OutputLayer(head.weight, head.bias, after, type(head) is Float32Linear) if whole else None
 
@@ -265,16 +269,15 @@ def cast_lm_head_to_fp32(
         raise ValueError(
             f"`cast_lm_head_to_fp32`=True needs the output layer to be a plain nn.Linear, but "
             f"{type(base).__name__}'s is "
-            f"{type(head).__name__} (a peft adapter on `lm_head`? leave it out of the adapter's modules, or "
-            f"set `cast_lm_head_to_fp32`=False)"
+            f"{type(head).__name__} (a peft adapter on `lm_head`? leave it out of the adapter's "
+            f"modules, or set `cast_lm_head_to_fp32`=False)"
         )
     dtype, embedding = head.weight.dtype, base.get_input_embeddings()
     head.__class__ = Float32Linear  # the same parameters, its forward in float32
     if dtype != torch.float32:
         head.float()
-        if (
-            embedding is not None and embedding.weight is head.weight
-        ):  # tied: the embedding's table is float32 now too
+        # tied: the embedding's table is float32 now too
+        if embedding is not None and embedding.weight is head.weight:
             embedding.register_forward_hook(lambda module, args, out: out.to(dtype))
     return model
 
@@ -301,26 +304,26 @@ def response_logprobs(
     response_ids: Int[Tensor, "batch resp"],  # responses, right-padded
     response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
     temperature: float = 1.0,  # the sampling temperature T
-    entropy: Literal[
-        "grad", "no_grad", "skip"
-    ] = "skip",  # the entropy too: with gradients, without, or not at all (None)
-    output_hidden_states: bool = False,  # also return the last hidden state at those positions
+    # the entropy too: with gradients, without, or not at all (None)
+    entropy: Literal["grad", "no_grad", "skip"] = "skip",
+    # also return the last hidden state at those positions
+    output_hidden_states: bool = False,
     # one forward of the real tokens packed in bins, the output layer at the real responses' positions only
     # (`packed_forward`); 0 at padding
     padding_free: bool = False,
     # where some prompt repeats, each distinct prompt's pass once (`shared_prompt_forward`); before
     # `padding_free`
     shared_prefix: bool = False,
+    # (log π(y_t), entropy, hidden)
 ) -> tuple[
     Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None, Float[Tensor, "batch resp hidden"] | None
-]:  # (log π(y_t), entropy, hidden)
+]:
     """Log-probabilities (and entropies, last hidden states) at the response positions, from the last hidden
     state in chunks (`logprobs_from_hidden`): never the (batch × resp × vocab) logits, where the output layer
     allows (`response_logits` otherwise)."""
     head = _output_layer(model)
-    one_output = (
-        head is not None or not output_hidden_states
-    )  # (logits and hidden states together: the padded pass)
+    # (logits and hidden states together: the padded pass)
+    one_output = head is not None or not output_hidden_states
     groups = prompt_groups(query_ids, query_attention_mask) if shared_prefix and one_output else None
     shared = groups is not None and len(groups[0]) < len(query_ids)  # some prompt repeats
     rows = (query_ids, query_attention_mask, response_ids, response_attention_mask)
@@ -378,8 +381,8 @@ def lm_nll(
     model: nn.Module,  # a 🤗 causal LM
     input_ids: Int[Tensor, "batch seq"],  # whole sequences, padded on either side
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],
-    loss_mask: Bool[Tensor, "batch seq"]
-    | None = None,  # tokens whose prediction counts; None: every predicted real token
+    # tokens whose prediction counts; None: every predicted real token
+    loss_mask: Bool[Tensor, "batch seq"] | None = None,
 ) -> Float[Tensor, ""]:  # mean negative log-likelihood per counted token
     "Mean −log π(x_t | x_<t) over `loss_mask`: the SFT loss, and the pretraining term of PPO-ptx."
     if loss_mask is None:
@@ -390,10 +393,10 @@ def lm_nll(
 # %% ../nbs/03_agent.ipynb #78fae396
 def router_aux_coef(
     model: nn.Module,  # the policy: a 🤗 causal LM (or a peft or DDP wrapper around one)
-    coef: float
     # TRL 1.16's `router_aux_loss_coef`: None takes the model config's own, 0 turns the loss off
-    | None = None,
-) -> float:  # c, the weight of the load-balancing loss in the training loss; 0.0: none is added
+    coef: float | None = None,
+    # c, the weight of the load-balancing loss in the training loss; 0.0: none is added
+) -> float:
     """TRL 1.16's rule: a mixture-of-experts model (its config has `output_router_logits`) adds c·L_aux, c =
     `coef`, or the config's `router_aux_loss_coef` when `coef` is None; a nonzero `coef` for another model is
     an error."""
@@ -431,11 +434,12 @@ def router_aux_losses(
                 f"{type(lm).__name__} returned no `aux_loss` when asked for its router logits: set "
                 "`router_aux_loss_coef=0.0` to train it without the load-balancing loss"
             )
+        # a number, no gradient
         if (
             torch.is_grad_enabled()
             and not output.aux_loss.requires_grad
             and any(p.requires_grad for p in lm.parameters())
-        ):  # a number, no gradient
+        ):
             raise ValueError(
                 "the load-balancing loss came back without a gradient: reentrant gradient checkpointing "
                 "(`use_reentrant=True` in "
@@ -464,9 +468,8 @@ class ResponseStats(NamedTuple):
     "Per-token statistics of the response positions, from `Agent.response_stats`."
 
     logprobs: Tensor  # (batch, resp) log π(y_t) of the response tokens, float32
-    entropy: (
-        Tensor | None
-    )  # (batch, resp) entropy of the distribution each token was drawn from (None if skipped)
+    # (batch, resp) entropy of the distribution each token was drawn from (None if skipped)
+    entropy: Tensor | None
     values: Tensor  # (batch, resp) V before each response token, float32
 
 # %% ../nbs/03_agent.ipynb #a9ce2856
@@ -526,9 +529,8 @@ def disable_dropout(model: nn.Module) -> nn.Module:
         if isinstance(module, nn.Dropout):
             module.p = 0.0
         _zero_drop_floats(module)
-        for key, config in _configs_of(
-            module
-        ):  # the config's rates stay with the module, for `dropout_as_configured`
+        # the config's rates stay with the module, for `dropout_as_configured`
+        for key, config in _configs_of(module):
             before = module.__dict__.setdefault("_drop_rates_before", {})
             before[key] = {**before.get(key, {}), **_zero_drop_floats(config)}
     return model
@@ -574,11 +576,9 @@ class Agent(nn.Module):
     def __init__(
         self,
         model: PreTrainedModel | str,  # the policy: a 🤗 causal LM, or a name/path to load one
-        value_model: PreTrainedModel
-        | str
         # a separate critic (any 🤗 model; a 1-label classifier such as the reward model starts the value head
         # from its score head); None shares the policy's trunk
-        | None = None,
+        value_model: PreTrainedModel | str | None = None,
         value_head_std: float = 0.01,  # std of a new value head's initial weights
         **from_pretrained_kwargs,  # passed to `from_pretrained` when names are given
     ):
@@ -586,15 +586,13 @@ class Agent(nn.Module):
         self.model = disable_dropout(_load(model, AutoModelForCausalLM, **from_pretrained_kwargs))
         value_model = _load_critic(value_model, **from_pretrained_kwargs)
         self.value_model = None if value_model is None else disable_dropout(value_model.base_model)
-        trunk = (
-            self.model if value_model is None else value_model
-        )  # the head lives where the trunk's weights are (a GPU, `meta`)
+        # the head lives where the trunk's weights are (a GPU, `meta`)
+        trunk = self.model if value_model is None else value_model
         self.value_head = nn.Linear(_hidden_size(trunk.config), 1, device=next(trunk.parameters()).device)
         nn.init.normal_(self.value_head.weight, std=check_number("value_head_std", value_head_std))
         nn.init.zeros_(self.value_head.bias)
-        score = getattr(
-            value_model, "score", None
-        )  # InstructGPT (and TRL) start the value function from the reward model
+        # InstructGPT (and TRL) start the value function from the reward model
+        score = getattr(value_model, "score", None)
         if isinstance(score, nn.Linear) and score.out_features == 1:
             with torch.no_grad():
                 self.value_head.weight.copy_(score.weight)
@@ -623,9 +621,8 @@ class Agent(nn.Module):
     def forward(
         self,
         input_ids: Int[Tensor, "batch seq"],  # token ids
-        attention_mask: Int[Tensor, "batch seq"]
-        | Bool[Tensor, "batch seq"]
-        | None = None,  # 1 on real tokens; None: all real
+        # 1 on real tokens; None: all real
+        attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"] | None = None,
     ) -> AgentOutput:  # per-token logits and values
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -651,16 +648,16 @@ class Agent(nn.Module):
         response_ids: Int[Tensor, "batch resp"],  # responses, right-padded
         response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
         temperature: float = 1.0,  # the sampling temperature T
-        entropy: Literal[
-            "grad", "no_grad", "skip"
-        ] = "grad",  # the entropy with gradients, without (for logging: no graph kept), or not at all (None)
+        # the entropy with gradients, without (for logging: no graph kept), or not at all (None)
+        entropy: Literal["grad", "no_grad", "skip"] = "grad",
         # each model's forward over the real tokens packed in bins (`response_logprobs`' and
         # `packed_response_states`); 0 at padding
         padding_free: bool = False,
         # where some prompt repeats, each model's pass over each distinct prompt once
         # (`shared_prompt_forward`)
         shared_prefix: bool = False,
-    ) -> ResponseStats:  # per-token logprobs, entropy and values of the response
+        # per-token logprobs, entropy and values of the response
+    ) -> ResponseStats:
         """Log-probabilities, entropies and values at the response positions, in one forward pass of the policy
         (and one of the critic's trunk)."""
         shared = self.value_model is None
@@ -702,8 +699,8 @@ class Agent(nn.Module):
 def save_pretrained(
     self: Agent,
     save_directory: str | Path,
-    state_dict: dict
-    | None = None,  # the whole `Agent`'s weights to write instead of its own (FSDP: gathered beforehand)
+    # the whole `Agent`'s weights to write instead of its own (FSDP: gathered beforehand)
+    state_dict: dict | None = None,
     **kwargs,
 ):
     "Save the policy (🤗 format), the value head and any separate critic to `save_directory`."
@@ -753,33 +750,28 @@ def _no_split_modules(self: Agent) -> list[str]:
         if m is not None
         for n in (getattr(m, "_no_split_modules", None) or [])
     ]
-    return [
-        *dict.fromkeys(blocks),
-        type(self.model).__name__,
-    ]  # not the critic's class: a GPT-2 critic's is the policy's trunk's
+    # not the critic's class: a GPT-2 critic's is the policy's trunk's
+    return [*dict.fromkeys(blocks), type(self.model).__name__]
 
 # %% ../nbs/03_agent.ipynb #e71b4f20
-Agent.fsdp_forward_methods = (
-    "response_stats",
-)  # run the wrapped models other than through `forward`: FSDP2 must gather for them
+# run the wrapped models other than through `forward`: FSDP2 must gather for them
+Agent.fsdp_forward_methods = ("response_stats",)
 
 # %% ../nbs/03_agent.ipynb #5f832ebd
 class AdapterOffReference(nn.Module):
     """π_ref for a LoRA policy: the policy's own base weights, its adapter disabled during each call (no second
     copy)."""
 
-    adapters_off = (
-        True  # what `_output_layer` reads: a peft `modules_to_save` copy is not this model's output layer
-    )
+    # what `_output_layer` reads: a peft `modules_to_save` copy is not this model's output layer
+    adapters_off = True
 
     def __init__(
         self,
         peft_model: nn.Module,  # the LoRA-wrapped policy (a peft `PeftModel`)
     ):
         super().__init__()
-        object.__setattr__(
-            self, "peft_model", peft_model
-        )  # not a sub-module: `.eval()`, `.to()`, `requires_grad_` leave it alone
+        # not a sub-module: `.eval()`, `.to()`, `requires_grad_` leave it alone
+        object.__setattr__(self, "peft_model", peft_model)
 
     @property
     def config(self):
@@ -803,7 +795,8 @@ def _is_peft(model: nn.Module) -> bool:
 # %% ../nbs/03_agent.ipynb #42e3ce4b
 def create_reference_model(
     agent_or_model: "Agent | PreTrainedModel",  # the agent (its policy is used) or a causal LM
-) -> nn.Module:  # a frozen copy (requires_grad=False, eval()); for LoRA the adapter-off base
+    # a frozen copy (requires_grad=False, eval()); for LoRA the adapter-off base
+) -> nn.Module:
     """π_ref (the SFT model) for the KL penalty: a frozen deep copy of the policy, or for a LoRA policy its base
     with the adapter off."""
     model = agent_or_model.model if isinstance(agent_or_model, Agent) else agent_or_model
@@ -833,7 +826,8 @@ def with_peft(
 # %% ../nbs/03_agent.ipynb #86910301
 def load_tokenizer(
     processing_class,  # the tokenizer given to the trainer, or None
-    model,  # the trainer's `model` argument: a name or path lets the tokenizer be loaded from it
+    # the trainer's `model` argument: a name or path lets the tokenizer be loaded from it
+    model,
 ):
     """The trainer's tokenizer: `processing_class` when given, else loaded from `model`'s name or path (else
     None)."""
@@ -861,9 +855,8 @@ def _load_tokenizer(processing_class, model, args):
     `trust_remote_code`)."""
     if processing_class is not None or not isinstance(model, (str, os.PathLike)):
         return load_tokenizer(processing_class, model)
-    revision = (getattr(args, "model_init_kwargs", None) or {}).get(
-        "revision"
-    )  # PPO's config has neither field: 🤗's defaults
+    # PPO's config has neither field: 🤗's defaults
+    revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
     return AutoTokenizer.from_pretrained(
         model,
         trust_remote_code=getattr(args, "trust_remote_code", False),
@@ -902,8 +895,8 @@ class AgentObjective(nn.Module):
         self,
         input_ids: Int[Tensor, "batch seq"],  # prompt + response token ids
         attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1 on real tokens
-        response_mask: Bool[Tensor, "batch seq"]
-        | None = None,  # True on the response tokens; None: every real token after each row's first
+        # True on the response tokens; None: every real token after each row's first
+        response_mask: Bool[Tensor, "batch seq"] | None = None,
         pretrain_input_ids: Int[Tensor, "pbatch pseq"] | None = None,  # a pretraining batch, if any
         pretrain_attention_mask: Int[Tensor, "pbatch pseq"] | Bool[Tensor, "pbatch pseq"] | None = None,
     ) -> Float[Tensor, ""]:  # the objective, to be maximised
@@ -923,8 +916,9 @@ def terms(
 ) -> ObjectiveTerms:
     "The objective and its parts (`ObjectiveTerms`); the arguments are those of `forward`."
     real = attention_mask.bool()
+    # real, with a real token before it
     if response_mask is None:
-        response_mask = real & F.pad(real[:, :-1], (1, 0))  # real, with a real token before it
+        response_mask = real & F.pad(real[:, :-1], (1, 0))
     if bool(response_mask[:, 0].any()):
         raise ValueError("`response_mask` is True at position 0, but a response needs a prompt before it")
     logp = masked_sum(token_logprobs(self.model, input_ids, attention_mask), response_mask, dim=1)
@@ -937,9 +931,8 @@ def terms(
         if pretrain_attention_mask is None:
             pretrain_attention_mask = torch.ones_like(pretrain_input_ids)
         pretrain = -lm_nll(self.model, pretrain_input_ids, pretrain_attention_mask)
-    score_function = (
-        (scores - self.beta * kl).detach() * logp
-    ).mean()  # value 0 once the detached copy is subtracted
+    # value 0 once the detached copy is subtracted
+    score_function = ((scores - self.beta * kl).detach() * logp).mean()
     objective = (
         (scores - self.beta * kl).mean() + self.gamma * pretrain + score_function - score_function.detach()
     )
@@ -957,9 +950,8 @@ def pack_bins(
             f"`capacity` is {capacity} tokens but the longest sequence has {max(lengths)}: give at least that"
         )
     bins, room = [], []
-    for i in sorted(
-        range(len(lengths)), key=lambda i: -lengths[i]
-    ):  # a stable sort: equal lengths keep their order
+    # a stable sort: equal lengths keep their order
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         b = next((b for b, r in enumerate(room) if r >= lengths[i]), len(bins))
         if b == len(bins):
             bins.append([])
@@ -971,18 +963,18 @@ def pack_bins(
 # %% ../nbs/03_agent.ipynb #7c1e5a94
 @typecheck
 def pack_layout(
-    attention_mask: Int[Tensor, "batch seq"]
-    | Bool[Tensor, "batch seq"],  # 1 on real tokens (contiguous in each row)
+    # 1 on real tokens (contiguous in each row)
+    attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],
     capacity: int | None = None,  # tokens per bin; None: the longest row's
-) -> tuple[
-    Int[Tensor, "tokens"], Int[Tensor, "bins cap"], Int[Tensor, "bins cap"]
-]:  # (slot, position ids, segment ids), on the CPU
+    # (slot, position ids, segment ids), on the CPU
+) -> tuple[Int[Tensor, "tokens"], Int[Tensor, "bins cap"], Int[Tensor, "bins cap"]]:
     """Where `pack_bins` puts each real token, row after row (its slot in the flattened bins); each slot's
     position in its sequence and its sequence's row (-1: a pad)."""
     keep = attention_mask.cpu().bool()
     lengths = keep.sum(1)
     capacity = int(lengths.max()) if capacity is None else capacity
-    sizes, first = lengths.tolist(), [0] * len(lengths)  # first: the slot of each row's first token
+    # first: the slot of each row's first token
+    sizes, first = lengths.tolist(), [0] * len(lengths)
     bins = pack_bins(sizes, capacity)
     for b, rows in enumerate(bins):
         for r, end in zip(rows, itertools.accumulate(sizes[r] for r in rows)):
@@ -1019,10 +1011,9 @@ def packed_attention_mask(
         )
 
     types = set(getattr(config, "layer_types", None) or ())
+    # no layer types: a window, if the config sets one, on every layer (Mistral)
     if not types:
-        return kernel_mask(
-            sliding
-        )  # no layer types: a window, if the config sets one, on every layer (Mistral)
+        return kernel_mask(sliding)
     masks = {t: kernel_mask(sliding if t == "sliding_attention" else causal) for t in types}
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
@@ -1035,13 +1026,17 @@ def _other_layers(config) -> list[str]:
 # %% ../nbs/03_agent.ipynb #93f94c3b
 @typecheck
 def packed_forward(
-    model: nn.Module,  # a 🤗 causal LM (or its trunk, with `hidden`) that takes `position_ids`
+    # a 🤗 causal LM (or its trunk, with `hidden`) that takes `position_ids`
+    model: nn.Module,
     input_ids: Int[Tensor, "batch seq"],  # padded rows
-    attention_mask: Int[Tensor, "batch seq"]
-    | Bool[Tensor, "batch seq"],  # 1 on real tokens (contiguous in each row)
-    hidden: bool = False,  # the last hidden state (what the output layer reads), not the logits
-    capacity: int | None = None,  # tokens per bin; None: the longest row's (FlashAttention: all in one bin)
-) -> Float[Tensor, "tokens out"]:  # the logits (or last hidden state) of the real tokens, row after row
+    # 1 on real tokens (contiguous in each row)
+    attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],
+    # the last hidden state (what the output layer reads), not the logits
+    hidden: bool = False,
+    # tokens per bin; None: the longest row's (FlashAttention: all in one bin)
+    capacity: int | None = None,
+    # the logits (or last hidden state) of the real tokens, row after row
+) -> Float[Tensor, "tokens out"]:
     """One forward pass of the rows' real tokens packed into bins (`pack_layout`): positions restart at each
     sequence and a block-diagonal causal mask keeps attention inside it (`packed_attention_mask`);
     FlashAttention gets one bin and the positions alone."""
@@ -1054,7 +1049,8 @@ def packed_forward(
     if other := _other_layers(config):
         raise ValueError(
             f"`padding_free` cannot pack {type(_causal_lm(model)).__name__}: its {other} layers would carry "
-            "state or attention across the sequences of a bin; leave padding_free (and packing) off"
+            "state or attention across the sequences of a bin; "
+            "leave padding_free (and packing) off"
         )
     if getattr(config, "output_router_logits", False):  # its L_aux would read the bins' mask
         raise ValueError(
@@ -1072,9 +1068,8 @@ def packed_forward(
     )
     ids = input_ids.new_zeros(position.numel()).index_put_((slot,), input_ids[keep]).view_as(position)
     mask = None if flash else packed_attention_mask(model, position, segment)
-    keep_one = (
-        {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-    )  # a trunk without an output layer (a critic's) takes none
+    # a trunk without an output layer (a critic's) takes none
+    keep_one = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     out = model(
         input_ids=ids,
         attention_mask=mask,
@@ -1087,7 +1082,8 @@ def packed_forward(
 # %% ../nbs/03_agent.ipynb #ea282326
 def refuse_packed_aux(
     packs: bool,  # whether the trainer packs sequences (`padding_free`, SFT's `packing`)
-    coef: float,  # c of a mixture-of-experts load-balancing loss c·L_aux (`router_aux_coef`; 0: none)
+    # c of a mixture-of-experts load-balancing loss c·L_aux (`router_aux_coef`; 0: none)
+    coef: float,
     shares: bool = False,  # whether the trainer runs repeated prompts once (`shared_prefix`)
 ) -> None:
     """A one-line error for packing (or sharing prompts) with a load-balancing loss: 🤗's L_aux reads a (batch,
@@ -1117,7 +1113,8 @@ def _packed_index(
     attention_mask: Tensor,  # (batch, seq) 1 on real tokens, as packed
     row: Tensor,  # rows of some real tokens
     col: Tensor,  # their columns
-) -> Tensor:  # each one's place among the real tokens, row after row (`packed_forward`'s outputs)
+    # each one's place among the real tokens, row after row (`packed_forward`'s outputs)
+) -> Tensor:
     return (attention_mask.flatten().long().cumsum(0) - 1).view_as(attention_mask)[row, col]
 
 # %% ../nbs/03_agent.ipynb #836288b4
@@ -1126,25 +1123,25 @@ def loss_token_states(
     model: nn.Module,  # a 🤗 causal LM
     input_ids: Int[Tensor, "batch seq"],  # whole sequences, padded on either side
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],
-    loss_mask: Bool[
-        Tensor, "batch seq"
-    ],  # the tokens to score (never position 0); on the CPU, no device sync
-    padding_free: bool = False,  # one forward of the sequences packed in bins (`packed_forward`)
-    capacity: int | None = None,  # with `padding_free`: tokens per bin (None: the longest row's)
+    # the tokens to score (never position 0); on the CPU, no device sync
+    loss_mask: Bool[Tensor, "batch seq"],
+    # one forward of the sequences packed in bins (`packed_forward`)
+    padding_free: bool = False,
+    # with `padding_free`: tokens per bin (None: the longest row's)
+    capacity: int | None = None,
     # rows with the same context before their first loss token (a DPO pair's prompt) run it once
     # (`shared_prompt_forward`); before `padding_free`
     shared_prefix: bool = False,
-) -> tuple[
-    Tensor, Tensor, Tensor, _OutputLayer | None
-]:  # (outputs, labels, each token's row, the output layer or None)
+    # (outputs, labels, each token's row, the output layer or None)
+) -> tuple[Tensor, Tensor, Tensor, _OutputLayer | None]:
     """What the output layer reads at each loss token, row after row (the last hidden state, or the logits where
     `_output_layer` is None), the token it predicts, its row, and that layer."""
-    row, col = (
-        i.to(input_ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True)
-    )  # the output at col predicts token col + 1
+    # the output at col predicts token col + 1
+    row, col = (i.to(input_ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))
     labels, head = input_ids[row, col + 1], _output_layer(model)
     split = _contexts_and_rest(input_ids, attention_mask, loss_mask) if shared_prefix else None
-    if split is not None:  # the output at response column t predicts its token t
+    # the output at response column t predicts its token t
+    if split is not None:
         *rows, start = split
         out = shared_prompt_forward(model, *rows, hidden=head is not None)[row, col + 1 - start[row]]
     elif padding_free:
@@ -1229,7 +1226,8 @@ def _packed_response_logprobs(
 # %% ../nbs/03_agent.ipynb #ff7f7796
 @typecheck
 def packed_response_states(
-    model: nn.Module,  # a 🤗 trunk (a separate critic's) or causal LM that takes `position_ids`
+    # a 🤗 trunk (a separate critic's) or causal LM that takes `position_ids`
+    model: nn.Module,
     query_ids: Int[Tensor, "batch query"],  # prompts, left-padded
     query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
     response_ids: Int[Tensor, "batch resp"],  # responses, right-padded
@@ -1241,9 +1239,8 @@ def packed_response_states(
     ids, mask, loss_mask, where = _response_tokens(
         query_ids, query_attention_mask, response_ids, response_attention_mask
     )
-    row, col = (
-        i.to(ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True)
-    )  # the state at col predicts token col + 1
+    # the state at col predicts token col + 1
+    row, col = (i.to(ids.device) for i in loss_mask[:, 1:].nonzero(as_tuple=True))
     return _to_responses(
         packed_forward(model, ids, mask, hidden=True)[_packed_index(mask, row, col)],
         where,
@@ -1255,9 +1252,8 @@ def states_stats(
     out: Tensor,  # `loss_token_states`' outputs
     labels: Tensor,  # the token each predicts
     head: _OutputLayer | None,  # the output layer (`loss_token_states`; None: `out` are logits)
-) -> tuple[
-    Tensor, Tensor, Tensor
-]:  # (log π(label) with its graph, entropy, label is the argmax), each (tokens,)
+    # (log π(label) with its graph, entropy, label is the argmax), each (tokens,)
+) -> tuple[Tensor, Tensor, Tensor]:
     """`states_logps` and, without a graph, each loss token's entropy and whether its label is the most likely
     token (TRL's SFT `entropy`, `mean_token_accuracy`)."""
     if head is not None:
@@ -1272,25 +1268,25 @@ def states_stats(
 def prompt_groups(
     query_ids: Int[Tensor, "batch query"],  # prompts, left-padded
     query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
-) -> tuple[
-    Int[Tensor, "prompts"], Int[Tensor, "batch"]
-]:  # (the first row of each distinct prompt, each row's prompt), in order of appearance
+    # (the first row of each distinct prompt, each row's prompt), in order of appearance
+) -> tuple[Int[Tensor, "prompts"], Int[Tensor, "batch"]]:
     """The distinct prompts of a batch (the same real tokens in the same columns) and which one each row has: row
     `first[inverse[b]]` holds row b's prompt."""
     real = query_attention_mask.bool()
-    _, inverse = torch.unique(
-        query_ids.masked_fill(~real, -1), dim=0, return_inverse=True
-    )  # a pad is -1: the mask is part of the prompt
+    # a pad is -1: the mask is part of the prompt
+    _, inverse = torch.unique(query_ids.masked_fill(~real, -1), dim=0, return_inverse=True)
     rows = torch.arange(len(inverse), device=inverse.device)
     first = rows.new_full((int(inverse.max()) + 1,), len(rows)).scatter_reduce_(0, inverse, rows, "amin")
-    order = first.argsort()  # `unique` sorts by content: back to appearance
+    # `unique` sorts by content: back to appearance
+    order = first.argsort()
     return first[order], order.argsort()[inverse]
 
 # %% ../nbs/03_agent.ipynb #97294d05
 try:
     from transformers.cache_utils import Cache, DynamicLayer
+# transformers < 4.56: `shared_prefix` is refused by `shared_prompt_forward`
 except ImportError:
-    Cache = DynamicLayer = None  # transformers < 4.56: `shared_prefix` is refused by `shared_prompt_forward`
+    Cache = DynamicLayer = None
 
 
 class _PromptWrite(DynamicLayer or object):
@@ -1340,8 +1336,8 @@ def _cache_in_checkpoints(model: nn.Module):
         raise ValueError(
             "`shared_prefix` with reentrant gradient checkpointing: its forward keeps no graph for the "
             "prompts' keys and values, so their "
-            "gradient would be lost; set gradient_checkpointing_kwargs={'use_reentrant': False} (the default "
-            "here), or leave shared_prefix off"
+            "gradient would be lost; set gradient_checkpointing_kwargs={'use_reentrant': False} "
+            "(the default here), or leave shared_prefix off"
         )
     before = [vars(m).get("_can_checkpoint_with_cache") for m in layers]
     for m in layers:
@@ -1359,13 +1355,16 @@ def _cache_in_checkpoints(model: nn.Module):
 @typecheck
 def shared_prompt_forward(
     model: nn.Module,  # a 🤗 causal LM, or a trunk (a separate critic's)
-    query_ids: Int[Tensor, "batch query"],  # prompts, left-padded; rows with the same prompt share its pass
+    # prompts, left-padded; rows with the same prompt share its pass
+    query_ids: Int[Tensor, "batch query"],
     query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
     response_ids: Int[Tensor, "batch resp"],  # responses, right-padded
     response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
-    hidden: bool = False,  # the last hidden state (what the output layer reads), not the logits
+    # the last hidden state (what the output layer reads), not the logits
+    hidden: bool = False,
     groups: tuple[Tensor, Tensor] | None = None,  # `prompt_groups`' (first, inverse), where known
-) -> Float[Tensor, "batch resp out"]:  # at each response position, the output that predicts its token
+    # at each response position, the output that predicts its token
+) -> Float[Tensor, "batch resp out"]:
     """The logits (or last hidden states) that predict each response token, from two passes: each distinct prompt
     once (`prompt_groups`), then every row's response reading its prompt's keys and values from the cache."""
     lm = _causal_lm(model)
@@ -1383,9 +1382,8 @@ def shared_prompt_forward(
     _check_left_padded(query_attention_mask)
     first, inverse = prompt_groups(query_ids, query_attention_mask) if groups is None else groups
     cache, n_resp = "cache" if _accepts(model, "cache") else "past_key_values", response_ids.shape[1]
-    keep_one = (
-        {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-    )  # a trunk without an output layer takes none
+    # a trunk without an output layer takes none
+    keep_one = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     states = {"output_hidden_states": True} if hidden else {}
     out = lambda o: o.hidden_states[-1] if hidden else o.logits
     written = Cache(layers=[_PromptWrite() for _ in range(config.num_hidden_layers)])
@@ -1432,9 +1430,8 @@ def _cut_rows(
     cut: Tensor,  # (batch,) the column each row's second part starts at
     end: Tensor,  # (batch,) one past each row's last real column
     extra: int = 0,  # pad columns after the longest second part
-) -> tuple[
-    Tensor, Tensor, Tensor, Tensor
-]:  # (first parts left-padded, their mask, second parts right-padded, their mask)
+    # (first parts left-padded, their mask, second parts right-padded, their mask)
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Each row as `shared_prompt_forward` reads it: columns begin…cut as a left-padded prompt, cut…end as a
     right-padded response (pads 0)."""
     width, span, device = int((cut - begin).max()), int((end - cut).max()) + extra, ids.device
@@ -1451,22 +1448,20 @@ def _contexts_and_rest(
     input_ids: Tensor,  # (batch, seq) whole sequences, padded on either side
     attention_mask: Tensor,  # (batch, seq) 1 on real tokens (contiguous in each row)
     loss_mask: Tensor,  # (batch, seq) the tokens to score, on the CPU
-) -> (
-    tuple[Tensor, ...] | None
     # (contexts left-padded, their mask, the rest right-padded, its mask, each row's first loss column); None
     # where no context repeats
-):
+) -> tuple[Tensor, ...] | None:
     """Each row cut before its first loss token (`_cut_rows`): the context (a DPO pair's prompt) as a left-padded
     prompt and the rest as its response, for `shared_prompt_forward`; None where no two rows have the same
     context."""
     real = attention_mask.bool()
+    # a row with nothing to score: no cut
     if not bool(loss_mask.any(1).all()):
-        return None  # a row with nothing to score: no cut
-    begin, start = (
-        real.long().argmax(1),
-        loss_mask.long().argmax(1).to(input_ids.device),
-    )  # each row's first real token, first loss token
+        return None
+    # each row's first real token, first loss token
+    begin, start = real.long().argmax(1), loss_mask.long().argmax(1).to(input_ids.device)
+    # a loss token with nothing before it
     if bool((start <= begin).any()):
-        return None  # a loss token with nothing before it
+        return None
     q, q_mask, r, r_mask = _cut_rows(input_ids, begin, start, begin + real.sum(1))
     return (q, q_mask, r, r_mask, start) if len(prompt_groups(q, q_mask)[0]) < len(q) else None

@@ -49,9 +49,8 @@ def field_help(cls) -> dict[str, str]:
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):
             docs.update({name: doc for name, doc in docments(klass).items() if doc})
-    return {
-        f.name: docs[f.name] for f in fields(cls) if f.name in docs
-    }  # not class variables such as `same_setting`
+    # not class variables such as `same_setting`
+    return {f.name: docs[f.name] for f in fields(cls) if f.name in docs}
 
 # %% ../nbs/10_cli.ipynb #f1a00004
 def _none_or(parse):
@@ -101,12 +100,13 @@ class GooseParser(HfArgumentParser):
         self.add_argument(
             "--config",
             default=argparse.SUPPRESS,
-            help="a YAML file of settings (TRL's --config): its values replace the defaults, flags override "
-            "them",
+            help="a YAML file of settings (TRL's --config): its values replace the defaults, "
+            "flags override them",
         )
         for action in self._actions:
+            # --no_x: the same as --x false
             if isinstance(action, argparse._StoreFalseAction):
-                action.help = argparse.SUPPRESS  # --no_x: the same as --x false
+                action.help = argparse.SUPPRESS
 
     def _help(self, name: str) -> str:
         """A field's help: its comment, naming its second name if it has one; SUPPRESS for the second name
@@ -152,9 +152,8 @@ def use_settings(self: GooseParser, path: str):
     os.environ.update({k: str(v) for k, v in (settings.pop("env", None) or {}).items()})
     if unknown := sorted(set(settings) - self.names):
         self.error(f"unknown settings in {path}: {unknown}")
-    self.set_defaults(
-        **settings
-    )  # argparse reads a text default as it would the flag: YAML's '1e-3' is 0.001
+    # argparse reads a text default as it would the flag: YAML's '1e-3' is 0.001
+    self.set_defaults(**settings)
 
 # %% ../nbs/10_cli.ipynb #f1a00009
 def _comma_lists(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -196,18 +195,19 @@ _TINY = {"tiny-gpt2": "gpt2", "tiny-llama": "llama"}
 class SFTCommand(SFTConfig):
     "goose sft: supervised fine-tuning of a causal LM on demonstrations."
 
-    model: str = (
-        "tiny-gpt2"  # a 🤗 name or path, or tiny-gpt2 / tiny-llama (a tiny model on the task's tokenizer)
-    )
+    # a 🤗 name or path, or tiny-gpt2 / tiny-llama (a tiny model on the task's tokenizer)
+    model: str = "tiny-gpt2"
     # "task" (the built-in demonstrations), a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a Hub
     # name
     dataset: str = "task"
-    columns: str | None = None  # rename the dataset's columns, e.g. "question:prompt,answer:completion"
+    # rename the dataset's columns, e.g. "question:prompt,answer:completion"
+    columns: str | None = None
     output_dir: str = "runs/sft"  # where the model, tokenizer and checkpoints go
     learning_rate: float = 3e-3  # peak learning rate of the optimizer
     per_device_train_batch_size: int = 32  # examples per micro-batch
     max_steps: int = 300  # optimizer steps in all; 0: from `num_train_epochs`
-    warmup_steps: float = 20  # linear warm-up: optimizer steps, or a fraction in (0, 1) of them all
+    # linear warm-up: optimizer steps, or a fraction in (0, 1) of them all
+    warmup_steps: float = 20
 
 # %% ../nbs/10_cli.ipynb #e20b4ecd
 @dataclass
@@ -217,9 +217,8 @@ class RMCommand(RewardConfig):
     model: str = "runs/sft"  # the trunk: a 🤗 causal LM or classifier (usually the SFT model)
     # "task" (the built-in pairs), a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a Hub name
     dataset: str = "task"
-    columns: str | None = (
-        None  # rename the dataset's columns, e.g. "question:prompt,good:chosen,bad:rejected"
-    )
+    # rename the dataset's columns, e.g. "question:prompt,good:chosen,bad:rejected"
+    columns: str | None = None
     # held-out pairs: a file/folder/Hub name, "task", "none", or "auto" (the task's when --dataset is task,
     # else none)
     eval_dataset: str = "auto"
@@ -235,33 +234,30 @@ class OnPolicyCommand(OnPolicyConfig):
     laptop-sized defaults."""
 
     policy: str = "runs/sft"  # the SFT model to start from (also the frozen reference)
-    reward_model: list[str] = dataclasses.field(
-        default_factory=lambda: ["runs/rm"]
-        # a reward model saved by `goose rm`, or "gold" to optimise the task's gold scorer; several: an
-        # ensemble
-    )
-    ensemble_aggregation: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = (
-        "mean"  # several --reward_model paths: combine their scores (`RewardEnsemble`, Coste et al. 2023)
-    )
-    ensemble_k: float = 1.0  # k of mean_minus_std / mean_minus_var: the weight of the members' spread
-    reward_funcs: list[str] | None = (
-        # instead of --reward_model: module:function rewards f(prompts, completions) -> scores, weighted by
-        # --reward_weights
-        None
-    )
-    dataset: str = "task"  # prompts: "task", or a file/folder/Hub name with a "prompt" column
+    # a reward model saved by `goose rm`, or "gold" to optimise the task's gold scorer; several: an ensemble
+    reward_model: list[str] = dataclasses.field(default_factory=lambda: ["runs/rm"])
+    # several --reward_model paths: combine their scores (`RewardEnsemble`, Coste et al. 2023)
+    ensemble_aggregation: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = "mean"
+    # k of mean_minus_std / mean_minus_var: the weight of the members' spread
+    ensemble_k: float = 1.0
+    # instead of --reward_model: module:function rewards f(prompts, completions) -> scores, weighted by
+    # --reward_weights
+    reward_funcs: list[str] | None = None
+    # prompts: "task", or a file/folder/Hub name with a "prompt" column
+    dataset: str = "task"
     columns: str | None = None  # rename the dataset's columns, e.g. "question:prompt"
     learning_rate: float = 5e-4  # peak learning rate of the optimizer
     per_device_train_batch_size: int = 16  # rollout rows per micro-batch
     response_length: int = 16  # tokens sampled per response
-    num_sample_generations: int = 4  # how many times to print a table of samples during training (0: never)
-    logging_steps: float = 4  # log metrics every this many steps, or 🤗's fraction in (0, 1) of all steps
+    # how many times to print a table of samples during training (0: never)
+    num_sample_generations: int = 4
+    # log metrics every this many steps, or 🤗's fraction in (0, 1) of all steps
+    logging_steps: float = 4
     # LoRA rank: train peft adapters, the reference being the policy with them off (0: train every weight)
     lora_r: int = 0
     lora_alpha: float = 16.0  # LoRA scaling numerator (the update is scaled by alpha / r)
-    lora_target_modules: str = (
-        "all-linear"  # modules that get adapters: "all-linear" or comma-separated names, e.g. "c_attn,c_fc"
-    )
+    # modules that get adapters: "all-linear" or comma-separated names, e.g. "c_attn,c_fc"
+    lora_target_modules: str = "all-linear"
 
     def __post_init__(self):
         super().__post_init__()
@@ -306,17 +302,16 @@ class DPOCommand(DPOConfig):
     """goose dpo: direct preference optimisation of the SFT model on preference pairs (no reward model, no
     sampling)."""
 
-    model: str = "runs/sft"  # the model to start from (usually the SFT model; also the frozen reference)
-    loss_type: str = (
-        "sigmoid"  # one of TRL 1.16's 15 DPO loss types, or several as "a,b" (summed with --loss_weights)
-    )
+    # the model to start from (usually the SFT model; also the frozen reference)
+    model: str = "runs/sft"
+    # one of TRL 1.16's 15 DPO loss types, or several as "a,b" (summed with --loss_weights)
+    loss_type: str = "sigmoid"
     loss_weights: str | None = None  # one weight per loss type, e.g. "0.8,0.2,1.0" (None: 1 each)
     # pairs: "task", or a file/folder/Hub name with prompt/chosen/rejected (or chosen/rejected: implicit
     # prompt)
     dataset: str = "task"
-    columns: str | None = (
-        None  # rename the dataset's columns, e.g. "question:prompt,good:chosen,bad:rejected"
-    )
+    # rename the dataset's columns, e.g. "question:prompt,good:chosen,bad:rejected"
+    columns: str | None = None
     # held-out pairs: a file/folder/Hub name, "task", "none", or "auto" (the task's when --dataset is task,
     # else none)
     eval_dataset: str = "auto"
@@ -324,7 +319,8 @@ class DPOCommand(DPOConfig):
     learning_rate: float = 1e-3  # peak learning rate of the optimizer
     per_device_train_batch_size: int = 32  # pairs per micro-batch
     max_steps: int = 60  # optimizer steps in all; 0: from `num_train_epochs`
-    warmup_steps: float = 5  # linear warm-up: optimizer steps, or a fraction in (0, 1) of them all
+    # linear warm-up: optimizer steps, or a fraction in (0, 1) of them all
+    warmup_steps: float = 5
 
 # %% ../nbs/10_cli.ipynb #76f82999
 @dataclass
@@ -332,23 +328,22 @@ class EvalCommand:
     """goose eval: a trained policy against its reference on held-out prompts (reward, gold, win rates, KL); on
     preference pairs, the reward model's report."""
 
-    policy: str = "runs/ppo"  # the trained policy (an agent saved by `goose ppo`, or any causal LM)
+    # the trained policy (an agent saved by `goose ppo`, or any causal LM)
+    policy: str = "runs/ppo"
     reference: str = "runs/sft"  # the reference (SFT) model
-    reward_model: list[str] = dataclasses.field(
-        default_factory=lambda: ["runs/rm"]
-    )  # the reward model, or "gold"; several: an ensemble
-    ensemble_aggregation: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = (
-        "mean"  # several --reward_model paths: combine their scores (`RewardEnsemble`, Coste et al. 2023)
-    )
-    ensemble_k: float = 1.0  # k of mean_minus_std / mean_minus_var: the weight of the members' spread
+    # the reward model, or "gold"; several: an ensemble
+    reward_model: list[str] = dataclasses.field(default_factory=lambda: ["runs/rm"])
+    # several --reward_model paths: combine their scores (`RewardEnsemble`, Coste et al. 2023)
+    ensemble_aggregation: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = "mean"
+    # k of mean_minus_std / mean_minus_var: the weight of the members' spread
+    ensemble_k: float = 1.0
     reward_funcs: list[str] | None = None  # instead of --reward_model: module:function rewards
     reward_weights: list[float] | None = None  # weights of --reward_funcs (default: 1 each)
     # prompts: "task" (held-out built-in prompts), or a file/folder/Hub name with a "prompt" column; with
     # "chosen" and "rejected" columns, pairs: the reward model's report
     dataset: str = "task"
-    category_column: str | None = (
-        None  # pairs: accuracy per group of this column (None: "category" when the pairs have it)
-    )
+    # pairs: accuracy per group of this column (None: "category" when the pairs have it)
+    category_column: str | None = None
     columns: str | None = None  # rename the dataset's columns, e.g. "question:prompt"
     # the independent judge: "vader" (the task's), "none", a module:function, or "auto" (vader when --dataset
     # is task, else none)
@@ -357,7 +352,8 @@ class EvalCommand:
     temperature: float = 1.0  # sampling temperature
     seed: int = 0  # sampling seed
     output: str | None = None  # write the metrics and samples to this JSON file
-    output_dir: str | None = None  # pairs: append the report to metrics.jsonl here and draw report.png
+    # pairs: append the report to metrics.jsonl here and draw report.png
+    output_dir: str | None = None
 
     def __post_init__(self):
         coerce_numbers(self)
@@ -370,38 +366,30 @@ class PipelineCommand:
 
     output_dir: str = "runs/pipeline"  # each stage writes to a subdirectory of this
     model: str = "tiny-gpt2"  # tiny-gpt2, tiny-llama, or a 🤗 causal LM name/path to start from
-    algo: Literal["ppo", "rloo", "grpo", "dpo"] = (
-        # PPO-ptx (with a value head), RLOO or GRPO (no critic), or DPO (offline, on the pairs; no reward
-        # model)
-        "ppo"
-    )
+    # PPO-ptx (with a value head), RLOO or GRPO (no critic), or DPO (offline, on the pairs; no reward model)
+    algo: Literal["ppo", "rloo", "grpo", "dpo"] = "ppo"
     seed: int | None = None  # seeds every stage (None: the stages' default)
     sft_steps: int | None = None  # SFT optimizer steps (None: goose sft's --max_steps)
     sft_learning_rate: float | None = None  # SFT peak learning rate (None: goose sft's)
     rm_steps: int | None = None  # reward-model optimizer steps (None: goose rm's --max_steps)
     rm_learning_rate: float | None = None  # reward-model peak learning rate (None: goose rm's)
-    rl_episodes: int | None = (
-        None  # responses sampled during the RL stage (None: the RL command's --total_episodes)
-    )
+    # responses sampled during the RL stage (None: the RL command's --total_episodes)
+    rl_episodes: int | None = None
     rl_learning_rate: float | None = None  # RL-stage peak learning rate (None: the RL command's)
-    kl_coef: float | None = (
-        # β: weight of the KL penalty, its start value when adaptive (None: the RL command's --kl_coef/--beta)
-        None
-    )
-    response_length: int | None = (
-        None  # tokens sampled per response, in the RL stage and the evaluation (None: the commands')
-    )
-    adaptive_kl: bool = (
-        True  # PPO: steer β towards `kl_target` (the pipeline's choice; goose ppo's default is off)
-    )
+    # β: weight of the KL penalty, its start value when adaptive (None: the RL command's --kl_coef/--beta)
+    kl_coef: float | None = None
+    # tokens sampled per response, in the RL stage and the evaluation (None: the commands')
+    response_length: int | None = None
+    # PPO: steer β towards `kl_target` (the pipeline's choice; goose ppo's default is off)
+    adaptive_kl: bool = True
     kl_target: float = 4.0  # PPO: KL per response (nats) the adaptive controller aims for
-    ptx_coef: float = 0.2  # PPO: γ, weight of the pretraining term (the pipeline's PPO-ptx; 0 for plain PPO)
+    # PPO: γ, weight of the pretraining term (the pipeline's PPO-ptx; 0 for plain PPO)
+    ptx_coef: float = 0.2
     dpo_steps: int | None = None  # DPO optimizer steps (--algo dpo; None: goose dpo's --max_steps)
     dpo_learning_rate: float | None = None  # DPO peak learning rate (--algo dpo; None: goose dpo's)
     dpo_beta: float | None = None  # DPO's β (--algo dpo; None: goose dpo's --beta)
-    overwrite_output_dir: bool = (
-        False  # run again into an output_dir that holds an earlier run's stages, replacing them
-    )
+    # run again into an output_dir that holds an earlier run's stages, replacing them
+    overwrite_output_dir: bool = False
     disable_tqdm: bool = False  # hide the progress bars
 
     def __post_init__(self):
@@ -413,11 +401,11 @@ class PlotCommand:
     """goose plot: draw a run's standard curves (score, KL, RLHF reward, entropy, clip fraction, or its losses)
     from metrics.jsonl."""
 
-    run_dir: str = "runs/ppo"  # a run's output_dir, holding metrics.jsonl (may be given without --run_dir)
+    # a run's output_dir, holding metrics.jsonl (may be given without --run_dir)
+    run_dir: str = "runs/ppo"
     output: str | None = None  # the PNG to write (default: RUN_DIR/curves.png)
-    keys: str | None = (
-        None  # comma-separated metrics to draw (default: the standard curves found in the file)
-    )
+    # comma-separated metrics to draw (default: the standard curves found in the file)
+    keys: str | None = None
 
 # %% ../nbs/10_cli.ipynb #c0275ccd
 class UsageError(ValueError):
@@ -499,9 +487,8 @@ def import_function(spec: str, flag: str):
 def command_reward(args) -> "RewardModel | RewardEnsemble | list | callable":
     """The reward a command names: its `--reward_funcs` (a list, weighted by `reward_weights` as TRL does), the
     task's gold scorer, a saved reward model, or several as a `RewardEnsemble`."""
-    paths = (
-        [args.reward_model] if isinstance(args.reward_model, str) else list(args.reward_model)
-    )  # a YAML config may give one path
+    # a YAML config may give one path
+    paths = [args.reward_model] if isinstance(args.reward_model, str) else list(args.reward_model)
     aggregation, k = getattr(args, "ensemble_aggregation", "mean"), getattr(args, "ensemble_k", 1.0)
     if (aggregation, k) != ("mean", 1.0) and (args.reward_funcs or len(paths) < 2):
         raise UsageError(
@@ -511,7 +498,8 @@ def command_reward(args) -> "RewardModel | RewardEnsemble | list | callable":
     if k != 1.0 and aggregation in ("mean", "min"):
         raise UsageError(
             f"--ensemble_k weighs the spread: it needs --ensemble_aggregation mean_minus_std or "
-            f"mean_minus_var, not {aggregation}"
+            f"mean_minus_var, "
+            f"not {aggregation}"
         )
     if args.reward_funcs:
         return [import_function(s, "--reward_funcs") for s in args.reward_funcs]
@@ -534,19 +522,21 @@ _PYTHON_API = {
 
 
 def python_call(
-    args,  # a parsed command: a training command (a subclass of its stage's config) or `EvalCommand`
+    # a parsed command: a training command (a subclass of its stage's config) or `EvalCommand`
+    args,
 ) -> str:  # e.g. "GRPOConfig(learning_rate=0.0005, ...)"
     """The command as a Python call: every setting of `args` that differs from the Python API's default (a
     setting's second name left out)."""
     target = _PYTHON_API[type(args).__name__]
     if dataclasses.is_dataclass(target):
         python = dataclasses.asdict(target())
+    # its numbers
     else:
         python = {
             n: p.default
             for n, p in inspect.signature(target).parameters.items()
             if p.annotation in (int, float, bool)
-        }  # its numbers
+        }
     second = set(getattr(target, "same_setting", {}).values())
     changed = [
         f"{n}={getattr(args, n)!r}"
@@ -803,11 +793,12 @@ _STANDARD_CURVES = (
     "objective/rlhf_reward",
     "objective/entropy",
     "policy/clipfrac_avg",
+    # PPO/RLOO's names, then GRPO's (TRL's)
     "reward",
     "kl",
     "entropy",
     "clip_ratio/region_mean",
-)  # PPO/RLOO's names, then GRPO's (TRL's)
+)
 
 
 def _curve_keys(rows: list[dict]) -> list[str]:
@@ -862,9 +853,8 @@ class CompletionsCommand:
     """goose completions: print the last completions a run logged with log_completions=True (prompt, completion,
     each reward, advantage)."""
 
-    run_dir: str = (
-        "runs/grpo"  # a run's output_dir, holding completions.jsonl (may be given without --run_dir)
-    )
+    # a run's output_dir, holding completions.jsonl (may be given without --run_dir)
+    run_dir: str = "runs/grpo"
     last: int = 8  # how many of the last logged completions to show
 
 # %% ../nbs/10_cli.ipynb #1c0e7a03
@@ -970,9 +960,8 @@ def run_pipeline(args: PipelineCommand) -> dict:
     else:
         _pipeline_rl(args, out, common, console)
     console.rule(f"{n}/{n} evaluation")
-    reward = (
-        "gold" if args.algo == "dpo" else str(out / "rm")
-    )  # DPO trains no reward model: the gold judge scores both columns
+    # DPO trains no reward model: the gold judge scores both columns
+    reward = "gold" if args.algo == "dpo" else str(out / "rm")
     metrics = run_eval(
         EvalCommand(
             policy=str(out / args.algo),
@@ -1050,19 +1039,22 @@ def main(argv: list[str] | None = None):
         )
         sys.exit(2)
     command, rest = argv[0], argv[1:]
+    # goose plot RUN_DIR
     if command in ("plot", "completions") and rest and not rest[0].startswith("-"):
-        rest = ["--run_dir", *rest]  # goose plot RUN_DIR
+        rest = ["--run_dir", *rest]
     config_class, run = _COMMANDS[command]
     args = parse_config(config_class, rest, prog=f"goose {command}")
     transformers_logging.disable_progress_bar()  # 🤗's per-file load/save bars; ours stay
-    datasets.disable_progress_bars()  # and 🤗 datasets' "Generating train split" bars
+    # and 🤗 datasets' "Generating train split" bars
+    datasets.disable_progress_bars()
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # tied-weight notices on every checkpoint
     try:
         run(args)
     except TrainingInterrupted as e:
         print(f"{e}\nresume with:\n  {resume_command(argv)}", file=sys.stderr)
         sys.exit(143 if e.signal_name == "SIGTERM" else 130)
-    except KeyboardInterrupt:  # a second Ctrl-C, or a trainer that does not stop at a step's end
+    # a second Ctrl-C, or a trainer that does not stop at a step's end
+    except KeyboardInterrupt:
         print(
             f"interrupted; to carry on from the last checkpoint:\n  {resume_command(argv)}", file=sys.stderr
         )
@@ -1070,7 +1062,8 @@ def main(argv: list[str] | None = None):
     except UsageError as e:
         print(f"goose {command}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except ValueError as e:  # a setting or dataset the trainers refused, by name
+    # a setting or dataset the trainers refused, by name
+    except ValueError as e:
         if os.environ.get("GOOSE_TRACEBACK"):
             raise
         print(f"goose {command}: error: {_first_line(e)}  (GOOSE_TRACEBACK=1 shows where)", file=sys.stderr)

@@ -22,7 +22,8 @@ def completion_rows(
     completions: list[str],  # the decoded completions
     reward_names: list[str],  # one name per reward function
     reward_scores: Tensor,  # (rewards, batch) each function's scores, NaN where it returned None
-    advantages: Tensor,  # (batch,) per completion, or (batch, resp) per token (the first token's is logged)
+    # (batch,) per completion, or (batch, resp) per token (the first token's is logged)
+    advantages: Tensor,
 ) -> list[dict]:  # one dict per completion: step, prompt, completion, each reward, advantage
     "The completions table of one step as rows, TRL's columns; NaN scores become None (JSON's null)."
     if (

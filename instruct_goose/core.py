@@ -29,8 +29,9 @@ def assert_tensor(
     if not isinstance(expected, Tensor):
         values = expected
         expected = torch.as_tensor(values)
+        # keep every digit
         if expected.dtype.is_floating_point:
-            expected = torch.as_tensor(values, dtype=torch.float64)  # keep every digit
+            expected = torch.as_tensor(values, dtype=torch.float64)
     expected = expected.to(actual.device)
     assert actual.shape == expected.shape, (
         f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}\n{actual}"
@@ -239,9 +240,8 @@ def pad_to_side(
     ids: Int[Tensor, "batch seq"],  # token ids, padded on either side
     mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],  # 1/True on real tokens
     side: Literal["left", "right"],  # where the padding should go
-) -> tuple[
-    Int[Tensor, "batch seq"], Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"]
-]:  # (ids, mask) re-padded
+    # (ids, mask) re-padded
+) -> tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"]]:
     "Move each row's real tokens (in order) to the far side from `side`, the padding to `side`."
     real_first = mask.long() if side == "right" else 1 - mask.long()
     order = torch.sort(real_first, dim=1, descending=True, stable=True).indices
@@ -293,13 +293,11 @@ def _without_autocast(x: Tensor):
 def _entropy(z: Tensor, lse: Tensor) -> Tensor:
     """Entropy of softmax(z) along the last axis, given lse = logsumexp(z): finite value and gradient where a
     probability underflows; summed in float32 under autocast too."""
-    z_finite = z.masked_fill(
-        ~torch.isfinite(z), 0.0
-    )  # a −inf logit has probability 0: it adds nothing, and no 0·∞ to the gradient
+    # a −inf logit has probability 0: it adds nothing, and no 0·∞ to the gradient
+    z_finite = z.masked_fill(~torch.isfinite(z), 0.0)
+    # Σ p·z without a third (rows × vocab) tensor; vecdot is one of autocast's bf16 operations
     with _without_autocast(z):
-        return lse - torch.linalg.vecdot(
-            z.softmax(-1), z_finite
-        )  # Σ p·z without a third (rows × vocab) tensor; vecdot is one of autocast's bf16 operations
+        return lse - torch.linalg.vecdot(z.softmax(-1), z_finite)
 
 
 @typecheck
@@ -312,9 +310,8 @@ def entropy_from_logits(
     return torch.stack([_entropy(row, torch.logsumexp(row, -1)) for row in _float_rows(logits, temperature)])
 
 # %% ../nbs/00_core.ipynb #c7a1e002
-_LOGITS_PER_CHUNK = (
-    2**24
-)  # (positions × vocab) logits `logprobs_from_hidden` holds at once: 64 MiB in float32
+# (positions × vocab) logits `logprobs_from_hidden` holds at once: 64 MiB in float32
+_LOGITS_PER_CHUNK = 2**24
 
 # %% ../nbs/00_core.ipynb #c7a1e003
 # log p is clamped here for the entropy: exp of anything below −104 is 0 in float32 anyway, and 0 · (−10⁴) is
@@ -352,10 +349,9 @@ def _log_softmax_(z: Tensor) -> Tensor:
 def _entropy_(log_p: Tensor) -> Tensor:
     """H = −Σ p log p of rows of log-probabilities, summed in float32 (not in autocast's dtype); clamps `log_p`
     in place at `_LOG_P_FLOOR`."""
+    # one (positions × vocab) tensor made, not two
     with _without_autocast(log_p):
-        return (
-            -log_p.clamp_(min=_LOG_P_FLOOR).exp().mul_(log_p).sum(-1)
-        )  # one (positions × vocab) tensor made, not two
+        return -log_p.clamp_(min=_LOG_P_FLOOR).exp().mul_(log_p).sum(-1)
 
 
 def _head_forward(
@@ -392,7 +388,8 @@ def _head_forward(
 
 # %% ../nbs/00_core.ipynb #c7a1e003c
 def _autocast_once(
-    x: Tensor | None,  # the output layer's weight or bias (float32 master weights under mixed precision)
+    # the output layer's weight or bias (float32 master weights under mixed precision)
+    x: Tensor | None,
     device: str,  # autocast's device type
     dtype: torch.dtype | None,  # autocast's dtype in the forward (`_autocast_dtype`); None: it was off
 ) -> Tensor | None:  # `x` as the layer reads it under that autocast
@@ -417,9 +414,10 @@ def _add_into(
 ):
     """`total += g`, `_ADD_BLOCK` elements at a time: the CPU makes a float32 copy of a bf16 operand before
     adding it (a GPU converts it in the kernel), so at most one block is ever copied."""
+    # nothing copied: one add
     if total.device.type != "cpu" or g.dtype == total.dtype or g.dim() == 0:
         total += g
-        return  # nothing copied: one add
+        return
     rows = max(1, _ADD_BLOCK // max(1, g[0].numel()))
     for t, x in zip(total.split(rows), g.split(rows)):
         t += x
@@ -498,60 +496,54 @@ class _Head(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, grad_top1):
+        # `create_graph=True`: a graph of the backward too
         if torch.is_grad_enabled():
-            return _head_grads_with_graph(
-                ctx, grad_logprobs, grad_entropy
-            )  # `create_graph=True`: a graph of the backward too
+            return _head_grads_with_graph(ctx, grad_logprobs, grad_entropy)
         hidden, weight, bias, labels, kept, entropies = ctx.saved_tensors
         temperature, size, device, dtype, after = ctx.args
         wants = ctx.needs_input_grad[:3]
         dh, dW, db = torch.empty_like(hidden) if wants[0] else None, None, None
-        weight, bias = (
-            _autocast_once(x, device, dtype) for x in (weight, bias)
-        )  # the casts autocast would make in every chunk
+        # the casts autocast would make in every chunk
+        weight, bias = (_autocast_once(x, device, dtype) for x in (weight, bias))
         for start in range(0, len(hidden), size):
             rows = slice(start, start + size)
             h = _autocast_once(hidden[rows], device, dtype)
             g = grad_logprobs[rows] if grad_logprobs is not None else h.new_zeros(len(h), dtype=torch.float32)
-            u = (
-                torch.nn.functional.linear(h, weight, bias) if kept is None else None
-            )  # the layer's output, recomputed
+            # the layer's output, recomputed
+            u = torch.nn.functional.linear(h, weight, bias) if kept is None else None
             log_p = kept if kept is not None else _log_softmax_(_tempered(u, temperature, after))
             if grad_entropy is not None:
                 if kept is None:
                     log_p.clamp_(min=_LOG_P_FLOOR)  # as the forward's entropy read it
-                coef = (
-                    (log_p + entropies[rows, None]).mul_(grad_entropy[rows, None]).add_(g[:, None])
-                )  # g_π + g_H (log p + H)
+                # g_π + g_H (log p + H)
+                coef = (log_p + entropies[rows, None]).mul_(grad_entropy[rows, None]).add_(g[:, None])
             p = log_p.exp() if kept is not None else log_p.exp_()  # a kept log p is read, not overwritten
             dz = p.mul_(-g[:, None]) if grad_entropy is None else p.mul_(coef).neg_()
             dz[torch.arange(len(dz), device=dz.device), labels[rows]] += g
             if temperature != 1.0:
                 dz.div_(temperature)
+            # through the soft-capping or scaling after the layer
             if after is not None:
-                dz = _through(after, u, dz)  # through the soft-capping or scaling after the layer
-            dz = dz.to(h.dtype)  # the float32 cast's backward: autocast's dtype under autocast
+                dz = _through(after, u, dz)
+            # the float32 cast's backward: autocast's dtype under autocast
+            dz = dz.to(h.dtype)
             if dh is not None:
                 dh[rows] = (dz @ weight).to(dh.dtype)
             if wants[1]:
+                # the first chunk's ∂W is the sum so far: no zeros, no addition
                 if dW is None:
-                    dW = (dz.t() @ h).float()  # the first chunk's ∂W is the sum so far: no zeros, no addition
+                    dW = (dz.t() @ h).float()
+                # float32: added inside the multiply, no (vocab × hidden) product made
                 elif dz.dtype == dW.dtype:
-                    dW.addmm_(
-                        dz.t(), h
-                    )  # float32: added inside the multiply, no (vocab × hidden) product made
+                    dW.addmm_(dz.t(), h)
+                # a bf16 ∂W is added in float32: its exact float32 value, as its cast would be
                 else:
-                    _add_into(
-                        dW, dz.t() @ h
-                    )  # a bf16 ∂W is added in float32: its exact float32 value, as its cast would be
+                    _add_into(dW, dz.t() @ h)
             if wants[2] and bias is not None:
                 db = dz.sum(0).float() if db is None else db.add_(dz.sum(0))
+        # no positions: zeros, as autograd gives
         dW, db = (
-            torch.zeros_like(x)
-            if d is None and w and x is not None
-            else None
-            if d is None
-            else d.to(x.dtype)  # no positions: zeros, as autograd gives
+            torch.zeros_like(x) if d is None and w and x is not None else None if d is None else d.to(x.dtype)
             for d, x, w in zip((dW, db), ctx.saved_tensors[1:3], wants[1:])
         )
         return dh, dW, db, None, None, None, None, None, None
@@ -564,22 +556,20 @@ def logprobs_from_hidden(
     bias: Float[Tensor, "vocab"] | None,  # its bias b, or None
     labels: Int[Tensor, "batch resp"],  # the token ids whose log-probabilities we want
     temperature: float = 1.0,  # the sampling temperature T: logits are divided by it
-    entropy: Literal[
-        "grad", "no_grad", "skip"
-    ] = "skip",  # the entropy too: with gradients, without, or not at all (None)
-    chunk_size: int | None = None,  # positions per chunk; None: as many as `_LOGITS_PER_CHUNK` logits
+    # the entropy too: with gradients, without, or not at all (None)
+    entropy: Literal["grad", "no_grad", "skip"] = "skip",
+    # positions per chunk; None: as many as `_LOGITS_PER_CHUNK` logits
+    chunk_size: int | None = None,
     # a third output: whether each label is the most likely token (TRL's `mean_token_accuracy`), no graph
     top1: bool = False,
-    after: Callable[[Tensor], Tensor]
     # what the model does to the layer's logits before the softmax, elementwise in their dtype (🤗's
     # soft-capping, scaling); None: nothing
-    | None = None,
-) -> (
-    tuple[
-        Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None
-    ]  # (log π(label), entropy) per position, float32
+    after: Callable[[Tensor], Tensor] | None = None,
+) -> (  # (log π(label), entropy) per position, float32
+    tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None]
+    # with `top1`: and is-top-1
     | tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None, Bool[Tensor, "batch resp"]]
-):  # with `top1`: and is-top-1
+):
     """`logprobs_from_logits` and `entropy_from_logits` of after(h Wᵀ + b), `chunk_size` positions at a time:
     never the whole (batch × resp × vocab) logits, with or without gradients."""
     check_number("temperature", temperature, low_open=True)
@@ -618,11 +608,8 @@ class Float32Linear(nn.Linear):
 @typecheck
 def truncate_after_stop(
     ids: Int[Tensor, "batch resp"],  # sampled response token ids
-    stop_token_ids: int
-    | Sequence[int]
-    | Int[
-        Tensor, "..."
-    ],  # id(s) that end a response, e.g. the EOS id (a tensor too, as torchtune passes them)
+    # id(s) that end a response, e.g. the EOS id (a tensor too, as torchtune passes them)
+    stop_token_ids: int | Sequence[int] | Int[Tensor, "..."],
     pad_token_id: int,  # id written after the first stop token
 ) -> tuple[Int[Tensor, "batch resp"], Bool[Tensor, "batch resp"]]:  # (new ids, True on real tokens)
     "Pad everything after each row's first stop token; return the new ids and the mask of real tokens."

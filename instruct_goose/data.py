@@ -23,7 +23,8 @@ def _pad_token_id(tokenizer) -> int:
     if tokenizer.pad_token_id is None:
         raise ValueError(
             "the tokenizer has no pad token: set `tokenizer.pad_token` (a token other than EOS, "
-            "e.g. tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's embeddings)"
+            "e.g. tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's "
+            "embeddings)"
         )
     return tokenizer.pad_token_id
 
@@ -95,8 +96,8 @@ def encode_sft(
     prompts: list[str] | None,  # prompts, or None for plain text
     completions: list[str],  # completions (or the plain texts)
     max_length: int | None = None,  # keep at most this many tokens of prompt + completion + EOS
-    eos_token_id: int
-    | None = None,  # the id that ends each completion (TRL's `eos_token`); None: the tokenizer's EOS
+    # the id that ends each completion (TRL's `eos_token`); None: the tokenizer's EOS
+    eos_token_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (ids, mask, loss_mask), padded on the right
     """Prompt + completion + EOS, right-padded, with a loss mask on the completion and EOS only (every predicted
     token for plain text)."""
@@ -133,9 +134,10 @@ def as_dataset(
     if not any(set(cols) <= set(data.column_names) for cols in columns):
         hints = {
             "messages": " (`messages` rows are SFT data; the other trainers read a `prompt` column, text or a list "
-            "of messages)",
-            "input_ids": " (give the text: the trainers tokenize it themselves, with the chat template where the rows "
-            "are messages)",
+            "of "
+            "messages)",
+            "input_ids": " (give the text: the trainers tokenize it themselves, with the chat template where the "
+            "rows are messages)",
         }
         hint = "".join(h for column, h in hints.items() if column in data.column_names)
         raise ValueError(
@@ -172,7 +174,8 @@ def _read_source(source: str, split: str) -> Dataset:
 
 # %% ../nbs/02_data.ipynb #e0508529
 def read_dataset(
-    source: str,  # a .json/.jsonl/.csv/.parquet file, a `save_to_disk` folder, or a 🤗 Hub name
+    # a .json/.jsonl/.csv/.parquet file, a `save_to_disk` folder, or a 🤗 Hub name
+    source: str,
     split: str = "train",  # the split of a Hub dataset or a saved `DatasetDict`
     columns: dict[str, str] | None = None,  # columns to rename, {old: new}, e.g. {"question": "prompt"}
 ) -> Dataset:  # the rows, columns renamed
@@ -246,8 +249,8 @@ CHATML_TEMPLATE = (
 def chat_spans(
     tokenizer,  # renders the conversation (its chat template)
     messages: list[dict],  # the conversation; the prompt when `completion` is given
-    completion: list[dict]
-    | None = None,  # the reply to `messages` (TRL's conversational prompt-completion row)
+    # the reply to `messages` (TRL's conversational prompt-completion row)
+    completion: list[dict] | None = None,
     column: str = "messages",  # the column `messages` came from, for messages
 ) -> tuple[str, list[tuple[int, int]]]:  # (the rendered text, the character spans the loss counts)
     """A conversation as text and its loss spans: each assistant turn of `messages`, or all of `completion`, as
@@ -276,7 +279,8 @@ def chat_spans(
             raise ValueError(
                 f"the chat template renders the first {b} messages of a `{column}` row differently once more "
                 f"follow, so the "
-                "assistant's tokens cannot be found: render the rows to prompt/completion text yourself"
+                "assistant's tokens cannot be found: render the rows to prompt/completion text "
+                "yourself"
             )
         spans.append((len(head), len(upto)))
     return text, spans
@@ -340,7 +344,8 @@ def render_chat(
         if not whole.startswith(head):
             raise ValueError(
                 "the chat template renders the prompt differently once a reply follows; render the pairs to "
-                "text yourself"
+                "text "
+                "yourself"
             )
         return whole[len(head) :]
 

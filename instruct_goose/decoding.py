@@ -36,21 +36,16 @@ class LayerCache:
         every position so far (views), or of all `length` positions when `start` is a tensor."""
         if self.keys is None:
             dev = k.device.type
-            rounded = (
-                _autocast_dtype(dev) if k.dtype == torch.float32 else None
-            )  # a rotary family's k under autocast: float32 (🤗's cos, sin follow the float32 residual stream)
-            dtype = rounded or (
-                torch.float32 if dev == "cpu" and k.dtype == torch.bfloat16 else k.dtype
-            )  # exact: a bfloat16 is a float32 with its last 16 bits 0
+            # a rotary family's k under autocast: float32 (🤗's cos, sin follow the float32 residual stream)
+            rounded = _autocast_dtype(dev) if k.dtype == torch.float32 else None
+            # exact: a bfloat16 is a float32 with its last 16 bits 0
+            dtype = rounded or (torch.float32 if dev == "cpu" and k.dtype == torch.bfloat16 else k.dtype)
             self.keys = k.new_zeros(*k.shape[:2], self.length, k.shape[-1], dtype=dtype)
             self.values = v.new_zeros(*v.shape[:2], self.length, v.shape[-1], dtype=dtype)
-        k, v = (
-            k.to(self.keys.dtype),
-            v.to(self.values.dtype),
-        )  # autocast's rounding, done once here; nothing where the dtypes agree
-        if isinstance(
-            start, Tensor
-        ):  # a position held in a tensor (a CUDA graph replays it): read every position
+        # autocast's rounding, done once here; nothing where the dtypes agree
+        k, v = k.to(self.keys.dtype), v.to(self.values.dtype)
+        # a position held in a tensor (a CUDA graph replays it): read every position
+        if isinstance(start, Tensor):
             at = start + torch.arange(k.shape[2], device=k.device)
             return self.keys.index_copy_(2, at, k), self.values.index_copy_(2, at, v)
         end = start + k.shape[2]
@@ -65,8 +60,8 @@ class KVCache:
     def __init__(
         self,
         layers: int,  # attention layers
-        length: int,
-    ):  # positions it holds: prompt width + new tokens
+        length: int,  # positions it holds: prompt width + new tokens
+    ):
         self.layers, self.length = [LayerCache(length) for _ in range(layers)], length
 
     def keep(self, rows: Tensor):
@@ -80,21 +75,20 @@ def _attend(q, k, v, mask, scale: float, sinks=None, softcap: float | None = Non
     to c·tanh(z/c) where `softcap` c is given (Gemma 2), with each head's learned sink logit in the softmax
     where `sinks` (heads,) is (GPT-OSS); where G query heads share a key head, the G heads read it as G times
     the queries (no copy of the cache)."""
-    if (
-        q.device.type == "cpu" and q.dtype == torch.bfloat16
-        # the CPU's bfloat16 kernel takes a single query 4-7× as long as float32's: the same bfloat16 numbers,
-        # attended in float32
-    ):
+    # the CPU's bfloat16 kernel takes a single query 4-7× as long as float32's: the same bfloat16 numbers,
+    # attended in float32
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         with torch.autocast("cpu", enabled=False):
             return _attend(q.float(), k.float(), v.float(), mask, scale, sinks, softcap).to(q.dtype)
-    P, G = q.shape[2], q.shape[1] // k.shape[1]  # new positions; query heads per key head
-    plain = sinks is None and softcap is None  # PyTorch's kernel; else by hand
+    # new positions; query heads per key head
+    P, G = q.shape[2], q.shape[1] // k.shape[1]
+    # PyTorch's kernel; else by hand
+    plain = sinks is None and softcap is None
     if G == 1 and plain:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # (batch, 1, G·new, keys): each group's queries, in turn
     if P > 1:
-        mask = (
-            mask.unsqueeze(2).expand(-1, -1, G, -1, -1).flatten(2, 3)
-        )  # (batch, 1, G·new, keys): each group's queries, in turn
+        mask = mask.unsqueeze(2).expand(-1, -1, G, -1, -1).flatten(2, 3)
     q = q.unflatten(1, (-1, G)).flatten(2, 3)
     if plain:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -103,18 +97,21 @@ def _attend(q, k, v, mask, scale: float, sinks=None, softcap: float | None = Non
         if softcap is not None:
             z = torch.tanh(z / softcap) * softcap
         z = z.masked_fill(~mask, -torch.inf)
-        if sinks is not None:  # the sink: one more logit in each softmax, its value 0
+        # the sink: one more logit in each softmax, its value 0
+        if sinks is not None:
+            # head h's at its queries' rows
             sink = (
                 sinks.to(z.dtype)
                 .view(-1, G, 1)
                 .expand(-1, -1, P)
                 .reshape(1, -1, G * P, 1)
                 .expand(len(z), -1, -1, -1)
-            )  # head h's at its queries' rows
+            )
             z = torch.cat([z, sink], -1)
         p = z.softmax(-1, dtype=torch.float32)
         o = (p if sinks is None else p[..., :-1]).to(v.dtype) @ v
-    return o.unflatten(2, (G, P)).flatten(1, 2)  # (batch, heads, new, head_dim): head h read key head h // G
+    # (batch, heads, new, head_dim): head h read key head h // G
+    return o.unflatten(2, (G, P)).flatten(1, 2)
 
 
 def _rotate(attention: nn.Module, q, k, cos, sin):
@@ -138,7 +135,8 @@ def _windowed(mask, start, window: int):
     """`mask` (batch, 1, new, keys) narrowed to a sliding window: the new position written at start + i reads the
     keys j > start + i − window (🤗's `sliding_window_overlay`)."""
     new, keys = mask.shape[-2:]
-    at = start + torch.arange(new, device=mask.device)[:, None]  # each new position's place in the cache
+    # each new position's place in the cache
+    at = start + torch.arange(new, device=mask.device)[:, None]
     return mask & (torch.arange(keys, device=mask.device) > at - window)
 
 
@@ -163,9 +161,8 @@ def _gpt2_layer(block, h, kv: LayerCache, start, mask):
         for x in a.c_attn(block.ln_1(h)).split(a.split_size, -1)
     )
     k, v = kv.update(k, v, start)
-    h = h + a.c_proj(
-        _attend(q, k, v, mask, a.scaling).transpose(1, 2).flatten(2)
-    )  # scaling: 1/√d, and 🤗's per-layer option
+    # scaling: 1/√d, and 🤗's per-layer option
+    h = h + a.c_proj(_attend(q, k, v, mask, a.scaling).transpose(1, 2).flatten(2))
     return h + block.mlp(block.ln_2(h))
 
 
@@ -218,16 +215,17 @@ def _llama_layer(layer, h, cos, sin, kv: LayerCache, start, mask):
     """One Llama-family layer over `h`, rotary positions (cos, sin), its keys and values written into `kv` at
     `start`."""
     a = layer.self_attn
-    q, k, v = (
-        x.unflatten(-1, (-1, a.head_dim)) for x in _qkv(a, layer.input_layernorm(h))
-    )  # (batch, new, heads, head_dim)
+    # (batch, new, heads, head_dim)
+    q, k, v = (x.unflatten(-1, (-1, a.head_dim)) for x in _qkv(a, layer.input_layernorm(h)))
     if hasattr(a, "q_norm"):
         q, k = a.q_norm(q), a.k_norm(k)  # Qwen3
     q, k = q.transpose(1, 2), k.transpose(1, 2)
+    # SmolLM3: no positions on every 4th layer
     if getattr(a, "use_rope", True):
-        q, k = _rotate(a, q, k, cos, sin)  # SmolLM3: no positions on every 4th layer
+        q, k = _rotate(a, q, k, cos, sin)
     k, v = kv.update(k, v.transpose(1, 2), start)
-    o = _attend(q, k, v, mask, a.scaling, getattr(a, "sinks", None))  # GPT-OSS: each head's sink
+    # GPT-OSS: each head's sink
+    o = _attend(q, k, v, mask, a.scaling, getattr(a, "sinks", None))
     h = h + a.o_proj(o.transpose(1, 2).flatten(2))
     return h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
 
@@ -420,12 +418,13 @@ def decoding_refusal(
 # %% ../nbs/03a_decoding.ipynb #d3c0a021
 def narrow(
     z: Float[Tensor, "batch vocab"],  # one step's logits
-    seen: Bool[Tensor, "batch vocab"]
-    | None,  # True on tokens already in each row (None: no repetition penalty)
+    # True on tokens already in each row (None: no repetition penalty)
+    seen: Bool[Tensor, "batch vocab"] | None,
     temperature: float = 1.0,  # T: z / T
     top_k: int = 0,  # keep the k most likely tokens (0: all)
     top_p: float = 1.0,  # keep the nucleus of mass top_p (1: all)
-    min_p: float | None = None,  # keep tokens at least min_p × as likely as the most likely (None: all)
+    # keep tokens at least min_p × as likely as the most likely (None: all)
+    min_p: float | None = None,
     repetition_penalty: float = 1.0,  # θ on the logits of `seen` tokens (1: off)
 ) -> Float[Tensor, "batch vocab"]:  # the logits to sample from, dropped tokens at -inf
     "🤗's sampling rules by hand, in 🤗's order: the repetition penalty, the temperature, top-k, top-p, min-p."
@@ -438,7 +437,8 @@ def narrow(
     if top_p < 1.0:
         ascending, order = z.sort(-1)
         drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
-        drop[:, -1] = False  # the most likely token always stays
+        # the most likely token always stays
+        drop[:, -1] = False
         z = z.masked_fill(drop.scatter(1, order, drop), -torch.inf)
     if min_p is not None:
         p = z.softmax(-1)
@@ -461,17 +461,13 @@ class _Replay:
 
     def __init__(self, step, lm, cache: KVCache, rows: int, device: torch.device):
         self.tok, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=device) for _ in range(2))
-        self.start = torch.zeros((), dtype=torch.long, device=device)  # the position written
+        # the position written
+        self.start = torch.zeros((), dtype=torch.long, device=device)
         self.mask = torch.zeros(rows, 1, 1, cache.length, dtype=torch.bool, device=device)
         self.at = torch.arange(cache.length, device=device)
-        self.step, self.lm, self.cache = (
-            step,
-            lm,
-            cache,
-            # no closure over self: dropped, a replay and its graph go at once, not when Python's collector
-            # finds
-            # a cycle
-        )
+        # no closure over self: dropped, a replay and its graph go at once, not when Python's collector finds
+        # a cycle
+        self.step, self.lm, self.cache = step, lm, cache
         self.graph = self.out = None
 
     def run(self) -> Tensor:
@@ -492,12 +488,9 @@ class _Replay:
         return self.out.clone()
 
 # %% ../nbs/03a_decoding.ipynb #4cb497fb
-_ROOM = (
-    1 << 30
-    # free device bytes under which `_record` empties the allocator's cache first (as `torch.cuda.graph`
-    # always
-    # does)
-)
+# free device bytes under which `_record` empties the allocator's cache first (as `torch.cuda.graph` always
+# does)
+_ROOM = 1 << 30
 
 
 def _record(
@@ -513,11 +506,12 @@ def _record(
         fn()
     now.wait_stream(side)
     torch.cuda.synchronize(device)
+    # what the graph allocates cannot come from blocks cached for others while it records
     if torch.cuda.mem_get_info(device)[0] < _ROOM:
-        # what the graph allocates cannot come from blocks cached for others while it records
         torch.cuda.empty_cache()
     graph, collecting = torch.cuda.CUDAGraph(), gc.isenabled()
-    gc.disable()  # a graph the collector frees while another records is a CUDA error
+    # a graph the collector frees while another records is a CUDA error
+    gc.disable()
     try:
         with torch.cuda.stream(side):
             graph.capture_begin()
@@ -570,15 +564,15 @@ def _compiled(step, options: bool | dict):
     tag = repr(sorted(options.items()))
 
     def run(part, *args):
+        # the options may set these too
         if (part, tag) not in _COMPILED:
-            _COMPILED[part, tag] = torch.compile(
-                part, **{"fullgraph": True, "dynamic": None, **options}
-            )  # the options may set these too
+            _COMPILED[part, tag] = torch.compile(part, **{"fullgraph": True, "dynamic": None, **options})
         return _COMPILED[part, tag](*args)
 
     def compiled_step(*args):
+        # dynamo's 8: headroom for many models in one process
         with torch._dynamo.config.patch(recompile_limit=64):
-            return step(*args, run=run)  # dynamo's 8: headroom for many models in one process
+            return step(*args, run=run)
 
     return compiled_step
 
@@ -591,23 +585,24 @@ def _cast_once(
     """Inside the block each linear layer the step calls (`nn.Linear`, GPT-2's `Conv1D`, a tied output layer too;
     not those `_merged_away`, not a `Float32Linear`) holds its float weight and bias cast to `dtype`, cast
     once; the model's own parameters are untouched and come back after."""
+    # a float32 output layer stays float32
     layers = [
         m
         for m in lm.modules()
         if isinstance(m, (nn.Linear, Conv1D))
-        and not isinstance(m, Float32Linear)  # a float32 output layer stays float32
+        and not isinstance(m, Float32Linear)
+        # not those a fused or merged layer stands in for
         and not getattr(m, "_merged_away", False)
-    ]  # not those a fused or merged layer stands in for
+    ]
     saved = [m._parameters for m in layers]
     cast = lambda p: (
         nn.Parameter(p.detach().to(dtype), requires_grad=False)
         if p is not None and p.is_floating_point()
         else p
     )
+    # an output layer tied to the embedding: only its entry
     for m in layers:
-        m._parameters = {
-            name: cast(p) for name, p in m._parameters.items()
-        }  # an output layer tied to the embedding: only its entry
+        m._parameters = {name: cast(p) for name, p in m._parameters.items()}
     try:
         yield
     finally:
@@ -623,6 +618,7 @@ def _linear_of(m: nn.Module) -> nn.Linear | None:
     return m if type(m) is nn.Linear and "forward" not in vars(m) else None
 
 # %% ../nbs/03a_decoding.ipynb #a5f26ae5
+# forward: down(act(gate x) ⊙ up x), as `_mlp`
 _GATED_MLPS = (
     "LlamaMLP",
     "MistralMLP",
@@ -634,7 +630,7 @@ _GATED_MLPS = (
     "Olmo2MLP",
     "Olmo3MLP",
     "SmolLM3MLP",
-)  # forward: down(act(gate x) ⊙ up x), as `_mlp`
+)
 
 
 def _stacked(layers: list[nn.Linear], dtype: torch.dtype) -> nn.Linear:
@@ -695,7 +691,8 @@ def _fused_projections(
 @torch.no_grad()
 @typecheck
 def decode(
-    model: nn.Module,  # a causal LM `decoding_refusal` accepts, in eval mode
+    # a causal LM `decoding_refusal` accepts, in eval mode
+    model: nn.Module,
     query_ids: Int[Tensor, "batch query"],  # prompts, left-padded
     query_attention_mask: Int[Tensor, "batch query"] | Bool[Tensor, "batch query"],
     max_new_tokens: int,  # tokens to sample per row at most
@@ -706,15 +703,13 @@ def decode(
     top_p: float = 1.0,
     min_p: float | None = None,
     repetition_penalty: float = 1.0,
-    graphs: bool
     # replay each step from a CUDA graph, the batch kept at a power of two (`_Replay`); None: on a GPU, where
     # `_graph_refusal` has no objection
-    | None = None,
-    compile: bool
+    graphs: bool | None = None,
     # run that static step through `torch.compile` (`_compiled`; a dict: its options, e.g. a backend): fused
     # kernels, recorded inside the graph on a GPU; the cache's length rounded up to a multiple of 64 so other
     # prompt widths reuse the compiled step
-    | dict = False,
+    compile: bool | dict = False,
     # steps between the loop's host syncs, which drop finished rows and end the loop when no row is left; more
     # lets a GPU queue that many steps ahead (finished rows ride along until the next sync, their tokens
     # dropped)
@@ -722,12 +717,12 @@ def decode(
     # rows with the same prompt (RLOO's k, GRPO's G) run it through the step once (`prompt_groups`), its keys,
     # values and last logits copied to each
     share_prompts: bool = False,
-    fuse: bool
     # q, k, v in one matrix multiply and a gated MLP's gate and up in another (`_fused_projections`, stacked
     # copies for the call); None: only where the copy takes the place of a cast, under autocast over weights
     # of another dtype (the trainers' mixed precision); True: wherever it can, a copy of those weights more
-    | None = None,
-) -> Int[Tensor, "batch new"]:  # the sampled ids, `max_new_tokens` per row, stop token included
+    fuse: bool | None = None,
+    # the sampled ids, `max_new_tokens` per row, stop token included
+) -> Int[Tensor, "batch new"]:
     """Sample each row's response token by token through the family's step (`_STEPS`) and a static cache;
     finished rows leave the batch."""
     lm = _causal_lm(model)
@@ -745,26 +740,26 @@ def decode(
             f"`{'compile' if compile else 'graphs=True'}`, but this model's step cannot be replayed from a "
             f"CUDA graph: {refusal}"
         )
+    # the module walk only where graphs could run
     if graphs is None:
-        graphs = (
-            bool(compile) or dev.type == "cuda" and _graph_refusal(lm) is None
-        )  # the module walk only where graphs could run
-    length = (
-        -(-(P + max_new_tokens) // 64) * 64 if compile else P + max_new_tokens
-    )  # compiled: one cache length for 64 widths
+        graphs = bool(compile) or dev.type == "cuda" and _graph_refusal(lm) is None
+    # compiled: one cache length for 64 widths
+    length = -(-(P + max_new_tokens) // 64) * 64 if compile else P + max_new_tokens
     valid = torch.cat(
         [
             query_attention_mask.bool(),
             torch.ones(B, max_new_tokens, dtype=torch.bool, device=dev),
+            # keys a position may read
             torch.zeros(B, length - P - max_new_tokens, dtype=torch.bool, device=dev),
         ],
         1,
-    )  # keys a position may read
+    )
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
     cache, step = KVCache(lm.config.num_hidden_layers, length), _step_for(lm)
     static_step = _compiled(step, compile) if compile else step
     autocast = _autocast_dtype(dev.type)
-    cast_once = compile and autocast is not None  # else a compiled graph casts every weight every step
+    # else a compiled graph casts every weight every step
+    cast_once = compile and autocast is not None
     stacking = (
         _fused_projections(lm, autocast, casts_only=fuse is None)
         if fuse or (fuse is None and autocast is not None)
@@ -772,11 +767,11 @@ def decode(
     )
     with stacking, _cast_once(lm, autocast) if cast_once else nullcontext():
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        reads = causal & valid[:, None, :P] | torch.eye(
-            P, dtype=torch.bool, device=dev
-        )  # the real tokens at or before; a pad reads itself
+        # the real tokens at or before; a pad reads itself
+        reads = causal & valid[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)
         first, inverse = prompt_groups(query_ids, query_attention_mask) if share_prompts else (None, None)
-        if first is not None and len(first) < B:  # each distinct prompt once, then copied to its rows
+        # each distinct prompt once, then copied to its rows
+        if first is not None and len(first) < B:
             logits = step(lm, query_ids[first], pos[first, :P], cache, 0, reads[first, None])[inverse]
             cache.keep(inverse)
         else:
@@ -786,14 +781,16 @@ def decode(
             torch.zeros(B, V + 1, dtype=torch.bool, device=dev).scatter_(
                 1, query_ids.masked_fill(~valid[:, :P], V), True
             )[:, :V]
+            # the prompts' real tokens
             if repetition_penalty != 1.0
             else None
-        )  # the prompts' real tokens
+        )
+        # rows: each batch row's output row; B (a scratch row) once finished
         out, rows, replay = (
             query_ids.new_full((B + 1, max_new_tokens), pad_token_id),
             torch.arange(B, device=dev),
             None,
-        )  # rows: each batch row's output row; B (a scratch row) once finished
+        )
         stops = torch.as_tensor(stop_token_ids, device=dev).reshape(-1)
         for t in range(max_new_tokens):
             tok = _draw(
@@ -803,16 +800,16 @@ def decode(
             rows = rows.masked_fill(torch.isin(tok, stops), B)
             if t + 1 == max_new_tokens:
                 break
-            left = (
-                int((rows < B).sum()) if (t + 1) % sync_every == 0 else len(rows)
-            )  # the loop's one host sync, every `sync_every` steps
+            # the loop's one host sync, every `sync_every` steps
+            left = int((rows < B).sum()) if (t + 1) % sync_every == 0 else len(rows)
             if left == 0:
                 break
-            size = 1 << (left - 1).bit_length() if graphs else left  # graphs: the power of two at or above
-            if size < len(rows):  # finished rows leave the batch
-                keep = torch.argsort(rows == B, stable=True)[
-                    :size
-                ]  # the rows going first, then (graphs) finished ones as filler
+            # graphs: the power of two at or above
+            size = 1 << (left - 1).bit_length() if graphs else left
+            # finished rows leave the batch
+            if size < len(rows):
+                # the rows going first, then (graphs) finished ones as filler
+                keep = torch.argsort(rows == B, stable=True)[:size]
                 rows, tok, valid, pos, replay = rows[keep], tok[keep], valid[keep], pos[keep], None
                 cache.keep(keep)
                 if seen is not None:

@@ -77,25 +77,12 @@ _LossType = Literal[
     "sft",
     "sigmoid_norm",
 ]  # TRL 1.16's `loss_type`s
-_FDivergence = Literal[
-    "reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
-]  # TRL 1.16's `f_divergence_type`s
-_F_DIVERGENCE_LOSSES = (
-    "sigmoid",
-    "sigmoid_norm",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "robust",
-    "discopop",
-    "sft",
-)  # built on h alone
-_SMOOTHED = (
-    "robust",
-    "exo_pair",
-    "aot",
-    "aot_unpaired",
-)  # the loss types that read `label_smoothing` (TRL 1.16)
+# TRL 1.16's `f_divergence_type`s
+_FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]
+# built on h alone
+_F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+# the loss types that read `label_smoothing` (TRL 1.16)
+_SMOOTHED = ("robust", "exo_pair", "aot", "aot_unpaired")
 
 # %% ../nbs/09c_dpo.ipynb #c7403cef
 def _check_loss_options(loss_types, label_smoothing: float, f_divergence_type: str) -> None:
@@ -124,8 +111,8 @@ def _check_loss_options(loss_types, label_smoothing: float, f_divergence_type: s
         raise ValueError(
             f"`label_smoothing` is read by loss_type {', '.join(_SMOOTHED)} only (TRL 1.16), not "
             f"{', '.join(loss_types)}: "
-            "for label noise use loss_type='robust' (TRL 0.19's conservative sigmoid is gone), or "
-            "label_smoothing=0"
+            "for label noise use loss_type='robust' (TRL 0.19's conservative sigmoid is gone), "
+            "or label_smoothing=0"
         )
     if "robust" in loss_types and not 0 <= label_smoothing < 0.5:
         raise ValueError(
@@ -145,46 +132,49 @@ def f_divergence_scores(
     # the f of the f-divergence regulariser (Wang et al. 2023)
     f_divergence_type: _FDivergence = "reverse_kl",
     f_alpha_divergence_coef: float = 0.5,  # α of the α-divergence
-) -> Float[Tensor, "batch"]:  # f′(π/π_ref): the score whose chosen − rejected difference the loss reads
+    # f′(π/π_ref): the score whose chosen − rejected difference the loss reads
+) -> Float[Tensor, "batch"]:
     "f′(u) at u = π/π_ref for TRL 1.16's f-divergences; reverse KL (DPO) gives log u itself."
     if f_divergence_type == "reverse_kl":
         return logratios
     if f_divergence_type == "forward_kl":
         return 1 - torch.exp(-logratios)  # f′(u) = 1 − 1/u
+    # f′(u) = log(2u/(1+u))
     if f_divergence_type == "js_divergence":
-        return math.log(2) + F.logsigmoid(logratios)  # f′(u) = log(2u/(1+u))
+        return math.log(2) + F.logsigmoid(logratios)
     if f_divergence_type != "alpha_divergence":
         raise ValueError(
             f"`f_divergence_type` must be one of {', '.join(get_args(_FDivergence))}; got "
             f"{f_divergence_type!r}"
         )
     a = f_alpha_divergence_coef
+    # the α → 1 limit is log u
     if abs(a - 1) < 1e-6:
-        return logratios  # the α → 1 limit is log u
-    return (torch.exp(torch.clamp((a - 1) * logratios.float(), max=80.0)) - 1).to(logratios.dtype) / (
-        a - 1
-    )  # (u^(α−1) − 1)/(α − 1)
+        return logratios
+    # (u^(α−1) − 1)/(α − 1)
+    return (torch.exp(torch.clamp((a - 1) * logratios.float(), max=80.0)) - 1).to(logratios.dtype) / (a - 1)
 
 # %% ../nbs/09c_dpo.ipynb #1545e3dc
 @typecheck
 def dpo_loss(
-    policy_chosen_logps: Float[
-        Tensor, "batch"
-    ],  # log π(y_w|x): the chosen completion's summed log-probabilities
+    # log π(y_w|x): the chosen completion's summed log-probabilities
+    policy_chosen_logps: Float[Tensor, "batch"],
     policy_rejected_logps: Float[Tensor, "batch"],  # log π(y_l|x)
     ref_chosen_logps: Float[Tensor, "batch"],  # log π_ref(y_w|x)
     ref_rejected_logps: Float[Tensor, "batch"],  # log π_ref(y_l|x)
-    beta: float = 0.1,  # β: the KL weight the loss's optimum answers to (IPO, SPPO: τ = 1/β's role)
+    # β: the KL weight the loss's optimum answers to (IPO, SPPO: τ = 1/β's role)
+    beta: float = 0.1,
     loss_type: _LossType = "sigmoid",  # one of TRL 1.16's 15 loss types
     # ε: flipped-label rate (robust, aot*) or EXO's target smoothing; 0 for the others
     label_smoothing: float = 0.0,
     f_divergence_type: _FDivergence = "reverse_kl",  # f-DPO's regulariser (the losses built on h only)
     f_alpha_divergence_coef: float = 0.5,  # α of the α-divergence
     discopop_tau: float = 0.05,  # DiscoPOP's temperature τ
-    chosen_lengths: Int[Tensor, "batch"]
-    | None = None,  # completion tokens of y_w (ipo, sigmoid_norm: per-token scores)
+    # completion tokens of y_w (ipo, sigmoid_norm: per-token scores)
+    chosen_lengths: Int[Tensor, "batch"] | None = None,
     rejected_lengths: Int[Tensor, "batch"] | None = None,  # completion tokens of y_l
-    sft_loss: Float[Tensor, ""] | None = None,  # the chosen completions' mean NLL per token (loss_type='sft')
+    # the chosen completions' mean NLL per token (loss_type='sft')
+    sft_loss: Float[Tensor, ""] | None = None,
 ) -> Float[Tensor, "batch"]:  # the loss of each pair
     """The loss of each pair under one of TRL 1.16's DPO loss types, from sequence log-probabilities of policy
     and reference."""
@@ -195,7 +185,8 @@ def dpo_loss(
     if loss_type in ("ipo", "sigmoid_norm"):
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError(f"loss_type={loss_type!r} needs `chosen_lengths` and `rejected_lengths`")
-        h = sw / chosen_lengths.clamp(min=1) - sl / rejected_lengths.clamp(min=1)  # per-token scores
+        # per-token scores
+        h = sw / chosen_lengths.clamp(min=1) - sl / rejected_lengths.clamp(min=1)
     if loss_type in ("sigmoid", "sigmoid_norm"):
         return -ls(beta * h)
     if loss_type == "hinge":
@@ -205,7 +196,8 @@ def dpo_loss(
     if loss_type == "robust":
         return (-(1 - eps) * ls(beta * h) + eps * ls(-beta * h)) / (1 - 2 * eps)
     if loss_type == "exo_pair":
-        q = torch.stack([beta * h, -beta * h]).sigmoid()  # the policy's (win, lose) probabilities
+        # the policy's (win, lose) probabilities
+        q = torch.stack([beta * h, -beta * h]).sigmoid()
         return (
             q
             * (
@@ -232,7 +224,8 @@ def dpo_loss(
     if loss_type == "apo_down":
         return torch.sigmoid(beta * cw) + 1 - torch.sigmoid(beta * (cw - cl))
     if loss_type == "discopop":
-        m = torch.sigmoid(beta * h / discopop_tau)  # the blend of the two
+        # the blend of the two
+        m = torch.sigmoid(beta * h / discopop_tau)
         return -ls(beta * h) * (1 - m) + torch.exp(-beta * h) * m
     if sft_loss is None:
         raise ValueError("loss_type='sft' needs `sft_loss` (the chosen completions' mean NLL per token)")
@@ -246,88 +239,72 @@ class DPOConfig(StageConfig):
     (see `TrainingConfig`)."""
 
     learning_rate: float = 1e-6  # peak learning rate of the optimizer (TRL's default)
-    beta: float = 0.1  # β: the KL weight of the objective DPO solves; the implicit reward is β·log π/π_ref
-    loss_type: str | list[str] = (
-        "sigmoid"  # one of TRL 1.16's 15 loss types, or several (a list, or "a,b") summed with `loss_weights`
-    )
-    loss_weights: list[float] | None = (
-        # the weight of each loss type (None: 1 each), e.g. MPO's [0.8, 0.2, 1.0] for sigmoid, bco_pair, sft
-        None
-    )
-    label_smoothing: float = (
-        0.0  # ε: flipped-label rate for robust and aot/aot_unpaired, EXO's ε for exo_pair; refused elsewhere
-    )
-    f_divergence_type: str = (
-        "reverse_kl"  # f-DPO's regulariser: reverse_kl (DPO), forward_kl, js_divergence, alpha_divergence
-    )
+    # β: the KL weight of the objective DPO solves; the implicit reward is β·log π/π_ref
+    beta: float = 0.1
+    # one of TRL 1.16's 15 loss types, or several (a list, or "a,b") summed with `loss_weights`
+    loss_type: str | list[str] = "sigmoid"
+    # the weight of each loss type (None: 1 each), e.g. MPO's [0.8, 0.2, 1.0] for sigmoid, bco_pair, sft
+    loss_weights: list[float] | None = None
+    # ε: flipped-label rate for robust and aot/aot_unpaired, EXO's ε for exo_pair; refused elsewhere
+    label_smoothing: float = 0.0
+    # f-DPO's regulariser: reverse_kl (DPO), forward_kl, js_divergence, alpha_divergence
+    f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5  # α of alpha_divergence
     discopop_tau: float = 0.05  # DiscoPOP's temperature τ (loss_type='discopop')
-    use_weighting: bool = (
-        False  # WPO: weight each pair by both completions' length-normalised probability (no gradient)
-    )
-    ld_alpha: float | None = (
-        None  # LD-DPO's α in [0, 1]: tokens past the shorter completion's length count α times (None: off)
-    )
-    max_prompt_length: int | None = (
-        # cut prompts to their last this many tokens, with a warning (None: never cut; TRL 0.19's field, gone
-        # in 1.16)
-        None
-    )
-    truncation_mode: str = (
-        "keep_start"  # past `max_length`: keep_start cuts the end, keep_end the start (TRL 1.16: deprecated)
-    )
-    padding_free: bool = (
-        False  # sequences end to end in a few rows, no pad token in their attention (same losses)
-    )
+    # WPO: weight each pair by both completions' length-normalised probability (no gradient)
+    use_weighting: bool = False
+    # LD-DPO's α in [0, 1]: tokens past the shorter completion's length count α times (None: off)
+    ld_alpha: float | None = None
+    # cut prompts to their last this many tokens, with a warning (None: never cut; TRL 0.19's field, gone in
+    # 1.16)
+    max_prompt_length: int | None = None
+    # past `max_length`: keep_start cuts the end, keep_end the start (TRL 1.16: deprecated)
+    truncation_mode: str = "keep_start"
+    # sequences end to end in a few rows, no pad token in their attention (same losses)
+    padding_free: bool = False
     # our own (NeMo RL's name for RL): a pair's prompt runs once for its two completions (`loss_token_states`;
     # same losses)
     shared_prefix: bool = False
-    pad_to_multiple_of: int | str | None = (
-        None  # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
-    )
-    precompute_ref_log_probs: bool = (
-        False  # compute the reference's log-probabilities once, before training, and free the reference
-    )
-    precompute_ref_batch_size: int | None = (
-        None  # pairs per forward pass while precomputing (None: per_device_train_batch_size)
-    )
-    sync_ref_model: bool = False  # TR-DPO: every `ref_model_sync_steps` steps, π_ref ← α·π_θ + (1 − α)·π_ref
+    # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
+    pad_to_multiple_of: int | str | None = None
+    # compute the reference's log-probabilities once, before training, and free the reference
+    precompute_ref_log_probs: bool = False
+    # pairs per forward pass while precomputing (None: per_device_train_batch_size)
+    precompute_ref_batch_size: int | None = None
+    # TR-DPO: every `ref_model_sync_steps` steps, π_ref ← α·π_θ + (1 − α)·π_ref
+    sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6  # TR-DPO's α
     ref_model_sync_steps: int = 512  # TR-DPO's τ: optimizer steps between syncs
-    model_init_kwargs: dict | str | None = (
-        # keyword arguments of `from_pretrained` when `model` (or `ref_model`) is a name or path (TRL's JSON
-        # text too)
-        None
-    )
-    trust_remote_code: bool = False  # let `from_pretrained` run a checkpoint's own code (model and tokenizer)
+    # keyword arguments of `from_pretrained` when `model` (or `ref_model`) is a name or path (TRL's JSON text
+    # too)
+    model_init_kwargs: dict | str | None = None
+    # let `from_pretrained` run a checkpoint's own code (model and tokenizer)
+    trust_remote_code: bool = False
     dataset_num_proc: int | None = None  # processes that tokenise the pairs (datasets' `num_proc`)
-    activation_offloading: bool = (
-        False  # keep the policy's saved activations on the CPU between forward and backward
-    )
-    disable_dropout: bool = True  # zero the policy's dropout, so that π and π_ref score alike at the start
-    router_aux_loss_coef: float | None = (
-        # mixture-of-experts models: c of the load-balancing loss c·L_aux added to each micro-batch's loss
-        # (`router_aux_coef`; None: the model config's, 0: none)
-        None
-    )
-    pad_token: str | None = None  # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
+    # keep the policy's saved activations on the CPU between forward and backward
+    activation_offloading: bool = False
+    # zero the policy's dropout, so that π and π_ref score alike at the start
+    disable_dropout: bool = True
+    # mixture-of-experts models: c of the load-balancing loss c·L_aux added to each micro-batch's loss
+    # (`router_aux_coef`; None: the model config's, 0: none)
+    router_aux_loss_coef: float | None = None
+    # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
+    pad_token: str | None = None
 
     def __post_init__(self):
-        self.pad_to_multiple_of = pad_multiple(
-            self.pad_to_multiple_of
-        )  # before 🤗's number checks: "auto" is TRL's too
+        # before 🤗's number checks: "auto" is TRL's too
+        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)
         super().__post_init__()
+        # 🤗's `HfArgumentParser` (TRL's `TrlParser`) gives a list-or-text field no default: TRL's
         if self.loss_type is None:
-            # 🤗's `HfArgumentParser` (TRL's `TrlParser`) gives a list-or-text field no default: TRL's
             self.loss_type = "sigmoid"
         if isinstance(self.loss_type, str):
             self.loss_type = [t.strip() for t in self.loss_type.split(",")]
         if isinstance(self.loss_weights, (list, tuple)) and all(
             isinstance(w, str) for w in self.loss_weights
         ):
-            self.loss_weights = "".join(
-                self.loss_weights
-            )  # today's CLI applies `list[float]` to the text: one character each
+            # today's CLI applies `list[float]` to the text: one character each
+            self.loss_weights = "".join(self.loss_weights)
         if isinstance(self.loss_weights, str):
             self.loss_weights = [float(w) for w in self.loss_weights.split(",")]
         self.loss_type = list(self.loss_type)
@@ -404,17 +381,15 @@ def collate_pairs(
     """Tokenised pairs as one batch: the chosen rows, then the rejected ones, right-padded, with a loss mask on
     the completions."""
     heads, tails = list(rows["prompt_ids"]) * 2, [*rows["chosen_ids"], *rows["rejected_ids"]]
-    heads, tails = zip(
-        *[(h, t) if h else (t[:1], t[1:]) for h, t in zip(heads, tails)]
-    )  # no prompt: the first token is context
+    # no prompt: the first token is context
+    heads, tails = zip(*[(h, t) if h else (t[:1], t[1:]) for h, t in zip(heads, tails)])
     keep_end = truncation_mode == "keep_end" and max_length is not None
     seqs = [(h + t)[-max_length:] if keep_end else (h + t)[:max_length] for h, t in zip(heads, tails)]
     ids, mask = pad_to_multiple(
         pad_to_multiple_of, *zip(pad_rows(seqs, pad_token_id, "right"), (pad_token_id, 0))
     )
-    cut = [
-        len(h) + len(t) - len(s) if keep_end else 0 for h, t, s in zip(heads, tails, seqs)
-    ]  # tokens cut from the start
+    # tokens cut from the start
+    cut = [len(h) + len(t) - len(s) if keep_end else 0 for h, t, s in zip(heads, tails, seqs)]
     column, starts = (
         torch.arange(ids.shape[1]),
         torch.tensor([max(len(h) - c, 0) for h, c in zip(heads, cut)]),
@@ -427,8 +402,8 @@ def encode_pairs(
     prompts: list[str],  # prompts
     chosen: list[str],  # preferred completions
     rejected: list[str],  # the other completions
-    max_length: int
-    | None = None,  # keep at most this many tokens of prompt + completion + EOS (the end is cut)
+    # keep at most this many tokens of prompt + completion + EOS (the end is cut)
+    max_length: int | None = None,
     max_prompt_length: int | None = None,  # keep at most this many tokens of each prompt (its start is cut)
     # end each completion with EOS (False: conversational pairs, which the chat template ended)
     add_eos: bool = True,
@@ -449,12 +424,10 @@ class CompletionLogps(NamedTuple):
     logits: Tensor  # Σ over the loss tokens of the mean logit over the vocabulary (no gradient)
     raw_logps: Tensor  # Σ_t log π(y_t|…), unweighted
     wpo_logps: Tensor | None  # Σ_t (log π(y_t|…) − log Σ_v π(v|…)²), no gradient (WPO), when asked for
-    entropy: Tensor | None = (
-        None  # Σ_t of the entropy of π(·|…) at the completion tokens, no gradient, when `stats` is asked for
-    )
-    top1: Tensor | None = (
-        None  # how many completion tokens are the most likely token, when `stats` is asked for
-    )
+    # Σ_t of the entropy of π(·|…) at the completion tokens, no gradient, when `stats` is asked for
+    entropy: Tensor | None = None
+    # how many completion tokens are the most likely token, when `stats` is asked for
+    top1: Tensor | None = None
 
 # %% ../nbs/09c_dpo.ipynb #d4f0c001
 def _mean_logits(hidden: Tensor, head: _OutputLayer) -> Tensor:
@@ -463,8 +436,9 @@ def _mean_logits(hidden: Tensor, head: _OutputLayer) -> Tensor:
     at a time."""
     if head.after is not None:
         return torch.cat([head.logits(h).float().mean(-1) for h in head.chunks(hidden)])
+    # a matmul: autocast's bf16 otherwise
     with _without_autocast(hidden):
-        mean = hidden.float() @ head.weight.float().mean(0)  # a matmul: autocast's bf16 otherwise
+        mean = hidden.float() @ head.weight.float().mean(0)
     return mean if head.bias is None else mean + head.bias.float().mean()
 
 # %% ../nbs/09c_dpo.ipynb #d4f0c002
@@ -478,11 +452,11 @@ def completion_logps(
     model: nn.Module,  # a 🤗 causal LM
     input_ids: Int[Tensor, "batch seq"],  # whole sequences, padded on either side
     attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],
-    loss_mask: Bool[
-        Tensor, "batch seq"
-    ],  # the completion tokens (never position 0); on the CPU, no device sync
+    # the completion tokens (never position 0); on the CPU, no device sync
+    loss_mask: Bool[Tensor, "batch seq"],
     token_weights: Float[Tensor, "batch seq"] | None = None,  # a weight per loss token (LD-DPO); None: 1
-    wpo: bool = False,  # also Σ_t (log π(y_t) − log Σ_v π_v²), WPO's aligned log-probability
+    # also Σ_t (log π(y_t) − log Σ_v π_v²), WPO's aligned log-probability
+    wpo: bool = False,
     # one forward of the sequences packed in bins, no pad token in their attention (`packed_forward`)
     padding_free: bool = False,
     # also each row's summed entropy and count of top-1 tokens (TRL's `entropy`, `mean_token_accuracy`)
@@ -498,17 +472,20 @@ def completion_logps(
     token_logps, entropy, top1 = (
         states_stats(out, labels, head) if stats else (states_logps(out, labels, head), None, None)
     )
-    if head is not None:  # out: (tokens, hidden); the head in chunks
+    # out: (tokens, hidden); the head in chunks
+    if head is not None:
         mean_logits = _mean_logits(out.detach(), head)
         log_sum_sq = lambda: torch.cat([_log_sum_sq(head.logits(h)) for h in head.chunks(out)])
-    else:  # out: (tokens, vocab) logits
+    # out: (tokens, vocab) logits
+    else:
         mean_logits, log_sum_sq = out.detach().float().mean(-1), lambda: _log_sum_sq(out)
     per_row = lambda x: torch.zeros(len(input_ids), device=x.device).index_add(0, row, x)
+    # (row, col) order
     weighted = (
         token_logps
         if token_weights is None
         else token_logps * token_weights[:, 1:][loss_mask[:, 1:].to(token_weights.device)].to(token_logps)
-    )  # (row, col) order
+    )
     aligned = None
     if wpo:
         with torch.no_grad():
@@ -531,23 +508,22 @@ class DPOTrainer(Trainer):
     def __init__(
         self,
         model: PreTrainedModel | str,  # the policy: a 🤗 causal LM, or its name/path
-        ref_model: PreTrainedModel
-        | str
-        | None = None,  # π_ref (frozen here); None: a frozen copy of `model` (LoRA: its adapter-off base)
+        # π_ref (frozen here); None: a frozen copy of `model` (LoRA: its adapter-off base)
+        ref_model: PreTrainedModel | str | None = None,
         args: DPOConfig | None = None,  # hyper-parameters; None: the defaults
         processing_class=None,  # the tokenizer (None: loaded from `model`'s path)
-        train_dataset=None,  # pairs: prompt, chosen, rejected (or chosen, rejected: implicit prompt)
+        # pairs: prompt, chosen, rejected (or chosen, rejected: implicit prompt)
+        train_dataset=None,
         eval_dataset=None,  # the same columns, for `eval_loss` and `eval_rewards/*`
-        peft_config=None,  # a peft config (e.g. `LoraConfig`): train adapters only (TRL's `peft_config`)
-        callbacks: list
-        | None = None,  # 🤗 `TrainerCallback`s, called by the loop as 🤗's `Trainer` calls them
-        optimizers=(
-            None,
-            None,
-            # 🤗's: (your optimizer over the policy's trainable parameters, its lr_scheduler or None)
-            # (`check_optimizers`)
-        ),
-        **renamed,  # the old names `config` and `tokenizer` (see `trainer_arguments`)
+        # a peft config (e.g. `LoraConfig`): train adapters only (TRL's `peft_config`)
+        peft_config=None,
+        # 🤗 `TrainerCallback`s, called by the loop as 🤗's `Trainer` calls them
+        callbacks: list | None = None,
+        # 🤗's: (your optimizer over the policy's trainable parameters, its lr_scheduler or None)
+        # (`check_optimizers`)
+        optimizers=(None, None),
+        # the old names `config` and `tokenizer` (see `trainer_arguments`)
+        **renamed,
     ):
         a = trainer_arguments(DPOTrainer, dict(args=args, processing_class=processing_class), renamed)
         self.take_optimizers(optimizers)
@@ -557,13 +533,11 @@ class DPOTrainer(Trainer):
             raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a path")
         model = with_peft(_load_model(model, self.args), peft_config)
         self.model = fuse_activations(disable_dropout(model) if self.args.disable_dropout else model)
-        self.router_aux_loss_coef = router_aux_coef(
-            self.model, self.args.router_aux_loss_coef
-        )  # MoE: c of c·L_aux (0: none)
+        # MoE: c of c·L_aux (0: none)
+        self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)
         refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef, self.args.shared_prefix)
-        cached_self = (
-            ref_model is None and self.args.precompute_ref_log_probs
-        )  # the policy scores its own start: no copy
+        # the policy scores its own start: no copy
+        cached_self = ref_model is None and self.args.precompute_ref_log_probs
         self.ref_model = (
             None
             if cached_self
@@ -574,9 +548,8 @@ class DPOTrainer(Trainer):
         self.max_length = fit_to_context(self.args.max_length, model)
         self.train_dataset = self.pairs(train_dataset, "train_dataset")
         self.eval_dataset = None if eval_dataset is None else self.pairs(eval_dataset, "eval_dataset")
-        self.ref_logps = self.eval_ref_logps = (
-            None  # (pairs, 2) reference log-probabilities of the training and eval sets, once precomputed
-        )
+        # (pairs, 2) reference log-probabilities of the training and eval sets, once precomputed
+        self.ref_logps = self.eval_ref_logps = None
 
 # %% ../nbs/09c_dpo.ipynb #160b20cd
 @patch
@@ -591,9 +564,8 @@ def pairs(self: DPOTrainer, data, name: str) -> Dataset:
         )
     if self.max_length is not None and (limit is None or limit >= self.max_length):
         rows = drop_long_prompts(rows, tokenizer, self.max_length, name)
-    add_eos = not is_conversational(
-        data[0]["chosen"]
-    )  # a conversation ends the way its chat template ends the turn
+    # a conversation ends the way its chat template ends the turn
+    add_eos = not is_conversational(data[0]["chosen"])
     return rows.map(
         lambda batch: tokenize_pairs(tokenizer, batch, limit, add_eos),
         batched=True,
@@ -628,19 +600,20 @@ def dpo_metrics(
 @patch
 def encode(
     self: DPOTrainer,
-    rows: dict,  # a batch of tokenised rows (dict of column lists: prompt_ids, chosen_ids, rejected_ids)
+    # a batch of tokenised rows (dict of column lists: prompt_ids, chosen_ids, rejected_ids)
+    rows: dict,
     ref_logps: Tensor | None = None,  # (pairs, 2) their precomputed reference log-probabilities, if any
-) -> tuple[tuple, int]:  # ((ids, mask, loss_mask, reference log-probs or None), number of pairs)
+    # ((ids, mask, loss_mask, reference log-probs or None), number of pairs)
+) -> tuple[tuple, int]:
     """A micro-batch: chosen then rejected rows (`collate_pairs`), with the cached reference log-probabilities in
     the same order."""
     a = self.args
     batch = collate_pairs(
         rows, _pad_token_id(self.processing_class), self.max_length, a.truncation_mode, a.pad_to_multiple_of
     )
+    # nothing is cut: past the model's context is an error naming `max_length`
     if self.max_length is None:
-        within_context(
-            batch[1], self.model
-        )  # nothing is cut: past the model's context is an error naming `max_length`
+        within_context(batch[1], self.model)
     cached = None if ref_logps is None else torch.cat([ref_logps[:, 0], ref_logps[:, 1]])
     return (*batch, cached), len(rows["prompt_ids"])
 
@@ -652,7 +625,8 @@ def reference_logps(self: DPOTrainer, ids: Tensor, mask: Tensor, loss_mask: Tens
     if self.ref_model is None:
         raise ValueError(
             "no reference model to score these pairs: with precompute_ref_log_probs, only "
-            "the training and eval sets' reference log-probabilities are kept"
+            "the training and eval sets' reference log-probabilities are "
+            "kept"
         )
     with eval_mode(self.ref_model):
         return self.score(self.ref_model, ids, mask, loss_mask).logps
@@ -662,9 +636,8 @@ def reference_logps(self: DPOTrainer, ids: Tensor, mask: Tensor, loss_mask: Tens
 def ld_weights(
     loss_mask: Bool[Tensor, "batch seq"],  # the completion tokens: chosen rows, then rejected rows
     ld_alpha: float,  # LD-DPO's α
-) -> Float[
-    Tensor, "batch seq"
-]:  # 1 on each completion's first min(|y_w|, |y_l|) tokens, α on the rest, 0 off the completion
+    # 1 on each completion's first min(|y_w|, |y_l|) tokens, α on the rest, 0 off the completion
+) -> Float[Tensor, "batch seq"]:
     """LD-DPO's token weights (Liu et al. 2024): a pair's longer completion counts its tokens past the shorter
     one's length α times."""
     position = loss_mask.cumsum(1) * loss_mask  # 1, 2, ... along each completion
@@ -693,25 +666,23 @@ def score(
 # %% ../nbs/09c_dpo.ipynb #06bad59c
 @typecheck
 def mixed_dpo_loss(
-    logps: Float[
-        Tensor, "rows"
-    ],  # log π of each row's completion (LD-DPO-weighted if so configured): chosen rows, then rejected
+    # log π of each row's completion (LD-DPO-weighted if so configured): chosen rows, then rejected
+    logps: Float[Tensor, "rows"],
     ref_logps: Float[Tensor, "rows"],  # log π_ref, in the same order
     n_tokens: Int[Tensor, "rows"],  # completion tokens per row
     args,  # a `DPOConfig`: loss_type, loss_weights, beta and the loss options
-    raw_logps: Float[Tensor, "rows"]
-    | None = None,  # unweighted log π (the sft term's tokens; default: `logps`)
-    wpo_logps: Float[Tensor, "rows"]
-    | None = None,  # Σ_t (log π(y_t) − log Σ_v π_v²) per row (`use_weighting`)
+    # unweighted log π (the sft term's tokens; default: `logps`)
+    raw_logps: Float[Tensor, "rows"] | None = None,
+    # Σ_t (log π(y_t) − log Σ_v π_v²) per row (`use_weighting`)
+    wpo_logps: Float[Tensor, "rows"] | None = None,
 ) -> Float[Tensor, "pairs"]:  # Σ_k w_k·ℓ_k of each pair (times its WPO weight)
     """TRL 1.16's combined loss: each `loss_type` with its `loss_weights` weight; with `use_weighting`, each pair
     scaled by WPO's weight."""
     chosen, rejected, ref_chosen, ref_rejected = (*logps.chunk(2), *ref_logps.chunk(2))
     n_chosen, n_rejected = n_tokens.chunk(2)
     raw = logps if raw_logps is None else raw_logps
-    sft = -raw.chunk(2)[0].sum() / n_chosen.sum().clamp(
-        min=1
-    )  # mean NLL per chosen token, over the micro-batch
+    # mean NLL per chosen token, over the micro-batch
+    sft = -raw.chunk(2)[0].sum() / n_chosen.sum().clamp(min=1)
     total = 0.0
     for loss_type, weight in zip(args.loss_type, args.loss_weights or [1.0] * len(args.loss_type)):
         eps = args.label_smoothing if loss_type in _SMOOTHED else 0.0
@@ -734,9 +705,8 @@ def mixed_dpo_loss(
         return total
     if wpo_logps is None:
         raise ValueError("`use_weighting` needs `wpo_logps` (completion_logps(..., wpo=True))")
-    weights = torch.exp(
-        wpo_logps / n_tokens.clamp(min=1)
-    ).detach()  # WPO eq. 2: exp of the per-token aligned log-probability
+    # WPO eq. 2: exp of the per-token aligned log-probability
+    weights = torch.exp(wpo_logps / n_tokens.clamp(min=1)).detach()
     return total * weights.chunk(2)[0] * weights.chunk(2)[1]
 
 # %% ../nbs/09c_dpo.ipynb #7802ca7d
@@ -755,12 +725,14 @@ def pair_loss_sum(
     ref = self.reference_logps(ids, mask, loss_mask) if ref is None else ref.to(device)
     n_tokens = loss_mask[:, 1:].sum(1).to(device)
     losses = mixed_dpo_loss(out.logps, ref, n_tokens, a, out.raw_logps, out.wpo_logps)
+    # TRL 1.16's: over both completions,
     trl = {
-        "entropy": out.entropy.sum() / n_tokens.sum().clamp(min=1),  # TRL 1.16's: over both completions,
-        "mean_token_accuracy": out.top1.chunk(2)[0].sum()
-        / n_tokens.chunk(2)[0].sum().clamp(min=1),  # on the chosen ones,
+        "entropy": out.entropy.sum() / n_tokens.sum().clamp(min=1),
+        # on the chosen ones,
+        "mean_token_accuracy": out.top1.chunk(2)[0].sum() / n_tokens.chunk(2)[0].sum().clamp(min=1),
+        # prompts and both completions
         "num_tokens": mask.sum(),
-    }  # prompts and both completions
+    }
     stats = {**dpo_metrics(out.logps.detach(), ref, out.logits, n_tokens, a.beta), **trl}
     if not aux:
         return losses.sum(), stats
@@ -814,18 +786,16 @@ def evaluate(
                 aux.append(stats.pop("aux_loss"))
             for k, v in {"loss": loss_sum / pairs, **stats}.items():
                 totals[k] = totals.get(k, 0.0) + v * pairs / n
-    out = {
-        f"eval_{k}": totals[k].item() for k in ("loss", "rewards/accuracies", "rewards/margins")
-    }  # the host waits once per metric, not per batch
+    # the host waits once per metric, not per batch
+    out = {f"eval_{k}": totals[k].item() for k in ("loss", "rewards/accuracies", "rewards/margins")}
     return {**out, "eval_aux_loss": torch.stack(aux).mean().item()} if aux else out
 
 # %% ../nbs/09c_dpo.ipynb #d0005dac
 @patch
 def train(
     self: DPOTrainer,
-    resume_from_checkpoint: bool
-    | str
-    | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+    # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+    resume_from_checkpoint: bool | str | None = None,
 ) -> PreTrainedModel:
     """Train on the pairs with `TrainLoop.fit`: log TRL's statistics (and eval), checkpoint, call the callbacks,
     save the model and tokenizer to `output_dir`."""

@@ -48,9 +48,8 @@ def own_generation_config(model: nn.Module):
 def _packable_weight(m: nn.Module, min_features: int = 1) -> Tensor | None:
     """The (out, in) float32 CPU weight of a plain linear layer (`nn.Linear`, or GPT-2's `Conv1D`, which stores
     it transposed) with at least `min_features` inputs; None for anything else."""
+    # a forward already replaced (accelerate's hooks), or a LoRA base layer `merged_adapters` stands in for
     if "forward" in vars(m) or getattr(m, "_merged_away", False):
-        # a forward already replaced (accelerate's hooks), or a LoRA base layer `merged_adapters` stands in
-        # for
         return None
     w = m.weight if type(m) is nn.Linear else m.weight.t() if type(m) is Conv1D else None
     return (
@@ -67,13 +66,13 @@ def _packable_weight(m: nn.Module, min_features: int = 1) -> Tensor | None:
 def packed_linears(
     # any model; only its plain float32 linear layers on the CPU change, and only inside the block
     model: nn.Module,
-    rows: int,  # rows a call will multiply (the batch of a decoding step): oneDNN picks its layout for it
+    # rows a call will multiply (the batch of a decoding step): oneDNN picks its layout for it
+    rows: int,
     # pack only layers with at least this many inputs: below, oneDNN's call costs more than it saves
     min_features: int = 512,
-    dtype: torch.dtype
     # the dtype the packed weights multiply in: None, float32, their own; bfloat16 under CPU autocast at that
     # dtype, whose linear layers cast input, weight and bias to it
-    | None = None,
+    dtype: torch.dtype | None = None,
 ):
     """Inside the block (no gradients), the model's linear layers multiply through oneDNN with their weights
     packed once (cast to `dtype` first): faster at the few rows of a decoding step on the CPU, the same
@@ -141,19 +140,16 @@ def merged_adapters(
     for m in merged:
         base = m.get_base_layer()
         w = base.weight.float()
-        for a in (
-            a for a in m.active_adapters if a in m.lora_A
-        ):  # W + s·BA in one pass (Conv1D stores Wᵀ: + s·AᵀBᵀ)
+        # W + s·BA in one pass (Conv1D stores Wᵀ: + s·AᵀBᵀ)
+        for a in (a for a in m.active_adapters if a in m.lora_A):
             A, B = m.lora_A[a].weight.float(), m.lora_B[a].weight.float()
+            # in float32 under autocast too
             with _without_autocast(w):
-                w = torch.addmm(
-                    w, *((A.T, B.T) if m.fan_in_fan_out else (B, A)), alpha=m.scaling[a]
-                )  # in float32 under autocast too
-        stand_in = copy.copy(base)  # the base layer's class and bias, the merged weight
-        stand_in._parameters = {
-            **base._parameters,
-            "weight": nn.Parameter(w.to(base.weight.dtype)),
-        }  # a leaf: autocast caches its cast
+                w = torch.addmm(w, *((A.T, B.T) if m.fan_in_fan_out else (B, A)), alpha=m.scaling[a])
+        # the base layer's class and bias, the merged weight
+        stand_in = copy.copy(base)
+        # a leaf: autocast caches its cast
+        stand_in._parameters = {**base._parameters, "weight": nn.Parameter(w.to(base.weight.dtype))}
         m.add_module("merged_for_sampling", stand_in)
         m.forward, base._merged_away = stand_in.__call__, True
     try:
@@ -240,9 +236,8 @@ def _hf_generate(
         eos_token_id=stop_token_ids,
         **sampling,
     )
-    if (
-        query_ids.is_cuda if static_cache is None else static_cache
-    ):  # sized up to a multiple of 64: the next chunk reuses it
+    # sized up to a multiple of 64: the next chunk reuses it
+    if query_ids.is_cuda if static_cache is None else static_cache:
         config.cache_implementation, config.max_cache_len = (
             "static",
             -(-(query_ids.shape[1] + max_new_tokens) // 64) * 64,
@@ -252,32 +247,36 @@ def _hf_generate(
             input_ids=query_ids,
             attention_mask=query_attention_mask.long(),
             generation_config=config,
+            # GenerationConfig options go into the config, the rest to `generate`
             **config.update(**generate_kwargs),
-        )  # GenerationConfig options go into the config, the rest to `generate`
+        )
+    # all rows stopped early
     return F.pad(
         out[:, query_ids.shape[1] :],
         (0, max_new_tokens - (out.shape[1] - query_ids.shape[1])),
         value=pad_token_id,
-    )  # all rows stopped early
+    )
 
 # %% ../nbs/03b_generation.ipynb #3b21a7c9
-_LOGITS_ONLY = (
-    "MinPLogitsWarper",
-    "SuppressTokensLogitsProcessor",
-)  # read the logits only: right under continuous batching, though 🤗 5.24 leaves them unmarked
+# read the logits only: right under continuous batching, though 🤗 5.24 leaves them unmarked
+_LOGITS_ONLY = ("MinPLogitsWarper", "SuppressTokensLogitsProcessor")
 
 
 def _continuous_batching_refusal(model: nn.Module, config: GenerationConfig) -> str | None:
     """Why 🤗's continuous batching would not sample from `config`: a logits processor it drops, or one that reads
     a row's earlier tokens (it hands each processor the last token only)."""
+    # the list 🤗's engine builds (continuous_api.py)
     wrong = [
         type(p).__name__
-        for p in model._get_logits_processor(config)  # the list 🤗's engine builds (continuous_api.py)
+        for p in model._get_logits_processor(config)
         if not (getattr(p, "supports_continuous_batching", None) or type(p).__name__ in _LOGITS_ONLY)
     ]
     return (
-        f"🤗's continuous batching would drop or misapply {', '.join(wrong)} (its processors see each row's "
-        f"last token only)"
+        (
+            f"🤗's continuous batching would drop or misapply {', '.join(wrong)} (its processors see each "
+            f"row's "
+            f"last token only)"
+        )
         if wrong
         else None
     )
@@ -360,9 +359,8 @@ def _cb_generate(
         raise ValueError(f"`continuous_batching`: {refusal}; leave that option unset, or sample without it")
     prompts = [ids[real.bool()].tolist() for ids, real in zip(query_ids, query_attention_mask)]
     options = {} if options is True else dict(options)
-    if (
-        "num_blocks" not in options and "max_memory_percent" not in options
-    ):  # a cache for this batch, every row at once: not 🤗's share of free memory (of host RAM on the CPU)
+    # a cache for this batch, every row at once: not 🤗's share of free memory (of host RAM on the CPU)
+    if "num_blocks" not in options and "max_memory_percent" not in options:
         options["num_blocks"] = sum(
             -(-(len(p) + max_new_tokens) // options.get("page_size", 256)) for p in prompts
         )
@@ -372,9 +370,8 @@ def _cb_generate(
         raise ValueError(
             f"`continuous_batching` options must be ContinuousBatchingConfig fields: {e}"
         ) from None
-    half = _autocast_dtype(
-        query_ids.device.type
-    )  # the engine's thread runs without the caller's autocast: its dtype goes into the weights
+    # the engine's thread runs without the caller's autocast: its dtype goes into the weights
+    half = _autocast_dtype(query_ids.device.type)
     with (
         own_generation_config(model),
         _forward_before_accelerate(lm),
@@ -410,39 +407,34 @@ def generate_responses(
     stop_token_ids: int | list[int],  # id(s) that end a response, e.g. the EOS id
     pad_token_id: int,  # id written after each response's first stop token
     temperature: float = 1.0,  # T: sample from softmax(z / T)
-    static_cache: bool
     # 🤗 `generate`'s preallocated KV cache (`cache_implementation="static"`), several times faster on a GPU;
     # None: on when the prompts are on a GPU; False (TRL's "dynamic") also keeps `decode` out
-    | None = None,
-    packed: bool
+    static_cache: bool | None = None,
     # linear layers through oneDNN with packed weights (`packed_linears`; under CPU autocast packed in its
     # dtype), faster on the CPU; None: on when the prompts are on the CPU, unless a CPU autocast is active in
     # a dtype other than bfloat16 or oneDNN has no bfloat16 kernels here
-    | None = None,
+    packed: bool | None = None,
     # nucleus: keep the most likely tokens until their probabilities reach top_p (1: all); see
     # `check_sampling`
     top_p: float = 1.0,
     top_k: int = 0,  # keep the k most likely tokens (0: all)
-    min_p: float
-    | None = None,  # keep the tokens at least min_p × as likely as the most likely one (None: all)
+    # keep the tokens at least min_p × as likely as the most likely one (None: all)
+    min_p: float | None = None,
     # 🤗's: the logit z of a token already in the row becomes z/θ if z > 0, else z·θ (1: off)
     repetition_penalty: float = 1.0,
-    own_decoder: bool
     # sample through `decode` (our loop; on a GPU its steps replayed from CUDA graphs) rather than 🤗
     # `generate`; None: whenever `decoding_refusal` has no objection, on the CPU and on a GPU
-    | None = None,
-    compile: bool
+    own_decoder: bool | None = None,
     # `decode`'s step through `torch.compile` (its `compile`: fused kernels inside the CUDA graph), where
     # `decode` samples; a GPU lever, compiled once per batch size and 64 prompt widths
-    | dict = False,
+    compile: bool | dict = False,
     # rows with the same prompt run it once before the first draw (`decode`'s `share_prompts`), where `decode`
     # samples
     share_prompts: bool = False,
-    continuous_batching: bool
     # sample through 🤗's continuous batching (`generate_batch`; TRL 1.16's
     # `use_transformers_continuous_batching`); a dict: its `ContinuousBatchingConfig` options (TRL's
     # `transformers_continuous_batching_config`; by default a KV cache sized to the batch)
-    | dict = False,
+    continuous_batching: bool | dict = False,
     # passed on to 🤗 `generate` or its continuous batching (then `decode` is not used); like the four above
     # they are part of the sampler, not of the scored distribution (see "How π_old is scored")
     **generate_kwargs,
@@ -495,13 +487,15 @@ def generate_responses(
     if packed and half not in (None, torch.bfloat16):
         raise ValueError(
             f"`packed=True` packs float32 or bfloat16 weights, but CPU autocast is on in {half}: leave "
-            f"`packed` at None"
+            f"`packed` "
+            f"at None"
         )
+    # compiled, or 🤗's engine: plain weights
     if packed is None:
         packed = (
             query_ids.device.type == "cpu"
             and not compile
-            and not continuous_batching  # compiled, or 🤗's engine: plain weights
+            and not continuous_batching
             and half in (None, torch.bfloat16)
             and (half is None or torch.ops.mkldnn._is_mkldnn_bf16_supported())
         )

@@ -35,16 +35,8 @@ from instruct_goose.onpolicy import (
 from .tools import ToolConfig
 
 # %% ../nbs/09b_grpo.ipynb #b7dc7cdd
-_LOSS_TYPES = (
-    "grpo",
-    "bnpo",
-    "dr_grpo",
-    "dapo",
-    "cispo",
-    "sapo",
-    "luspo",
-    "vespo",
-)  # TRL 1.16's `loss_type`s
+# TRL 1.16's `loss_type`s
+_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 # %% ../nbs/09b_grpo.ipynb #89eed8c0
 @dataclass
@@ -56,48 +48,39 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
     learning_rate: float = 1e-6
     # G: completions sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL 1.16's default)
     num_generations: int = 8
-    max_completion_length: int = (
-        512  # tokens sampled per completion (sets `response_length`; TRL 1.16's default)
-    )
-    beta: float = 0.0  # weight of the k3 KL term in the loss; 0: no reference model is loaded
+    # tokens sampled per completion (sets `response_length`; TRL 1.16's default)
+    max_completion_length: int = 512
+    # weight of the k3 KL term in the loss; 0: no reference model is loaded
+    beta: float = 0.0
     epsilon: float = 0.2  # ε: lower clip range of the ratio (sets `cliprange`)
-    epsilon_high: float | None = (
-        # upper clip range (DAPO's clip-higher); None: `epsilon`. For "cispo" it is the cap ε_max on the ratio
-        # itself (ScaleRL recommends 5.0)
-        None
-    )
-    delta: float | None = (
-        # two-sided clipping (INTELLECT-2): the ratio is also capped at δ, for negative advantages too; None:
-        # off; must be > 1 (TRL recommends > 1 + ε)
-        None
-    )
-    loss_type: Literal[_LOSS_TYPES] = (
-        "dapo"  # the surrogate and how token losses are averaged (see the chapter)
-    )
+    # upper clip range (DAPO's clip-higher); None: `epsilon`. For "cispo" it is the cap ε_max on the ratio
+    # itself (ScaleRL recommends 5.0)
+    epsilon_high: float | None = None
+    # two-sided clipping (INTELLECT-2): the ratio is also capped at δ, for negative advantages too; None: off;
+    # must be > 1 (TRL recommends > 1 + ε)
+    delta: float | None = None
+    # the surrogate and how token losses are averaged (see the chapter)
+    loss_type: Literal[_LOSS_TYPES] = "dapo"
     sapo_temperature_pos: float = 1.0  # τ of "sapo"'s soft gate for positive advantages
     sapo_temperature_neg: float = 1.05  # τ of "sapo"'s soft gate for advantages ≤ 0
-    vespo_k_pos: float = 2.0  # k of "vespo"'s gamma weight φ(w) = e^λ·w^k·e^(−λw) for advantages ≥ 0
+    # k of "vespo"'s gamma weight φ(w) = e^λ·w^k·e^(−λw) for advantages ≥ 0
+    vespo_k_pos: float = 2.0
     vespo_lambda_pos: float = 3.0  # λ of "vespo"'s gamma weight for advantages ≥ 0
     vespo_k_neg: float = 3.0  # k of "vespo"'s gamma weight for negative advantages
     vespo_lambda_neg: float = 2.0  # λ of "vespo"'s gamma weight for negative advantages
     # divide advantages by the std of the "group", the "batch", or "none" (TRL's booleans: True = group, False
     # = none)
     scale_rewards: str = "group"
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = (
-        # several `reward_funcs`: normalise their weighted sum, or each one within its group and then the sum
-        # over the batch (GDPO; `scale_rewards` then plays no part, as in TRL)
-        "sum_then_normalize"
-    )
+    # several `reward_funcs`: normalise their weighted sum, or each one within its group and then the sum over
+    # the batch (GDPO; `scale_rewards` then plays no part, as in TRL)
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     num_iterations: int = 1  # μ: passes over each rollout (sets `num_ppo_epochs`)
     mask_truncated_completions: bool = False  # completions that never stopped get no loss (DAPO)
-    importance_sampling_level: Literal["token", "sequence"] = (
-        "token"  # per-token ratios, or GSPO's sequence ratio
-    )
-    off_policy_mask_threshold: float | None = (
-        # drop a completion with a negative advantage whose mean KL(π_old‖π_θ) per token exceeds this
-        # (DeepSeek-V3.2's off-policy sequence mask); None: off
-        None
-    )
+    # per-token ratios, or GSPO's sequence ratio
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    # drop a completion with a negative advantage whose mean KL(π_old‖π_θ) per token exceeds this
+    # (DeepSeek-V3.2's off-policy sequence mask); None: off
+    off_policy_mask_threshold: float | None = None
     # weight of the entropy bonus: −coef × the mean entropy of the loss's tokens (TRL 1.16); 0: none. With
     # `use_adaptive_entropy`: its start value
     entropy_coef: float = 0.0
@@ -128,13 +111,13 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
     }
 
     def __post_init__(self):
-        refuse_unsupported(
-            self, _TRL_REFUSED
-        )  # TRL's fields not run here yet: refused by name (`_TRL_REFUSED`)
+        # TRL's fields not run here yet: refused by name (`_TRL_REFUSED`)
+        refuse_unsupported(self, _TRL_REFUSED)
         if isinstance(self.scale_rewards, bool) or self.scale_rewards in ("True", "False"):
             self.scale_rewards = "group" if self.scale_rewards in (True, "True") else "none"
         super().__post_init__()
-        self.check_trl_options()  # model loading, reference sync (`TRLOptions`), after `coerce_dicts`
+        # model loading, reference sync (`TRLOptions`), after `coerce_dicts`
+        self.check_trl_options()
         if self.num_generations < 2:
             raise ValueError(
                 f"`num_generations` must be at least 2 (a group needs siblings), got {self.num_generations}"
@@ -144,10 +127,8 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
                 "`sync_ref_model` mixes the policy into the reference, and with `beta`=0 there is none: set "
                 "`beta` > 0 or leave it off"
             )
-        for name, default in (
-            ("kl_estimator", "k1"),
-            ("whiten_rewards", False),
-        ):  # PPO's and RLOO's settings, shared by the base config
+        # PPO's and RLOO's settings, shared by the base config
+        for name, default in (("kl_estimator", "k1"), ("whiten_rewards", False)):
             if getattr(self, name) != default:
                 raise ValueError(
                     f"`{name}` is PPO's and RLOO's setting, not GRPO's: GRPO's KL is k3 inside the loss and "
@@ -193,8 +174,8 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
             raise ValueError(
                 "`missing_eos_penalty` cannot be combined with "
                 "multi_objective_aggregation='normalize_then_sum' (each reward is "
-                "normalised on its own, so there is no sum to subtract it from): add the penalty as a reward "
-                "function instead"
+                "normalised on its own, so there is no sum to subtract it from): add the "
+                "penalty as a reward function instead"
             )
         if self.off_policy_mask_threshold is not None:
             check_number("off_policy_mask_threshold", self.off_policy_mask_threshold)
@@ -204,10 +185,9 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     @property
+    # the bonus term exists for the whole run (TRL's `_entropy_bonus_enabled`)
     def entropy_bonus(self) -> bool:
-        return (
-            bool(self.entropy_coef) or self.use_adaptive_entropy
-        )  # the bonus term exists for the whole run (TRL's `_entropy_bonus_enabled`)
+        return bool(self.entropy_coef) or self.use_adaptive_entropy
 
 # %% ../nbs/09b_grpo.ipynb #9a8b7c6d
 @patch
@@ -225,7 +205,8 @@ def entropy_controller(self: GRPOConfig) -> AdaptiveEntropyController:
 # %% ../nbs/09b_grpo.ipynb #b61abbb6
 @typecheck
 def group_advantages(
-    rewards: Float[Tensor, "batch"],  # one reward per completion; element b*G + i is completion i of prompt b
+    # one reward per completion; element b*G + i is completion i of prompt b
+    rewards: Float[Tensor, "batch"],
     num_generations: int,  # G: completions per prompt
     scale_rewards: str = "group",  # divide by the std of the "group", of the "batch", or "none"
     eps: float = 1e-4,  # added to the std, so a group with equal rewards gets 0, not NaN
@@ -258,9 +239,8 @@ def _nanstd(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
 # %% ../nbs/09b_grpo.ipynb #7e81d16f
 @typecheck
 def normalized_sum_advantages(
-    per_reward: Float[
-        Tensor, "rewards batch"
-    ],  # each reward function's scores, NaN where it does not apply; b*G + i is completion i of prompt b
+    # each reward function's scores, NaN where it does not apply; b*G + i is completion i of prompt b
+    per_reward: Float[Tensor, "rewards batch"],
     weights: list[float],  # one weight per reward function
     num_generations: int,  # G: completions per prompt
     eps: float = 1e-4,  # added to each std
@@ -313,7 +293,8 @@ def off_policy_mask(
     old_logprobs: Tensor,  # (batch, resp) log π_old, the sampler's
     advantages: Tensor,  # (batch,) Â
     mask: Tensor,  # (batch, resp) True on tokens that count
-    threshold: float,  # δ: the largest mean KL(π_old‖π_θ) per token a negative-advantage completion may have
+    # δ: the largest mean KL(π_old‖π_θ) per token a negative-advantage completion may have
+    threshold: float,
 ) -> Tensor:  # (batch, 1) 1.0 kept, 0.0 dropped
     """DeepSeek-V3.2's off-policy sequence mask: keep a completion if Â ≥ 0 or its mean log π_old − log π_θ over
     its tokens is ≤ δ."""
@@ -331,25 +312,24 @@ def grpo_token_loss(
     epsilon_high: float = 0.2,  # upper clip range ("cispo": the cap on the ratio)
     ref_logprobs: Float[Tensor, "batch resp"] | None = None,  # log π_ref(o_t), for the KL term
     beta: float = 0.0,  # weight of the k3 KL term
-    level: str = "token",  # "token" ratios, or GSPO's length-normalised "sequence" ratio
+    # "token" ratios, or GSPO's length-normalised "sequence" ratio
+    level: str = "token",
     # the surrogate: the clipped one (grpo, bnpo, dr_grpo, dapo, luspo), cispo, sapo or vespo
     loss_type: str = "grpo",
-    delta: float | None = None,  # two-sided clipping: the ratio also capped at δ (clipped surrogates)
-    sapo_temperatures: tuple[float, float] = (
-        1.0,
-        1.05,
-    ),  # "sapo"'s τ for positive advantages, for the others
+    # two-sided clipping: the ratio also capped at δ (clipped surrogates)
+    delta: float | None = None,
+    # "sapo"'s τ for positive advantages, for the others
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
     vespo_parameters: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),  # "vespo"'s (k+, λ+, k−, λ−)
-    bias_correction_kl: bool = True,  # weight the k3 KL by the ratio (TRL 1.16's `use_bias_correction_kl`)
-    off_policy_mask_threshold: float
-    | None = None,  # drop negative-advantage completions whose mean KL(π_old‖π_θ) exceeds this
-    entropy_mask: Bool[Tensor, "batch resp"]
+    # weight the k3 KL by the ratio (TRL 1.16's `use_bias_correction_kl`)
+    bias_correction_kl: bool = True,
+    # drop negative-advantage completions whose mean KL(π_old‖π_θ) exceeds this
+    off_policy_mask_threshold: float | None = None,
     # `top_entropy_quantile`: only these tokens' surrogate counts (the KL term counts on all of `mask`, as in
     # TRL)
-    | None = None,
-) -> tuple[
-    Float[Tensor, "batch resp"], Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None
-]:  # (loss per token, ratio, KL term or None)
+    entropy_mask: Bool[Tensor, "batch resp"] | None = None,
+    # (loss per token, ratio, KL term or None)
+) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"], Float[Tensor, "batch resp"] | None]:
     """The `loss_type`'s surrogate per token (−min(ρ·Â, clip(ρ, 1−ε, 1+ε_high)·Â) for the clipped ones) +
     β·(ρ·)k3, 0 off the mask."""
     log_ratio = logprobs - old_logprobs.detach()
@@ -386,18 +366,16 @@ def aggregate(
 ) -> tuple[Tensor, Tensor]:  # (the micro-batch's mean, the units it is a mean over)
     """The `loss_type`'s mean of the token losses over this micro-batch, and its units (the engine weighs
     micro-batches by them)."""
-    rows = torch.full(
-        (), float(token_loss.shape[0]), device=token_loss.device
-    )  # a fill on the device: no copy from the host, which would wait for the queued forward
+    # a fill on the device: no copy from the host, which would wait for the queued forward
+    rows = torch.full((), float(token_loss.shape[0]), device=token_loss.device)
     if loss_type in ("grpo", "sapo"):
         return (token_loss.sum(1) / mask.sum(1).clamp(min=1)).mean(), rows
     if loss_type == "luspo":
         return token_loss.sum(1).mean(), rows
     if loss_type == "dr_grpo":
         return token_loss.sum() / (rows * max_completion_length), rows * max_completion_length
-    return token_loss.sum() / mask.sum().clamp(
-        min=1
-    ), mask.sum()  # dapo, bnpo, cispo, vespo: over real tokens
+    # dapo, bnpo, cispo, vespo: over real tokens
+    return token_loss.sum() / mask.sum().clamp(min=1), mask.sum()
 
 # %% ../nbs/09b_grpo.ipynb #2db897fe
 @dataclass
@@ -412,7 +390,8 @@ class GRPORollout(RowBatch):
     loss_mask: Tensor
     scores: Tensor  # (batch,) rewards
     advantages: Tensor  # (batch,) Â_i
-    logprobs: Tensor  # (batch, resp) log π_θold (zeros when the current policy stands in for it, μ = 1)
+    # (batch, resp) log π_θold (zeros when the current policy stands in for it, μ = 1)
+    logprobs: Tensor
     ref_logprobs: Tensor  # (batch, resp) log π_ref (zeros when beta = 0)
     # (batch, resp) the tokens whose surrogate counts: `loss_mask`, only its high-entropy part with
     # `top_entropy_quantile` < 1
@@ -435,18 +414,16 @@ def clip_stats(
     TRL's GRPO names (cispo: its own cap; sapo and vespo clip nothing); `low_min`/`high_max`: the least and
     most clipped completion's share."""
     a, r = advantages[:, None], ratio.detach()
-    per_sequence = (
-        c.importance_sampling_level == "sequence"
-    )  # one ratio per sequence (broadcast over its tokens)
+    # one ratio per sequence (broadcast over its tokens)
+    per_sequence = c.importance_sampling_level == "sequence"
     mean = (lambda x: x[:, 0].float().mean()) if per_sequence else (lambda x: masked_mean(x.float(), mask))
     if c.loss_type == "cispo":
         return {"cispo_clip_ratio": mean((r > c.clip_high) & (a > 0))}
     if c.loss_type in ("sapo", "vespo"):
         return {}
     low, high = (r < 1 - c.cliprange) & (a < 0), (r > 1 + c.clip_high) & (a > 0)
-    some = (
-        torch.ones_like(mask[:, 0]) if per_sequence else mask.any(1)
-    )  # a completion without loss tokens has no share (TRL: NaN, skipped)
+    # a completion without loss tokens has no share (TRL: NaN, skipped)
+    some = torch.ones_like(mask[:, 0]) if per_sequence else mask.any(1)
     share = lambda x: (
         x[:, 0].float()
         if per_sequence
@@ -484,10 +461,8 @@ class GRPOTrainer(OnPolicyTrainer):
     """GRPO: G completions per prompt, group-relative advantages, PPO's clipped ratio per token (or per
     sequence), k3 KL in the loss."""
 
-    progress_keys, metric_names = (
-        ("reward", "reward_std", "kl"),
-        "trl",
-    )  # TRL 1.16's metric names (`trl_metric_names`)
+    # TRL 1.16's metric names (`trl_metric_names`)
+    progress_keys, metric_names = ("reward", "reward_std", "kl"), "trl"
     # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords, `reward_funcs=` by name)
     config_class = GRPOConfig
 
@@ -523,7 +498,8 @@ class GRPOTrainer(OnPolicyTrainer):
     def sample_rollout(
         self,
         policy: nn.Module,  # the causal LM that samples
-        rows: dict | list,  # this process's rows for the step (`dataset[indices]`), or a list of prompts
+        # this process's rows for the step (`dataset[indices]`), or a list of prompts
+        rows: dict | list,
         seed: int | None = None,  # the step's sampling seed
         first_row: int = 0,  # the global index of this process's first completion
         loop: TrainLoop | None = None,  # the run's loop (device, processes)
@@ -543,23 +519,22 @@ class GRPOTrainer(OnPolicyTrainer):
             c.shared_prefix,
         )
         zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
-        kept, logprobs, entropy = self.old_pass(
-            policy, x, loop
-        )  # π_θold: the loss's own pass (detached), the kept pass, or its own
+        # π_θold: the loss's own pass (detached), the kept pass, or its own
+        kept, logprobs, entropy = self.old_pass(policy, x, loop)
         ref_logprobs = zeros
         if self.ref_model is not None:
             with self.on_device(self.ref_model, None if loop is None else loop.device) as ref:
                 ref_logprobs = logprobs_in_chunks(ref, *inputs)
-        loss_mask = (
-            x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask
-        )  # tool results are context (`tools`)
+        # tool results are context (`tools`)
+        loss_mask = x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask
         if c.mask_truncated_completions:
             loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
+        # each reward's scores (`Samples`)
         per_reward = (
             x.reward_scores.to(x.scores.device)
             if c.multi_objective_aggregation == "normalize_then_sum"
             else None
-        )  # each reward's scores (`Samples`)
+        )
         advantages = self.advantages(x.scores, None if loop is None else loop.accelerator, per_reward)
         return GRPORollout(
             x.query_ids,
@@ -586,10 +561,8 @@ class GRPOTrainer(OnPolicyTrainer):
         statistics."""
         c, mask = self.args, part.loss_mask
         current = self.policy_pass(policy, part) if kept is None else kept
-        logprobs, entropy = (
-            current.logprobs,
-            current.entropy,
-        )  # the entropy with gradients only with `entropy_bonus`
+        # the entropy with gradients only with `entropy_bonus`
+        logprobs, entropy = current.logprobs, current.entropy
         old = logprobs.detach() if self.reuses_current_logprobs else part.logprobs
         ref = part.ref_logprobs if self.ref_model is not None else None
         token_loss, ratio, kl = grpo_token_loss(
@@ -617,7 +590,8 @@ class GRPOTrainer(OnPolicyTrainer):
         }
         if kl is not None:
             stats["kl"] = masked_mean(kl.detach(), mask)
-        aux, logged = self.aux_term(current)  # a mixture-of-experts policy: c·L_aux of the pass
+        # a mixture-of-experts policy: c·L_aux of the pass
+        aux, logged = self.aux_term(current)
         stats |= logged
         if not c.entropy_bonus:
             return {"policy": loss, **aux}, stats
@@ -645,8 +619,8 @@ def advantages(
     self: GRPOTrainer,
     scores: Tensor,  # (batch,) this process's rewards
     accelerator: Accelerator | None = None,  # the run's accelerator (None: one process)
-    per_reward: Tensor
-    | None = None,  # (rewards, batch) each reward function's scores, for "normalize_then_sum"
+    # (rewards, batch) each reward function's scores, for "normalize_then_sum"
+    per_reward: Tensor | None = None,
 ) -> Tensor:  # (batch,) this process's advantages
     """`group_advantages` (or `normalized_sum_advantages` of `per_reward`) over all processes' rewards (a group
     never straddles two processes; the batch std needs them all)."""
@@ -672,13 +646,13 @@ def high_entropy_mask(
     mask: Tensor,  # (batch, resp) True on the tokens to rank (the loss's tokens)
     quantile: float,  # ρ: the share of tokens to keep, in [0, 1]
     accelerator: Accelerator | None = None,  # rank over all processes' tokens (None: this process's)
-) -> Tensor:  # (batch, resp) True on the tokens of `mask` with entropy ≥ the (1 − ρ) quantile
+    # (batch, resp) True on the tokens of `mask` with entropy ≥ the (1 − ρ) quantile
+) -> Tensor:
     """TRL's `top_entropy_quantile` mask: the tokens of `mask` whose entropy is at least the (1 − ρ) quantile
     (linear interpolation) of all ranked tokens."""
     ranked = entropy[mask].float()
-    if (
-        accelerator is not None and accelerator.num_processes > 1
-    ):  # processes hold different numbers of tokens: pad with a value no entropy takes
+    # processes hold different numbers of tokens: pad with a value no entropy takes
+    if accelerator is not None and accelerator.num_processes > 1:
         ranked = accelerator.gather(accelerator.pad_across_processes(ranked, dim=0, pad_index=-1.0))
         ranked = ranked[ranked >= 0]
     if ranked.numel() == 0:
@@ -754,8 +728,8 @@ def entropy_control(
     self: GRPOTrainer,
     entropy: Tensor | None,  # (batch, resp) π_θold's entropy per token (None: entropy control is off)
     loss_mask: Tensor,  # (batch, resp) the loss's tokens
-    loop: TrainLoop
-    | None = None,  # the run's loop (None: outside training: the controller is read, not updated)
+    # the run's loop (None: outside training: the controller is read, not updated)
+    loop: TrainLoop | None = None,
 ) -> tuple[Tensor, Tensor]:  # (the tokens whose surrogate counts, the bonus's coefficient per row)
     """`top_entropy_quantile`'s mask over the whole rollout (all processes) and this step's entropy coefficient;
     the adaptive controller then takes the step's mean entropy over the masked tokens."""
@@ -765,9 +739,8 @@ def entropy_control(
         if c.top_entropy_quantile >= 1
         else high_entropy_mask(entropy, loss_mask, c.top_entropy_quantile, acc)
     )
-    coef = (
-        c.entropy_coef if self.entropy_ctl is None else self.entropy_ctl.value
-    )  # applied in this step's loss: the value from before its update
+    # applied in this step's loss: the value from before its update
+    coef = c.entropy_coef if self.entropy_ctl is None else self.entropy_ctl.value
     if self.entropy_ctl is not None and loop is not None:
         sums = torch.stack([masked_sum(entropy, keep), keep.sum().float()])
         if acc.num_processes > 1:

@@ -30,14 +30,11 @@ def _check_policy(policy: str):
 
 def enable_gradient_checkpointing(
     model: nn.Module,  # a 🤗 model, or a module holding some (an `Agent`, a `RewardModel`, a peft model)
-    kwargs: dict
     # 🤗's `gradient_checkpointing_kwargs`: `torch.utils.checkpoint.checkpoint`'s, and 🤗's `every_n_layers`,
     # `offload` (None: {"use_reentrant": False})
-    | None = None,
-    policy: Literal[
-        "full", "selective"
-        # what a block keeps: its input ("full") or also its matmuls' and attention's outputs ("selective")
-    ] = "full",
+    kwargs: dict | None = None,
+    # what a block keeps: its input ("full") or also its matmuls' and attention's outputs ("selective")
+    policy: Literal["full", "selective"] = "full",
 ) -> nn.Module:  # `model`
     """Turn on 🤗 gradient checkpointing (non-reentrant) in every 🤗 model inside `model` that supports it; it acts
     in train mode."""
@@ -51,9 +48,8 @@ def enable_gradient_checkpointing(
         )
     _check_policy(policy)
     kwargs = {"use_reentrant": False} if kwargs is None else dict(kwargs)
-    layers = {
-        k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs
-    }  # 🤗's keys, not checkpoint's
+    # 🤗's keys, not checkpoint's
+    layers = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}
     if policy == "selective":
         if kwargs.get("use_reentrant", False) or "context_fn" in kwargs:
             raise ValueError(
@@ -76,9 +72,10 @@ def enable_gradient_checkpointing(
 
 # %% ../nbs/05b_levers.ipynb #ceb73682
 _aten = torch.ops.aten
+# what a block's matmuls and attention run as, below autograd
 _MATMULS_AND_ATTENTION = [
     getattr(_aten, name).default
-    for name in (  # what a block's matmuls and attention run as, below autograd
+    for name in (
         "mm",
         "addmm",
         "bmm",
@@ -128,8 +125,9 @@ class LiveBytes(TorchDispatchMode):
             if not isinstance(t, Tensor) or t.device.type == "meta":
                 continue
             key, freed, size = _storage_key(t)
+            # a view, or the result of an in-place operation
             if key in inputs or key in self.alive:
-                continue  # a view, or the result of an in-place operation
+                continue
             self.alive[key] = (freed, size)
             self.now += size
         self.peak = max(self.peak, self.now)
@@ -156,14 +154,14 @@ def fuse_activations(
     """Run each tanh-GELU written out in Python (`gelu_new`, `gelu_fast`) as PyTorch's fused kernel (🤗's
     `gelu_pytorch_tanh`): the same function to float rounding, one tensor kept for the backward instead of
     four."""
-    for m in (
-        model.modules()
-    ):  # 🤗's hub kernels off first: each train()/eval() would reset the forwards set below
+    # 🤗's hub kernels off first: each train()/eval() would reset the forwards set below
+    for m in model.modules():
         if isinstance(m, PreTrainedModel) and getattr(m, "use_kernels", False):
             m.use_kernels = False
     for m in model.modules():
+        # a forward set on the instance (a library's hook) stays
         if type(m) in _WRITTEN_OUT_GELUS and "forward" not in vars(m):
-            m.forward = _gelu_tanh  # a forward set on the instance (a library's hook) stays
+            m.forward = _gelu_tanh
     return model
 
 # %% ../nbs/05b_levers.ipynb #h41f0002
@@ -188,7 +186,8 @@ def half_linears(
 def _only_under_autocast(layer: nn.Module, args):
     """A layer `half_linears` changed, called outside autocast: a one-line error rather than PyTorch's dtype
     mismatch."""
-    x = args[0] if args else None  # a layer called with its input by keyword is left to PyTorch's own message
+    # a layer called with its input by keyword is left to PyTorch's own message
+    x = args[0] if args else None
     if (
         isinstance(x, Tensor)
         and x.dtype != layer.weight.dtype
@@ -197,8 +196,8 @@ def _only_under_autocast(layer: nn.Module, args):
         raise RuntimeError(
             f"this model's linear layers are held in {layer.weight.dtype} (`half_linears`: a trainer's own "
             f"reference or "
-            f"reward model under mixed precision): run it under torch.autocast('{x.device.type}', "
-            f"dtype={layer.weight.dtype})"
+            f"reward model under mixed precision): run it under "
+            f"torch.autocast('{x.device.type}', dtype={layer.weight.dtype})"
         )
 
 # %% ../nbs/05b_levers.ipynb #335504e8
@@ -212,9 +211,7 @@ def _glibc() -> ctypes.CDLL | None:
     return ctypes.CDLL(None) if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" else None
 
 
-def hold_freed_memory() -> (
-    bool
-):  # whether glibc holds it now (False: another C library, or glibc refused: nothing held)
+def hold_freed_memory() -> bool:  # whether glibc holds it now (False: another C library or glibc refused)
     """From now on glibc's `malloc` keeps what tensors free for the next ones: every block from its heap, none
     given back to the kernel."""
     libc = _glibc()

@@ -62,9 +62,8 @@ _EVAL = (
 )
 _SCRIPT = "a flag of 🤗's example scripts, which 🤗's Trainer does not read either: drop it"
 
-_HF_NOT_RUN: dict[
-    str, tuple[object, str]
-] = {  # 🤗 TrainingArguments field -> (the value this library behaves as, why others are not run)
+# 🤗 TrainingArguments field -> (the value this library behaves as, why others are not run)
+_HF_NOT_RUN: dict[str, tuple[object, str]] = {
     **{name: (None, _HUB) for name in ("hub_token", "hub_private_repo", "hub_model_id", "hub_revision")},
     "push_to_hub": (False, _HUB),
     "hub_strategy": ("every_save", _HUB),
@@ -150,8 +149,9 @@ _HF_NOT_RUN: dict[
 }
 
 # %% ../nbs/05_loop.ipynb #d3a2e6c9
+# transformers 5's names -> TRL 1.16's, held here
 _HF_RENAMED = {
-    "activation_checkpointing": "gradient_checkpointing",  # transformers 5's names -> TRL 1.16's, held here
+    "activation_checkpointing": "gradient_checkpointing",
     "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
 }
 
@@ -282,39 +282,30 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     # 🤗's optimizer name, made as 🤗's Trainer makes it (`make_optimizer`): adamw_torch_fused, adamw_torch,
     # adafactor, sgd, adamw_8bit (bitsandbytes), ...
     optim: str = "adamw_torch_fused"
-    optim_args: str | None = (
-        # the optimizer's further arguments, 🤗's "key=value,..." form, e.g. "momentum=0.9,nesterov=True" for
-        # sgd
-        None
-    )
+    # the optimizer's further arguments, 🤗's "key=value,..." form, e.g. "momentum=0.9,nesterov=True" for sgd
+    optim_args: str | None = None
     adam_beta1: float = 0.9  # AdamW's β₁
     adam_beta2: float = 0.999  # AdamW's β₂
     adam_epsilon: float = 1e-8  # AdamW's ε
-    lr_scheduler_kwargs: dict | str | None = (
-        # further arguments of the schedule (`transformers.get_scheduler`'s `scheduler_specific_kwargs`); 🤗's
-        # JSON text too (`coerce_dicts`)
-        None
-    )
-    lr_scheduler_type: str = "linear"  # any `transformers.get_scheduler` name: linear, cosine, constant, ...
+    # further arguments of the schedule (`transformers.get_scheduler`'s `scheduler_specific_kwargs`); 🤗's JSON
+    # text too (`coerce_dicts`)
+    lr_scheduler_kwargs: dict | str | None = None
+    # any `transformers.get_scheduler` name: linear, cosine, constant, ...
+    lr_scheduler_type: str = "linear"
     # linear warm-up: a whole number of optimizer steps, or a fraction in (0, 1) of them all (transformers 5's
     # rule)
     warmup_steps: float = 0
     max_grad_norm: float = 1.0  # clip the gradient norm to this (0: no clipping)
-    per_device_train_batch_size: int = (
-        8  # examples per micro-batch and process; on-policy, completions (not prompts), as TRL counts them
-    )
+    # examples per micro-batch and process; on-policy, completions (not prompts), as TRL counts them
+    per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1  # micro-batches whose gradients make one optimizer step
-    mixed_precision: Literal["no", "fp16", "bf16"] | None = (
-        # autocast precision, through Accelerate (a memory lever; a speed lever too on a CPU that multiplies
-        # bf16 itself, AVX-512 BF16 or AMX: GPT-2-small's PPO and GRPO steps 1.4–1.6× faster, bench/README.md
-        # §5); None: from `bf16`/`fp16`, else "no"
-        None
-    )
-    bf16: bool | None = (
-        # 🤗/TRL's switch for `mixed_precision="bf16"`; None: on when a bf16-capable GPU is present and neither
-        # `mixed_precision` nor `fp16` is given (TRL 1.16 says True, which fails on a CPU)
-        None
-    )
+    # autocast precision, through Accelerate (a memory lever; a speed lever too on a CPU that multiplies bf16
+    # itself, AVX-512 BF16 or AMX: GPT-2-small's PPO and GRPO steps 1.4–1.6× faster, bench/README.md §5);
+    # None: from `bf16`/`fp16`, else "no"
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = None
+    # 🤗/TRL's switch for `mixed_precision="bf16"`; None: on when a bf16-capable GPU is present and neither
+    # `mixed_precision` nor `fp16` is given (TRL 1.16 says True, which fails on a CPU)
+    bf16: bool | None = None
     fp16: bool = False  # 🤗/TRL's switch for `mixed_precision="fp16"`
     # warm-up as a fraction of the optimizer steps (transformers 4's name; `warmup_steps` wins when both are
     # set)
@@ -322,103 +313,77 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
     # recompute activations in the backward pass instead of keeping them (a memory lever); transformers 5's
     # `activation_checkpointing` is taken as this
     gradient_checkpointing: bool = False
-    gradient_checkpointing_kwargs: dict | str | None = (
-        # passed to 🤗's `gradient_checkpointing_enable` (default here: {"use_reentrant": False}); 🤗's
-        # `every_n_layers`, `offload` too; 🤗's JSON text too (`coerce_dicts`)
-        None
-    )
-    gradient_checkpointing_policy: Literal["full", "selective"] = (
-        # with `gradient_checkpointing`: recompute each block ("full", 🤗's) or only what lies between its
-        # matmuls ("selective": no matmul twice, about half the activations kept)
-        "full"
-    )
-    logging_strategy: Literal["steps"] = (
-        "steps"  # 🤗's: metrics are logged every `logging_steps` ("no" and "epoch" are refused)
-    )
-    logging_steps: float = (
-        1  # log metrics every this many steps, or 🤗's fraction in (0, 1) of all the run's steps (rounded up)
-    )
+    # passed to 🤗's `gradient_checkpointing_enable` (default here: {"use_reentrant": False}); 🤗's
+    # `every_n_layers`, `offload` too; 🤗's JSON text too (`coerce_dicts`)
+    gradient_checkpointing_kwargs: dict | str | None = None
+    # with `gradient_checkpointing`: recompute each block ("full", 🤗's) or only what lies between its matmuls
+    # ("selective": no matmul twice, about half the activations kept)
+    gradient_checkpointing_policy: Literal["full", "selective"] = "full"
+    # 🤗's: metrics are logged every `logging_steps` ("no" and "epoch" are refused)
+    logging_strategy: Literal["steps"] = "steps"
+    # log metrics every this many steps, or 🤗's fraction in (0, 1) of all the run's steps (rounded up)
+    logging_steps: float = 1
     logging_first_step: bool = False  # 🤗's: log the first step too
-    eval_strategy: Literal["no", "steps", "epoch"] | None = (
-        # "steps": every `eval_steps` (unset or 0: every `logging_steps`, as 🤗) and at the end; "epoch": after
-        # each pass; "no": never; None: "steps" at `eval_steps` where given, else only at the end (🤗's default
-        # is "no"; here a given eval set is evaluated, once at least)
-        None
-    )
+    # "steps": every `eval_steps` (unset or 0: every `logging_steps`, as 🤗) and at the end; "epoch": after
+    # each pass; "no": never; None: "steps" at `eval_steps` where given, else only at the end (🤗's default is
+    # "no"; here a given eval set is evaluated, once at least)
+    eval_strategy: Literal["no", "steps", "epoch"] | None = None
     per_device_eval_batch_size: int = 8  # examples per forward pass when evaluating
     # 🤗's: evaluate once before the first step, a baseline row at step 0 (not again when a run resumes)
     eval_on_start: bool = False
-    save_strategy: Literal["no", "steps", "epoch", "best"] = (
-        # "steps": every `save_steps` and at the end; "epoch": after each pass; "best": at each new best
-        # evaluation (`metric_for_best_model`) and at the end; "no": no checkpoints at all (the model is still
-        # saved)
-        "steps"
-    )
+    # "steps": every `save_steps` and at the end; "epoch": after each pass; "best": at each new best
+    # evaluation (`metric_for_best_model`) and at the end; "no": no checkpoints at all (the model is still
+    # saved)
+    save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
     # write a checkpoint every this many steps, or 🤗's fraction in (0, 1) of all steps (0: only at the end)
     save_steps: float = 0
-    save_total_limit: int | None = (
-        None  # keep at most this many checkpoints (None, 🤗's default, or 0: keep all)
-    )
-    save_only_model: bool = (
-        False  # checkpoints hold the model weights only: smaller, but a run cannot resume from them
-    )
+    # keep at most this many checkpoints (None, 🤗's default, or 0: keep all)
+    save_total_limit: int | None = None
+    # checkpoints hold the model weights only: smaller, but a run cannot resume from them
+    save_only_model: bool = False
     # 🤗's: when the run ends, the model takes the weights of the checkpoint whose evaluation was best
     # (`load_best`); `save_total_limit` always keeps that checkpoint
     load_best_model_at_end: bool = False
-    metric_for_best_model: str | None = (
-        # 🤗's: the evaluation metric that ranks checkpoints: "loss" (eval_loss), "accuracy", on-policy "score"
-        # (eval/score), ...; None: "loss" when something reads it (`_check_best`)
-        None
-    )
-    greater_is_better: bool | None = (
-        # 🤗's: whether a larger `metric_for_best_model` is better; None: False for a name ending in "loss",
-        # else True
-        None
-    )
+    # 🤗's: the evaluation metric that ranks checkpoints: "loss" (eval_loss), "accuracy", on-policy "score"
+    # (eval/score), ...; None: "loss" when something reads it (`_check_best`)
+    metric_for_best_model: str | None = None
+    # 🤗's: whether a larger `metric_for_best_model` is better; None: False for a name ending in "loss", else
+    # True
+    greater_is_better: bool | None = None
     resume_from_checkpoint: str | None = None  # a checkpoint directory, or "latest" in `output_dir`
-    overwrite_output_dir: bool = (
-        False  # start afresh in an `output_dir` holding another run's checkpoints, deleting them
-    )
-    report_to: Literal[_TRACKERS] = (
-        # experiment tracker, through Accelerate (metrics.jsonl is always written); 🤗's one-item list, e.g.
-        # ["wandb"], is taken too
-        "none"
-    )
-    run_name: str | None = (
-        # the run's name on the tracker, under the keyword each takes (`tracker_init_kwargs`); tensorboard and
-        # aim take none (Accelerate names their run by the project); the project is the config's class name
-        None
-    )
+    # start afresh in an `output_dir` holding another run's checkpoints, deleting them
+    overwrite_output_dir: bool = False
+    # experiment tracker, through Accelerate (metrics.jsonl is always written); 🤗's one-item list, e.g.
+    # ["wandb"], is taken too
+    report_to: Literal[_TRACKERS] = "none"
+    # the run's name on the tracker, under the keyword each takes (`tracker_init_kwargs`); tensorboard and aim
+    # take none (Accelerate names their run by the project); the project is the config's class name
+    run_name: str | None = None
     data_seed: int | None = None  # seeds the data order alone (None: `seed`)
     # 🤗's: deterministic algorithms only (transformers' `enable_full_determinism`): reproducible on a GPU too,
     # slower; it stays on in the process, as in 🤗
     full_determinism: bool = False
     use_cpu: bool = False  # train on the CPU even when an accelerator is present
-    remove_unused_columns: bool | None = (
-        # 🤗's: None takes the trainer's own way (on-policy trainers keep a row's columns for the rewards, as
-        # TRL's GRPO; supervised ones read theirs only); the other value is refused
-        None
-    )
-    disable_tqdm: bool = False  # hide the progress bar (each logged step is then printed as a line)
-    skip_nonfinite: bool = (
-        False  # skip an optimizer step whose gradient is NaN/inf (default: stop with an error)
-    )
-    tf32: bool | None = (
-        # 🤗's: TensorFloat-32 float32 matmuls on an Ampere-or-newer GPU (True), IEEE float32 (False), torch's
-        # setting as it is (None)
-        None
-    )
-    torch_empty_cache_steps: int | None = (
-        # 🤗's: empty the accelerator's memory cache every this many steps (less fragmentation, a little
-        # slower); None: never
-        None
-    )
+    # 🤗's: None takes the trainer's own way (on-policy trainers keep a row's columns for the rewards, as TRL's
+    # GRPO; supervised ones read theirs only); the other value is refused
+    remove_unused_columns: bool | None = None
+    # hide the progress bar (each logged step is then printed as a line)
+    disable_tqdm: bool = False
+    # skip an optimizer step whose gradient is NaN/inf (default: stop with an error)
+    skip_nonfinite: bool = False
+    # 🤗's: TensorFloat-32 float32 matmuls on an Ampere-or-newer GPU (True), IEEE float32 (False), torch's
+    # setting as it is (None)
+    tf32: bool | None = None
+    # 🤗's: empty the accelerator's memory cache every this many steps (less fragmentation, a little slower);
+    # None: never
+    torch_empty_cache_steps: int | None = None
     # training on a CPU device under glibc: memory the step frees stays mapped for the next step
     # (`hold_freed_memory`: a GPT-2-small PPO step 23.3 → 20.4 s on 2 cores), given back when the run ends;
     # False: glibc's own settings
     keep_freed_cpu_memory: bool = True
+    # where and how often to log and save: a resumed run may change these
     may_change_on_resume: ClassVar[frozenset] = frozenset(
-        {  # where and how often to log and save: a resumed run may change these
+        {
             "output_dir",
             "resume_from_checkpoint",
             "overwrite_output_dir",
@@ -443,9 +408,8 @@ class TrainingConfig(metaclass=TakesTrainingArguments):
             "keep_freed_cpu_memory",
         }
     )
-    keeps_columns: ClassVar[bool] = (
-        False  # whether a row's unused columns reach the trainer (`remove_unused_columns`=False)
-    )
+    # whether a row's unused columns reach the trainer (`remove_unused_columns`=False)
+    keeps_columns: ClassVar[bool] = False
 
     def __post_init__(self):
         coerce_dicts(self)
@@ -492,9 +456,8 @@ def coerce_numbers(config) -> None:
     for f in fields(config):
         value, kind = getattr(config, f.name), declared[f.name]
         kinds = _number_types(kind)
-        if (
-            value is None and kinds and type(None) not in get_args(kind)
-        ):  # e.g. TRL's `max_completion_length`=None: no meaning here
+        # e.g. TRL's `max_completion_length`=None: no meaning here
+        if value is None and kinds and type(None) not in get_args(kind):
             raise ValueError(f"`{f.name}` must be a number, got None (its default: {f.default!r})")
         if isinstance(value, float) and kinds == {int}:  # 8.0 is 8; 2.5 steps or rows is no setting at all
             if not value.is_integer():
@@ -574,8 +537,9 @@ def _check_numbers(config):
     """The ranges of `TrainingConfig`'s numbers (after `coerce_numbers`), each refused by name; the `*_steps`
     intervals as `steps_or_fraction` keeps them, `eval_steps` unset as 🤗 sets it."""
     check_number("learning_rate", config.learning_rate, low_open=True)
+    # 🤗's default, spelled out: not set (0 here)
     if getattr(config, "max_steps", None) == -1:
-        config.max_steps = 0  # 🤗's default, spelled out: not set (0 here)
+        config.max_steps = 0
     for name in ("weight_decay", "max_grad_norm", "warmup_steps"):
         check_number(name, getattr(config, name))
     if config.save_total_limit is not None:
@@ -584,11 +548,8 @@ def _check_numbers(config):
         _resolve_eval_steps(config)
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         check_number(name, getattr(config, name), low=1)
-    for name in (
-        "logging_steps",
-        "save_steps",
-        "eval_steps",
-    ):  # eval_steps: the stages' and on-policy configs'
+    # eval_steps: the stages' and on-policy configs'
+    for name in ("logging_steps", "save_steps", "eval_steps"):
         if hasattr(config, name):
             setattr(
                 config, name, steps_or_fraction(name, getattr(config, name), zero=name != "logging_steps")
@@ -603,10 +564,8 @@ def _check_numbers(config):
         )
 
 # %% ../nbs/05_loop.ipynb #eb02c5dc
-_READS_METRIC = (
-    "reduce_lr_on_plateau",
-    "greedy",
-)  # 🤗's schedules that step on an evaluation's metric, not at every optimizer step
+# 🤗's schedules that step on an evaluation's metric, not at every optimizer step
+_READS_METRIC = ("reduce_lr_on_plateau", "greedy")
 
 
 def _multiple(save: float, every: float) -> bool:
@@ -687,14 +646,16 @@ def check_tracker(
     return name
 
 # %% ../nbs/05_loop.ipynb #a2fb8bd3
+# the keyword of each
 _RUN_NAME_KEYWORD = {
     "wandb": "name",
     "trackio": "name",
     "mlflow": "run_name",
-    "clearml": "task_name",  # the keyword of each
+    "clearml": "task_name",
+    # tracker's own init that names a run
     "swanlab": "experiment_name",
     "dvclive": "exp_name",
-}  # tracker's own init that names a run
+}
 
 
 def tracker_init_kwargs(
@@ -726,8 +687,11 @@ def batch_indices(
     steps_per_epoch = n_examples // batch_size
     if steps_per_epoch == 0:
         across = (
-            f" ({batch_size // num_processes} a process × {num_processes} processes: launch fewer processes "
-            f"or lower the batch)"
+            (
+                f" ({batch_size // num_processes} a process × {num_processes} processes: launch fewer "
+                f"processes "
+                f"or lower the batch)"
+            )
             if num_processes > 1
             else ""
         )
@@ -770,8 +734,9 @@ class TrainState:
         return {"step": self.step, "history": self.history, "best": self.best, "num_tokens": self.num_tokens}
 
     def load_state_dict(
-        self, state: dict
-    ):  # checkpoints written before 2026-11-27 have no "best" nor "num_tokens"
+        self,
+        state: dict,  # checkpoints written before 2026-11-27 have no "best" nor "num_tokens"
+    ):
         self.step, self.history, self.best = (
             state["step"],
             list(state["history"]),
@@ -805,17 +770,16 @@ def _fsdp_on_cpu(accelerator: Accelerator):
         raise ValueError(
             f"the launch asks for FSDP but Accelerate found no GPU and would train unsharded "
             f"({accelerator.distributed_type}): "
-            "launch on GPUs, or on the CPU run FSDP2 under torchrun with ACCELERATE_USE_CPU=true "
-            "FSDP_VERSION=2 (configs/README.md)"
+            "launch on GPUs, or on the CPU run FSDP2 under torchrun with "
+            "ACCELERATE_USE_CPU=true FSDP_VERSION=2 (configs/README.md)"
         )
     # Accelerate 1.15 only selects FSDP on an accelerator, yet its FSDP2 path (torch's `fully_shard`) runs on
     # gloo: select it
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)
     accelerator.state.fsdp_plugin = plugin
-    PartialState().distributed_type = accelerator.state.distributed_type = (
-        DistributedType.FSDP
-    )  # `AcceleratorState()` re-reads PartialState's
+    # `AcceleratorState()` re-reads PartialState's
+    PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
 
 # %% ../nbs/05_loop.ipynb #d40b6e2a
 def _cpu_for_fsdp2_launch():
@@ -829,9 +793,8 @@ def _cpu_for_fsdp2_launch():
         and not torch.accelerator.is_available()
     ):
         return
-    env["ACCELERATE_USE_CPU"] = (
-        "true"  # the FSDP launcher sets it to false whatever the config's `use_cpu` says
-    )
+    # the FSDP launcher sets it to false whatever the config's `use_cpu` says
+    env["ACCELERATE_USE_CPU"] = "true"
     if PartialState._shared_state and PartialState().distributed_type == DistributedType.NO:
         PartialState._reset_state()
 
@@ -861,8 +824,8 @@ def _check_deepspeed_launch(accelerator: Accelerator):
     raise ValueError(
         f"the launch asks for DeepSpeed but Accelerate would train without it "
         f"({accelerator.distributed_type}; it never selects "
-        "DeepSpeed with use_cpu): launch DeepSpeed ZeRO on GPUs (configs/deepspeed_zero2.yaml), or shard on "
-        "the CPU with FSDP2 (configs/fsdp2_cpu.yaml)"
+        "DeepSpeed with use_cpu): launch DeepSpeed ZeRO on GPUs (configs/deepspeed_zero2.yaml), "
+        "or shard on the CPU with FSDP2 (configs/fsdp2_cpu.yaml)"
     )
 
 # %% ../nbs/05_loop.ipynb #cae84347
@@ -873,10 +836,10 @@ def fresh_accelerator(**kwargs) -> Accelerator:
     _cpu_for_fsdp2_launch()
     if (backend := _gloo_for_deepspeed_launch()) and not PartialState._shared_state:
         PartialState(backend=backend)
-    if (
-        PartialState._shared_state and PartialState().distributed_type == DistributedType.FSDP
-    ):  # set by `_fsdp_on_cpu` for an earlier one
-        PartialState().distributed_type = DistributedType.MULTI_CPU  # Accelerate chooses afresh
+    # set by `_fsdp_on_cpu` for an earlier one
+    if PartialState._shared_state and PartialState().distributed_type == DistributedType.FSDP:
+        # Accelerate chooses afresh
+        PartialState().distributed_type = DistributedType.MULTI_CPU
     accelerator = Accelerator(**kwargs)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         _fsdp_on_cpu(accelerator)
@@ -893,21 +856,15 @@ class TrainLoop:
         tokenizer=None,  # saved beside the model by `save_model`, if given
         # 🤗 `TrainerCallback`s (or any objects with some of their methods), called as 🤗's Trainer calls them
         callbacks=None,
-        optimizers: tuple = (
-            None,
-            None,
-            # 🤗's: (your optimizer over the trained model's trainable parameters, a schedule over it), either
-            # None
-            # (`check_optimizers`)
-        ),
-        optimizer_cls_and_kwargs: tuple
+        # 🤗's: (your optimizer over the trained model's trainable parameters, a schedule over it), either None
+        # (`check_optimizers`)
+        optimizers: tuple = (None, None),
         # 🤗's: (optimizer class or factory, its keyword arguments) instead of `optim`/`optim_args`
-        | None = None,
+        optimizer_cls_and_kwargs: tuple | None = None,
     ):
         self.config, self.tokenizer, self.callbacks = config, tokenizer, as_callbacks(callbacks)
-        self.given_optimizer = check_optimizers(
-            optimizers, optimizer_cls_and_kwargs
-        )  # (optimizer, lr_scheduler, optimizer_cls_and_kwargs), each None unless given
+        # (optimizer, lr_scheduler, optimizer_cls_and_kwargs), each None unless given
+        self.given_optimizer = check_optimizers(optimizers, optimizer_cls_and_kwargs)
         if config.tf32 is not None:
             set_tf32(config.tf32)
         _check_writable(config.output_dir)
@@ -920,23 +877,22 @@ class TrainLoop:
             step_scheduler_with_optimizer=False,
             log_with=None if config.report_to == "none" else config.report_to,
         )
-        self.resume_path = (
-            self.checkpoint_to_resume()
-        )  # a missing or incompatible checkpoint fails here, before any work
+        # a missing or incompatible checkpoint fails here, before any work
+        self.resume_path = self.checkpoint_to_resume()
         if self.resume_path is None:
             self.claim_output_dir()
         if config.report_to != "none":
             settings = {
                 k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in asdict(config).items()
             }
+            # 🤗's `run_name`: the run's name where the tracker has one
             self.accelerator.init_trackers(
                 type(config).__name__.lower(),
-                config=settings,  # 🤗's `run_name`: the run's name where the tracker has one
+                config=settings,
                 init_kwargs=tracker_init_kwargs(config.report_to, config.run_name),
             )
-        (enable_full_determinism if config.full_determinism else set_seed)(
-            config.seed
-        )  # 🤗's `full_determinism`: seeded, and deterministic kernels only
+        # 🤗's `full_determinism`: seeded, and deterministic kernels only
+        (enable_full_determinism if config.full_determinism else set_seed)(config.seed)
         self.state = TrainState()
         self.register(self.state)
         self.optimizer = self.scheduler = self.prepared = None
@@ -959,16 +915,12 @@ class TrainLoop:
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (`skip_nonfinite`)
     progress_keys: tuple = ()  # metrics shown on the progress bar
     stop_signal: str | None = None  # "SIGINT" or "SIGTERM" once one arrived (`stop_on_signals`)
-    steps_per_epoch: float | None = (
-        None  # steps per pass over the training set, for `trainer_state.epoch` (`begin`)
-    )
-    micro_batch_size: int | None = (
-        # rows per micro-batch once `auto_find_batch_size` halved it (None: `per_device_train_batch_size`)
-        None
-    )
-    holds_freed_memory: bool = (
-        False  # whether `begin` told glibc to keep freed memory (`keep_freed_cpu_memory`), until `leave`
-    )
+    # steps per pass over the training set, for `trainer_state.epoch` (`begin`)
+    steps_per_epoch: float | None = None
+    # rows per micro-batch once `auto_find_batch_size` halved it (None: `per_device_train_batch_size`)
+    micro_batch_size: int | None = None
+    # whether `begin` told glibc to keep freed memory (`keep_freed_cpu_memory`), until `leave`
+    holds_freed_memory: bool = False
 
 # %% ../nbs/05_loop.ipynb #41e316ca
 @patch(as_prop=True)
@@ -982,9 +934,10 @@ def best_checkpoint(self: TrainLoop) -> Path | None:
 # %% ../nbs/05_loop.ipynb #bef48ca6
 def check_optimizers(
     optimizers: tuple = (None, None),  # 🤗's `optimizers`: (optimizer, lr_scheduler), either None
-    optimizer_cls_and_kwargs: tuple
-    | None = None,  # 🤗's `optimizer_cls_and_kwargs`: (class or factory, keyword arguments)
-) -> tuple:  # (optimizer, lr_scheduler, optimizer_cls_and_kwargs), checked
+    # 🤗's `optimizer_cls_and_kwargs`: (class or factory, keyword arguments)
+    optimizer_cls_and_kwargs: tuple | None = None,
+    # (optimizer, lr_scheduler, optimizer_cls_and_kwargs), checked
+) -> tuple:
     """🤗 Trainer's two ways to bring your own optimizer, checked before any work: a pair, a torch optimizer, a
     schedule made over the optimizer beside it, not both ways."""
     if not isinstance(optimizers, (tuple, list)) or len(optimizers) != 2:
@@ -1106,9 +1059,8 @@ def fire(
         self.state.best.get("step"),
         best and str(best),
     )
+    # the usual case: nothing to call, nothing to unwrap (Accelerate's unwrap looks packages up at each call)
     if not self.callbacks:
-        # the usual case: nothing to call, nothing to unwrap (Accelerate's unwrap looks packages up at each
-        # call)
         return self.control
     model = None if self.prepared is None else self.accelerator.unwrap_model(self.prepared)
     for cb in self.callbacks:
@@ -1133,8 +1085,8 @@ def fire(
 def begin(
     self: TrainLoop,
     max_steps: int,  # steps in the whole run
-    steps_per_epoch: float
-    | None = None,  # steps per pass over the training set (for `state.epoch`); None: unknown
+    # steps per pass over the training set (for `state.epoch`); None: unknown
+    steps_per_epoch: float | None = None,
 ):
     """Training starts (after any resume): SIGINT/SIGTERM stop it cleanly (`stop_on_signals`), freed CPU memory
     is kept for the next step (`keep_freed_cpu_memory`), and the callbacks hear `on_train_begin`."""
@@ -1142,10 +1094,8 @@ def begin(
     s.max_steps, self.steps_per_epoch = max_steps, steps_per_epoch
     if steps_per_epoch:
         s.num_train_epochs = math.ceil(max_steps / steps_per_epoch)
-    s.logging_steps, s.save_steps = (
-        self.steps_of(c.logging_steps),
-        self.steps_of(c.save_steps),
-    )  # 🤗's fractions, in steps
+    # 🤗's fractions, in steps
+    s.logging_steps, s.save_steps = self.steps_of(c.logging_steps), self.steps_of(c.save_steps)
     if getattr(c, "eval_steps", 0):
         s.eval_steps = self.steps_of(c.eval_steps)
     self.stop_on_signals()
@@ -1237,12 +1187,11 @@ def maybe_resume(self: TrainLoop) -> bool:
         raise ValueError(
             f"`resume_from_checkpoint` {str(self.resume_path)!r}: its optimizer state has other parameter "
             f"groups than this run's "
-            "optimizer (written before weight decay took 🤗's two groups, 2026-11-27?): start a new run from "
-            "its weights"
+            "optimizer (written before weight decay took 🤗's two groups, 2026-11-27?): start a "
+            "new run from its weights"
         ) from None
-    if (
-        self.accelerator.is_main_process
-    ):  # metrics.jsonl = the restored history: no rows of steps to be redone
+    # metrics.jsonl = the restored history: no rows of steps to be redone
+    if self.accelerator.is_main_process:
         self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.state.history))
     return True
 
@@ -1254,10 +1203,8 @@ def _check_compatible(self: TrainLoop, saved: dict):
     now = json.loads(
         json.dumps({**asdict(self.config), "num_processes": self.accelerator.num_processes}, default=str)
     )
-    for settings in (
-        saved,
-        now,
-    ):  # 2 processes × 1 micro-batch is the same step as 1 process × 2 micro-batches
+    # 2 processes × 1 micro-batch is the same step as 1 process × 2 micro-batches
+    for settings in (saved, now):
         settings["micro-batches per step (processes × gradient_accumulation_steps)"] = settings.pop(
             "num_processes", 1
         ) * settings.pop("gradient_accumulation_steps", 1)
@@ -1284,8 +1231,8 @@ def claim_output_dir(self: TrainLoop):
         raise ValueError(
             f"`output_dir` {str(out)!r} holds another run's checkpoints ({', '.join(old[-3:])}): resume it "
             f"with "
-            "resume_from_checkpoint='latest', or set overwrite_output_dir=True to delete them and start "
-            "afresh"
+            "resume_from_checkpoint='latest', or set overwrite_output_dir=True to delete them "
+            "and start afresh"
         )
     if acc.is_main_process:
         for path in [*out.glob("checkpoint-*"), *out.glob(".checkpoint-*.tmp")]:
@@ -1309,17 +1256,15 @@ def make_optimizer(
     config,
     model: nn.Module,  # its trainable parameters are optimised
     deepspeed: bool = False,  # DeepSpeed runs the step: no fused kernel
-    cls_and_kwargs: tuple
     # 🤗's `optimizer_cls_and_kwargs` (`check_optimizers`): this class (or factory) and arguments instead of
     # `optim`'s
-    | None = None,
+    cls_and_kwargs: tuple | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer 🤗's Trainer makes for `config` (class and arguments from
     `Trainer.get_optimizer_cls_and_kwargs`, or `cls_and_kwargs`), over 🤗's two groups: weight decay on the
     trainable parameters but biases and norm layers' weights."""
-    decay = set(
-        HFTrainer.get_decay_parameter_names(None, model)
-    )  # 🤗's rule (the method reads nothing of its trainer)
+    # 🤗's rule (the method reads nothing of its trainer)
+    decay = set(HFTrainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": config.weight_decay},
@@ -1327,16 +1272,15 @@ def make_optimizer(
     ]
     cls, kwargs = cls_and_kwargs or HFTrainer.get_optimizer_cls_and_kwargs(config, model)
     kwargs = dict(kwargs)
+    # DeepSpeed wraps the optimizer and steps it itself
     if deepspeed:
-        kwargs.pop("fused", None)  # DeepSpeed wraps the optimizer and steps it itself
+        kwargs.pop("fused", None)
+    # 🤗's factories (Muon, Dion: classes that are not optimizers) group the parameters themselves
     if is_optimizer_factory(cls):
-        return cls()(
-            model, **kwargs
-        )  # 🤗's factories (Muon, Dion: classes that are not optimizers) group the parameters themselves
+        return cls()(model, **kwargs)
     optimizer = cls(groups, **kwargs)
-    if (
-        cls.__module__.startswith("bitsandbytes") and kwargs.get("optim_bits") == 8
-    ):  # as 🤗: embeddings keep 32-bit moments
+    # as 🤗: embeddings keep 32-bit moments
+    if cls.__module__.startswith("bitsandbytes") and kwargs.get("optim_bits") == 8:
         from bitsandbytes.optim import GlobalOptimManager
 
         for m in model.modules():
@@ -1387,9 +1331,8 @@ def setup_optimizer(self: TrainLoop, model: nn.Module, num_training_steps: int) 
     fuse_activations(model)
     if c.gradient_checkpointing:
         enable_gradient_checkpointing(model, c.gradient_checkpointing_kwargs, c.gradient_checkpointing_policy)
-    if (
-        self.accelerator.state.deepspeed_plugin is not None
-    ):  # DeepSpeed reads its micro-batch from a dataloader, else from here
+    # DeepSpeed reads its micro-batch from a dataloader, else from here
+    if self.accelerator.state.deepspeed_plugin is not None:
         self.accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = (
             c.per_device_train_batch_size
         )
@@ -1445,7 +1388,8 @@ def backward(self: TrainLoop, loss: Tensor):
 @patch
 def loss_scale(
     self: TrainLoop,
-    counts: list,  # units (real tokens, pairs) in each of this process's micro-batches of the minibatch
+    # units (real tokens, pairs) in each of this process's micro-batches of the minibatch
+    counts: list,
     # a minibatch with no units takes a zero-loss step (GRPO with every completion masked) instead of an error
     allow_empty: bool = False,
 ) -> float:  # G·P / N: multiply each micro-batch's loss sum by it
@@ -1475,18 +1419,19 @@ def _fsdp_gathered(model: nn.Module):
     if not units:
         raise ValueError(
             "sampling under FSDP needs FSDP2 (torch's `fully_shard`): set `fsdp_version: 2` in the "
-            "Accelerate config (configs/fsdp2.yaml)"
+            "Accelerate "
+            "config (configs/fsdp2.yaml)"
         )
-    model._get_fsdp_state()._lazy_init()  # the root is the outermost unit, as when its `forward` runs first
+    # the root is the outermost unit, as when its `forward` runs first
+    model._get_fsdp_state()._lazy_init()
     kept = [
         (s, s._auto_reshard_after_forward, [(g, g.post_forward_mesh_info) for g in s._fsdp_param_groups])
         for s in (m._get_fsdp_state() for m in units)
     ]
     for m in units:
         m.unshard()
-    model.set_reshard_after_forward(
-        False
-    )  # `generate` calls the units' forwards at every token: no gather/free each time
+    # `generate` calls the units' forwards at every token: no gather/free each time
+    model.set_reshard_after_forward(False)
     try:
         yield
     finally:
@@ -1504,15 +1449,17 @@ def gathered_for_generation(self: TrainLoop):
     """Inside the block every process holds the trained model's full weights: under DeepSpeed ZeRO-3 and FSDP
     they are gathered once for all of sampling."""
     if self.accelerator.distributed_type == DistributedType.FSDP:
+        # else every decoding step would all-gather (and for an `Agent` miss) the root's weights
         with _fsdp_gathered(self.prepared):
-            yield  # else every decoding step would all-gather (and for an `Agent` miss) the root's weights
+            yield
         return
     plugin = self.accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
         yield
         return
+    # else the engine's hooks re-gather and re-partition every layer at every decoding step
     with _deepspeed_gathered(self.prepared):
-        yield  # else the engine's hooks re-gather and re-partition every layer at every decoding step
+        yield
 
 # %% ../nbs/05_loop.ipynb #4b403e1c
 @patch
@@ -1543,10 +1490,9 @@ def _clip_gradients(
         return accelerator.clip_grad_norm_(parameters, max_norm)
     accelerator.unscale_gradients()  # fp16: the scaler's factor out first
     norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    # torch's factor, in the norm's dtype
     if max_norm / (norm + 1e-6) < 1:
-        torch.nn.utils.clip_grads_with_norm_(
-            parameters, max_norm, norm
-        )  # torch's factor, in the norm's dtype
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
 
 # %% ../nbs/05_loop.ipynb #de735e8a
@@ -1555,31 +1501,30 @@ def optimizer_step(self: TrainLoop, model: nn.Module, stats: dict | None = None)
     """Clip, step the optimizer and the schedule, zero the gradients; returns the gradient norm before clipping."""
     max_norm = self.config.max_grad_norm or math.inf
     grad_norm = _clip_gradients(self.accelerator, list(model.parameters()), max_norm)
+    # FSDP2: the norm is a DTensor over the shards
     if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()  # FSDP2: the norm is a DTensor over the shards
-    if (
-        self.accelerator.distributed_type == DistributedType.DEEPSPEED
-    ):  # the engine clipped and stepped in `backward`
+        grad_norm = grad_norm.full_tensor()
+    # the engine clipped and stepped in `backward`
+    if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
         self.fire("on_pre_optimizer_step")
         self.fire("on_optimizer_step")
+        # ours (a LambdaLR DeepSpeed does not know) is not the engine's to step; its own kinds: a no-op
+        # wrapper
         if not self.schedule_reads_metric:
-            # ours (a LambdaLR DeepSpeed does not know) is not the engine's to step; its own kinds: a no-op
-            # wrapper
             self.scheduler.step()
-        return torch.as_tensor(
-            math.nan if grad_norm is None else grad_norm, device=self.device
-        )  # logged and all-reduced with the step's statistics (NCCL: no CPU tensors)
-    if (
-        not torch.isfinite(grad_norm) and self.accelerator.scaler is None
-    ):  # one host sync per step; fp16's scaler skips such steps itself
+        # logged and all-reduced with the step's statistics (NCCL: no CPU tensors)
+        return torch.as_tensor(math.nan if grad_norm is None else grad_norm, device=self.device)
+    # one host sync per step; fp16's scaler skips such steps itself
+    if not torch.isfinite(grad_norm) and self.accelerator.scaler is None:
         self.optimizer.zero_grad(set_to_none=True)
         self._nonfinite(grad_norm, stats or {})
         return grad_norm
     self.fire("on_pre_optimizer_step")
     self.optimizer.step()
     self.fire("on_optimizer_step")
+    # reduce_lr_on_plateau and greedy step on evaluations (`note_evaluation`)
     if not self.schedule_reads_metric:
-        self.scheduler.step()  # reduce_lr_on_plateau and greedy step on evaluations (`note_evaluation`)
+        self.scheduler.step()
     self.optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
@@ -1697,10 +1642,9 @@ def save_checkpoint(self: TrainLoop) -> Path:
     if self.config.save_strategy == "no":
         return None
     output_dir, acc, best = Path(self.config.output_dir), self.accelerator, self.state.best
+    # the best model so far is this one
     if best.get("step") == self.state.step:
-        best.update(
-            checkpoint=self.state.step, checkpoint_value=best["value"]
-        )  # the best model so far is this one
+        best.update(checkpoint=self.state.step, checkpoint_value=best["value"])
     final = output_dir / f"checkpoint-{self.state.step}"
     tmp = output_dir / f".checkpoint-{self.state.step}.tmp"
     acc.wait_for_everyone()
@@ -1710,8 +1654,9 @@ def save_checkpoint(self: TrainLoop) -> Path:
     if self.config.save_only_model:
         self._save_weights(tmp)
     else:
+        # every process writes its own random state into `tmp`
         with _tied_weights_quiet():
-            acc.save_state(str(tmp))  # every process writes its own random state into `tmp`
+            acc.save_state(str(tmp))
     acc.wait_for_everyone()  # so nobody renames `tmp` before all have finished
     if acc.is_main_process:
         settings = {**asdict(self.config), "num_processes": acc.num_processes}
@@ -1764,9 +1709,8 @@ def save_trained(
     model: nn.Module,  # anything with `save_pretrained`: a 🤗 model, an `Agent`, a `RewardModel`
     tokenizer,  # its tokenizer, or None
     output_dir: str | Path,  # where
-    state_dict: dict
     # the full weights to write (FSDP: gathered by every process beforehand); None: `model`'s own
-    | None = None,
+    state_dict: dict | None = None,
 ):
     """`model` and `tokenizer` in 🤗 format in `output_dir`, written by the main process (the others wait): what
     every trainer's `save_model` does."""
@@ -1783,18 +1727,16 @@ def save_trained(
 def save_model(
     self: TrainLoop,
     model: nn.Module | None = None,  # default: the prepared one
-    output_dir: str | Path | None = None,
-):  # default: `output_dir` of the config
+    output_dir: str | Path | None = None,  # default: `output_dir` of the config
+):
     "Save `model` (unwrapped) in 🤗 format, and the loop's tokenizer if any, to `output_dir`."
     model = self.accelerator.unwrap_model(model if model is not None else self.prepared)
     full = None
-    if (
-        self.accelerator.distributed_type == DistributedType.FSDP
-    ):  # every process takes part in gathering; the main one writes
+    # every process takes part in gathering; the main one writes
+    if self.accelerator.distributed_type == DistributedType.FSDP:
         full = self.accelerator.get_state_dict(model)
-        if not isinstance(model, PreTrainedModel) and not hasattr(
-            model, "value_head"
-        ):  # a `RewardModel` (its 🤗 classifier is `.model`), not an `Agent`
+        # a `RewardModel` (its 🤗 classifier is `.model`), not an `Agent`
+        if not isinstance(model, PreTrainedModel) and not hasattr(model, "value_head"):
             full = (
                 {k.removeprefix("model."): v for k, v in full.items()}
                 if self.accelerator.is_main_process
@@ -1810,15 +1752,17 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.signal_name, self.checkpoint = signal_name, checkpoint
         super().__init__(
             f"{signal_name}: stopped after step {checkpoint.name.split('-')[-1]}; checkpoint {checkpoint} "
-            f"and the model in {checkpoint.parent} are saved. Resume with resume_from_checkpoint='latest'"
+            f"and the model in {checkpoint.parent} are saved. Resume with "
+            f"resume_from_checkpoint='latest'"
         )
 
 # %% ../nbs/05_loop.ipynb #d9f29cf4
 @patch
 def stop_on_signals(self: TrainLoop):
     "From now until `end`, SIGINT and SIGTERM stop training at the end of the current step (see `end_step`)."
+    # Python delivers signals to the main thread only
     if threading.current_thread() is not threading.main_thread():
-        return  # Python delivers signals to the main thread only
+        return
     self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
 # %% ../nbs/05_loop.ipynb #18b4dae2
@@ -1854,11 +1798,11 @@ def leave(self: TrainLoop):
 @patch
 def every(
     self: TrainLoop,
-    strategy: str
     # a 🤗 `*_strategy`: "no", "steps" or "epoch" (save_strategy "best": `end_step`); None (`eval_strategy`
     # unset) as "steps"
-    | None,
-    steps: float,  # the matching `*_steps` (0: only at the end; 🤗's fraction of all steps: `steps_of`)
+    strategy: str | None,
+    # the matching `*_steps` (0: only at the end; 🤗's fraction of all steps: `steps_of`)
+    steps: float,
 ) -> int | None:  # steps between events: None never, 0 only at the end
     """Steps between evaluations or checkpoints under 🤗's strategy: `steps`, one pass over the training set
     (`steps_per_epoch`), or never."""
@@ -1872,7 +1816,8 @@ def end_step(
     self: TrainLoop,
     # whether the step just done was the run's last (its checkpoint is written by the trainer)
     last: bool = False,
-) -> bool:  # whether the run ends here: the last step, or a callback set `control.should_training_stop`
+    # whether the run ends here: the last step, or a callback set `control.should_training_stop`
+) -> bool:
     """Call once a step is done: `on_step_end`; a checkpoint every `save_steps` ("best": at a new best
     evaluation); after a SIGINT/SIGTERM, a checkpoint and the model, then `TrainingInterrupted`."""
     c = self.config
@@ -1892,8 +1837,9 @@ def end_step(
     )
     if due and not (last or asked):
         self.save_checkpoint()
+    # 🤗's
     if c.torch_empty_cache_steps and self.state.step % c.torch_empty_cache_steps == 0:
-        clear_device_cache()  # 🤗's
+        clear_device_cache()
     return last or asked
 
 # %% ../nbs/05_loop.ipynb #4b5f2c8a
@@ -1979,10 +1925,8 @@ def note_evaluation(
     value = float(evals[name])
     if self.schedule_reads_metric:
         self.scheduler.step(value)
-    if (best.get("name"), best.get("greater")) != (
-        name,
-        c.greater_is_better,
-    ):  # a run resumed to rank by another metric starts afresh
+    # a run resumed to rank by another metric starts afresh
+    if (best.get("name"), best.get("greater")) != (name, c.greater_is_better):
         best.clear()
         best.update(name=name, greater=c.greater_is_better)
     better = "value" not in best or (value > best["value"] if c.greater_is_better else value < best["value"])
@@ -2043,7 +1987,8 @@ def fit_step(
             with acc.autocast():
                 loss_sum, metrics, *term = loss_fn(model, inputs)
             loss = loss_sum * scale
-            if term:  # its share of the mean over all micro-batches of all processes
+            # its share of the mean over all micro-batches of all processes
+            if term:
                 per_batch = self.loss_scale([1] * len(micro)) if per_batch is None else per_batch
                 loss = loss + term[0] * per_batch
             self.backward(loss)
@@ -2051,14 +1996,12 @@ def fit_step(
                 tokens.append(metrics.pop("num_tokens"))
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0) + v / len(micro)
-            totals[loss_name] = (
-                totals.get(loss_name, 0) + loss.detach() / acc.gradient_accumulation_steps
-            )  # summed: the minibatch's mean (`loss_scale` put G in)
+            # summed: the minibatch's mean (`loss_scale` put G in)
+            totals[loss_name] = totals.get(loss_name, 0) + loss.detach() / acc.gradient_accumulation_steps
         return totals, tokens
 
-    totals, tokens = self.retry_on_oom(
-        accumulate
-    )  # `auto_find_batch_size`: smaller micro-batches, the same step
+    # `auto_find_batch_size`: smaller micro-batches, the same step
+    totals, tokens = self.retry_on_oom(accumulate)
     if acc.num_processes > 1:
         totals = {k: acc.reduce(v, reduction="mean") for k, v in totals.items()}
     counted = {"num_tokens": self.count_tokens(sum(tokens))} if tokens else {}
@@ -2133,8 +2076,9 @@ def fit(
                 )
             if self.end_step(done):
                 break
+    # an exception must not leave our Ctrl-C handler, nor glibc's settings
     finally:
-        self.leave()  # an exception must not leave our Ctrl-C handler, nor glibc's settings
+        self.leave()
     progress.close()
     self.save_checkpoint()
     self.load_best()
@@ -2155,7 +2099,8 @@ def micro_batches(
 @patch
 def retry_on_oom(
     self: TrainLoop,
-    accumulate,  # () -> the step's statistics: every micro-batch's forward and backward (`micro_batches`)
+    # () -> the step's statistics: every micro-batch's forward and backward (`micro_batches`)
+    accumulate,
 ):
     """🤗's `auto_find_batch_size`, keeping the step: on an out-of-memory error, drop the gradients, empty the
     cache, halve the micro-batches and run `accumulate` again from the same random state."""
@@ -2172,13 +2117,12 @@ def retry_on_oom(
         except RuntimeError as e:
             if size == 1 or not should_reduce_batch_size(e):
                 raise
-        getattr(self.optimizer, "optimizer", self.optimizer).zero_grad(
-            set_to_none=True
-        )  # past Accelerate's wrapper, which zeroes only at a step's end
-        self.accelerator.step = 0  # Accelerate counts micro-batches to find the step's end
-        clear_device_cache(
-            garbage_collection=True
-        )  # outside the `except`: the failed pass's tensors are gone
+        # past Accelerate's wrapper, which zeroes only at a step's end
+        getattr(self.optimizer, "optimizer", self.optimizer).zero_grad(set_to_none=True)
+        # Accelerate counts micro-batches to find the step's end
+        self.accelerator.step = 0
+        # outside the `except`: the failed pass's tensors are gone
+        clear_device_cache(garbage_collection=True)
         self.micro_batch_size = size // 2
         warnings.warn(
             f"step {self.state.step + 1}: out of memory with micro-batches of {size} rows; trying "
@@ -2199,7 +2143,8 @@ class Trainer:
     tokenizer = property(
         lambda self: self.processing_class, doc="The old name of `processing_class` (read-only)."
     )
-    optimizers: tuple = (None, None)  # 🤗's `optimizers` argument, for the loop (`take_optimizers`)
+    # 🤗's `optimizers` argument, for the loop (`take_optimizers`)
+    optimizers: tuple = (None, None)
     optimizer_cls_and_kwargs: tuple | None = None  # 🤗's `optimizer_cls_and_kwargs` argument, for the loop
 
     def take_optimizers(self, optimizers=(None, None), optimizer_cls_and_kwargs=None):
@@ -2217,11 +2162,8 @@ class Trainer:
         return self.model
 
 # %% ../nbs/05_loop.ipynb #a5f8baca
-_OLD_NAMES = {
-    "config": "args",
-    "tokenizer": "processing_class",
-    "reward_model": "reward_funcs",
-}  # our names before TRL's
+# our names before TRL's
+_OLD_NAMES = {"config": "args", "tokenizer": "processing_class", "reward_model": "reward_funcs"}
 
 # %% ../nbs/05_loop.ipynb #f47d84f8
 def _signature(trainer: type) -> str:
@@ -2272,9 +2214,8 @@ def save_model(
 @patch
 def resume_setting(
     self: Trainer,
-    resume_from_checkpoint: bool
-    | str
-    | None = None,  # 🤗 Trainer.train's argument: True (the newest in `output_dir`), a path, or None
+    # 🤗 Trainer.train's argument: True (the newest in `output_dir`), a path, or None
+    resume_from_checkpoint: bool | str | None = None,
 ):
     """Put `train`'s `resume_from_checkpoint` into `args` as the loop reads it: True → 'latest', a path as it is,
     False/None → the config's own."""

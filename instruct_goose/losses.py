@@ -48,9 +48,8 @@ def compute_rewards(
     mask: Bool[Tensor, "batch resp"],  # True on real response tokens
     kl_coef: float,  # β, the KL penalty coefficient
     estimator: KLEstimator = "k1",  # KL estimator, see `kl_penalty`
-) -> tuple[
-    Float[Tensor, "batch resp"], Float[Tensor, "batch resp"], Float[Tensor, "batch resp"]
-]:  # (rewards, kl, non_score_reward)
+    # (rewards, kl, non_score_reward)
+) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"], Float[Tensor, "batch resp"]]:
     "Per-token rewards: −β·KL on every real token plus the score on the last one; also the KL and −β·KL."
     last = last_true_index(mask)
     empty = (last < 0).nonzero().flatten().tolist()
@@ -74,9 +73,8 @@ def compute_gae(
     mask: Bool[Tensor, "batch resp"],  # True on real tokens, which must be a prefix of each row
     gamma: float = 1.0,  # γ, the discount
     lam: float = 0.95,  # λ, the GAE trade-off between bias and variance
-) -> tuple[
-    Float[Tensor, "batch resp"], Float[Tensor, "batch resp"]
-]:  # (advantages, returns), 0 outside the mask
+    # (advantages, returns), 0 outside the mask
+) -> tuple[Float[Tensor, "batch resp"], Float[Tensor, "batch resp"]]:
     "Advantages and returns by GAE over the token axis; each row's last real token is terminal."
     check_number("gamma", gamma, high=1.0)
     check_number("lam", lam, high=1.0)
@@ -181,12 +179,11 @@ class PPOLoss(nn.Module):
         phi_values: Float[Tensor, "batch resp"],  # V_t now
         returns: Float[Tensor, "batch resp"],  # R̂_t
         padding_masks: Bool[Tensor, "batch resp"] | None = None,  # True on real tokens; None: all count
-        value_padding_masks: Bool[Tensor, "batch resp"]
-        | None = None,  # mask for the value loss; None: `padding_masks`
+        # mask for the value loss; None: `padding_masks`
+        value_padding_masks: Bool[Tensor, "batch resp"] | None = None,
         entropy: Float[Tensor, "batch resp"] | None = None,  # H_t per token; needed when `ent_coef` > 0
-    ) -> tuple[
-        Float[Tensor, ""], Float[Tensor, ""], Float[Tensor, ""], Float[Tensor, ""], Float[Tensor, ""]
-    ]:  # (loss, policy_loss, value_loss, ratios, clipfrac)
+        # (loss, policy_loss, value_loss, ratios, clipfrac)
+    ) -> tuple[Float[Tensor, ""], Float[Tensor, ""], Float[Tensor, ""], Float[Tensor, ""], Float[Tensor, ""]]:
         t = self.terms(
             pi_old_logprobs,
             pi_logprobs,
@@ -344,8 +341,9 @@ class AdaptiveEntropyController:
         return self.coef if self.last_entropy <= self.target else 0.0
 
     def update(
-        self, entropy: float | Tensor
-    ):  # H̄_t: the mean entropy per token measured in the step just done
+        self,
+        entropy: float | Tensor,  # H̄_t: the mean entropy per token measured in the step just done
+    ):
         "c ← c + δ (at most `high`) if H̄ ≤ H*, else c − δ (at least `low`); remember H̄ for `value`."
         entropy = check_number("entropy", float(entropy))
         self.coef = (

@@ -75,9 +75,8 @@ from .tools import tool_stats, trainer_tools
 # %% ../nbs/08_onpolicy.ipynb #f1de586e
 def merge_names(
     config,  # a dataclass config, its fields set
-    same: dict[
-        str, str
-    ],  # TRL's name -> our field of the same setting, e.g. {"beta": "kl_coef"}; each pair has one default
+    # TRL's name -> our field of the same setting, e.g. {"beta": "kl_coef"}; each pair has one default
+    same: dict[str, str],
 ):
     """Two names of one setting end up equal: the one given (not at its default) wins; both given, and different,
     is an error."""
@@ -93,19 +92,19 @@ def merge_names(
         else:
             raise ValueError(
                 f"`{trl}`={a!r} and `{ours}`={b!r} name one setting twice (`{trl}` is TRL's name): give one "
-                f"of them"
+                f"of "
+                f"them"
             )
 
 # %% ../nbs/08_onpolicy.ipynb #c7d2a1b0
 def generation_batches(
-    config,  # an on-policy config: its `steps_per_generation` or `generation_batch_size` (TRL's), if set
+    # an on-policy config: its `steps_per_generation` or `generation_batch_size` (TRL's), if set
+    config,
 ):
     """Map TRL's `steps_per_generation` / `generation_batch_size` onto `num_mini_batches` (optimizer steps per
     generation); a value that does not cut into whole optimizer steps is a one-line error."""
-    c, procs = (
-        config,
-        int(os.environ.get("WORLD_SIZE", "1")),
-    )  # processes, as 🤗 TrainingArguments reads them before launch
+    # processes, as 🤗 TrainingArguments reads them before launch
+    c, procs = config, int(os.environ.get("WORLD_SIZE", "1"))
     if c.steps_per_generation is None and c.generation_batch_size is None:
         return
     if c.steps_per_generation is not None and c.generation_batch_size is not None:
@@ -113,9 +112,8 @@ def generation_batches(
             "`generation_batch_size` and `steps_per_generation` set the same thing (TRL refuses both too): "
             "give one"
         )
-    step = (
-        c.per_device_train_batch_size * c.gradient_accumulation_steps
-    )  # completions per optimizer step and process
+    # completions per optimizer step and process
+    step = c.per_device_train_batch_size * c.gradient_accumulation_steps
     if c.steps_per_generation is not None:
         name, given, per = "steps_per_generation", c.steps_per_generation, c.gradient_accumulation_steps
         unit = f"gradient_accumulation_steps={per}"
@@ -137,7 +135,8 @@ def generation_batches(
 def setting_name(
     config,  # a config with `same_setting` (TRL's name -> our shared field)
     field: str,  # a shared field, e.g. "response_length"
-) -> str:  # the name the user knows it by: TRL's where the config has one, e.g. "max_completion_length"
+    # the name the user knows it by: TRL's where the config has one, e.g. "max_completion_length"
+) -> str:
     """The name an error message gives a shared setting: the config's TRL name for it (`same_setting`), else the
     field's own."""
     return next((trl for trl, ours in getattr(config, "same_setting", {}).items() if ours == field), field)
@@ -147,16 +146,19 @@ def continuous_batching_options(
     # an on-policy config: TRL 1.16's `use_transformers_continuous_batching` and
     # `transformers_continuous_batching_config` (or the old `use_transformers_paged`)
     config,
-) -> bool | dict:  # `generate_responses`' `continuous_batching`: False, True, or the engine's options
+    # `generate_responses`' `continuous_batching`: False, True, or the engine's options
+) -> bool | dict:
     """TRL's continuous-batching fields as `generate_responses`' `continuous_batching`, checked: the old name
     sets the new, options need the switch, and a setting of another sampler beside it is refused."""
     c, options = config, config.transformers_continuous_batching_config
+    # TRL 1.16's deprecated name of the same switch
     if c.use_transformers_paged:
-        c.use_transformers_continuous_batching = True  # TRL 1.16's deprecated name of the same switch
+        c.use_transformers_continuous_batching = True
     if not isinstance(options, (dict, type(None))):
         raise ValueError(
             f"`transformers_continuous_batching_config` must be a dict of ContinuousBatchingConfig options, "
-            f"got {options!r}"
+            f"got "
+            f"{options!r}"
         )
     if not c.use_transformers_continuous_batching:
         if options:
@@ -213,110 +215,80 @@ class OnPolicyConfig(TrainingConfig):
     kl_coef: float = 0.05  # β: weight of the KL penalty (its start value when adaptive)
     kl_estimator: KLEstimator = "k1"  # per-token KL estimator: k1, k2, mse, k3 or abs, see `kl_penalty`
     cliprange: float = 0.2  # ε: clip range of the policy ratio
-    whiten_rewards: bool = False  # scale rewards to unit variance (mean kept) before computing advantages
+    # scale rewards to unit variance (mean kept) before computing advantages
+    whiten_rewards: bool = False
     temperature: float = 1.0  # sampling temperature; log-probabilities use the same
     response_length: int = 53  # tokens sampled per response
-    stop_token: Literal["eos"] | None = (
-        # TRL's spelling (TRL 0.11's PPO/RLOO configs): "eos" ends responses at the tokenizer's EOS, as
-        # leaving both unset does (TRL: unset is no stop token at all)
-        None
-    )
+    # TRL's spelling (TRL 0.11's PPO/RLOO configs): "eos" ends responses at the tokenizer's EOS, as leaving
+    # both unset does (TRL: unset is no stop token at all)
+    stop_token: Literal["eos"] | None = None
     stop_token_id: int | None = None  # token that ends a response (None: the tokenizer's EOS)
     missing_eos_penalty: float | None = None  # subtracted from the score of a response without a stop token
     num_ppo_epochs: int = 4  # passes over each rollout
     # minibatches per pass; a rollout has per_device_train_batch_size × gradient_accumulation_steps ×
     # num_mini_batches responses per process
     num_mini_batches: int = 1
-    total_episodes: int | None = (
-        # responses to sample in all (all processes); None (TRL 1.12's PPO default): from `num_train_epochs`,
-        # 🤗's 3.0 if unset, as TRL reads it
-        1024
-    )
+    # responses to sample in all (all processes); None (TRL 1.12's PPO default): from `num_train_epochs`, 🤗's
+    # 3.0 if unset, as TRL reads it
+    total_episodes: int | None = 1024
     # training steps in all (HF's name; one step = one rollout and its updates); 0 (or 🤗's -1): from
     # `num_train_epochs` or `total_episodes`
     max_steps: int = 0
-    num_train_epochs: float | None = (
-        # passes over the prompts (🤗's and TRL's GRPO/RLOO way to set the length; 🤗's default 3.0); None: from
-        # `total_episodes`
-        None
-    )
-    max_prompt_length: int | None = (
-        # cut prompts to their last this many tokens, with a warning (None: never cut; TRL 1.16's GRPO and
-        # RLOO have no such field)
-        None
-    )
-    local_rollout_forward_batch_size: int = (
-        64  # rows per forward pass when sampling and scoring a rollout (a memory lever)
-    )
+    # passes over the prompts (🤗's and TRL's GRPO/RLOO way to set the length; 🤗's default 3.0); None: from
+    # `total_episodes`
+    num_train_epochs: float | None = None
+    # cut prompts to their last this many tokens, with a warning (None: never cut; TRL 1.16's GRPO and RLOO
+    # have no such field)
+    max_prompt_length: int | None = None
+    # rows per forward pass when sampling and scoring a rollout (a memory lever)
+    local_rollout_forward_batch_size: int = 64
     # keep the reference and reward models on the CPU, moving each to the accelerator only while it runs
     offload_models: bool = False
-    num_sample_generations: int = 10  # how many times to print a table of samples during training (0: never)
-    eval_steps: float | None = (
-        # evaluate on `eval_dataset` every this many steps, or 🤗's fraction in (0, 1) of all steps (None or 0:
-        # only at the end; every `logging_steps` where `eval_strategy`="steps" is given, as 🤗)
-        None
-    )
-    eval_temperature: float | None = (
-        None  # sampling temperature of the evaluation (None: `temperature`; 0: greedy)
-    )
-    reward_weights: list[float] | None = (
-        None  # weights of several `reward_funcs` (TRL's name, GRPOConfig ≥ 0.14); None: 1 each
-    )
+    # how many times to print a table of samples during training (0: never)
+    num_sample_generations: int = 10
+    # evaluate on `eval_dataset` every this many steps, or 🤗's fraction in (0, 1) of all steps (None or 0:
+    # only at the end; every `logging_steps` where `eval_strategy`="steps" is given, as 🤗)
+    eval_steps: float | None = None
+    # sampling temperature of the evaluation (None: `temperature`; 0: greedy)
+    eval_temperature: float | None = None
+    # weights of several `reward_funcs` (TRL's name, GRPOConfig ≥ 0.14); None: 1 each
+    reward_weights: list[float] | None = None
     # TRL 1.16: sample from the nucleus of probability top_p (1: all tokens); π_old is still the full softmax
     # at T (generation chapter)
     top_p: float = 1.0
     top_k: int = 0  # TRL 1.16: sample among the k most likely tokens (0: all)
-    min_p: float | None = (
-        None  # TRL 1.16: drop tokens less likely than min_p × the most likely one (None: off)
-    )
-    repetition_penalty: float = (
-        1.0  # TRL 1.16: 🤗's penalty on tokens already in the prompt or completion (1: off)
-    )
-    generation_kwargs: dict | str | None = (
-        # TRL 1.16: further 🤗 `GenerationConfig` options of the sampler (e.g. suppress_tokens; JSON text too);
-        # a key with a field of its own is refused
-        None
-    )
-    cache_implementation: str | None = (
-        # TRL 1.16: "static" (preallocated KV cache) or "dynamic"; None: static on a GPU, dynamic on the CPU
-        None
-    )
+    # TRL 1.16: drop tokens less likely than min_p × the most likely one (None: off)
+    min_p: float | None = None
+    # TRL 1.16: 🤗's penalty on tokens already in the prompt or completion (1: off)
+    repetition_penalty: float = 1.0
+    # TRL 1.16: further 🤗 `GenerationConfig` options of the sampler (e.g. suppress_tokens; JSON text too); a
+    # key with a field of its own is refused
+    generation_kwargs: dict | str | None = None
+    # TRL 1.16: "static" (preallocated KV cache) or "dynamic"; None: static on a GPU, dynamic on the CPU
+    cache_implementation: str | None = None
     # TRL 1.16: sample through 🤗's continuous batching (`generate_responses`' `continuous_batching`)
     use_transformers_continuous_batching: bool = False
-    transformers_continuous_batching_config: dict | str | None = (
-        # TRL 1.16: its `ContinuousBatchingConfig` options (JSON text too); default here: a KV cache sized to
-        # the batch
-        None
-    )
+    # TRL 1.16: its `ContinuousBatchingConfig` options (JSON text too); default here: a KV cache sized to the
+    # batch
+    transformers_continuous_batching_config: dict | str | None = None
     # TRL 1.16's older name of use_transformers_continuous_batching (deprecated there): True sets it
     use_transformers_paged: bool = False
     # our own: `decode`'s step through torch.compile, inside its CUDA graph (`generate_responses`' `compile`);
     # at 0.5B on an H200 2.5 ms a token against 4.3, after ~34 s of compilation per batch size and 64 prompt
     # widths with the step compiled whole (a layer at a time, as now: 14–15 s against 34–36 on 2 CPU cores)
     compile_generation: bool = False
-    chat_template_kwargs: dict | str | None = (
-        # TRL 1.16: further variables of the chat template for conversational prompts (e.g.
-        # {"enable_thinking": False}; JSON text too)
-        None
-    )
-    num_generations_eval: int | None = (
-        # TRL 1.16: completions sampled per evaluation prompt; None: as in training (RLOO's k, GRPO's G, PPO's
-        # 1)
-        None
-    )
-    steps_per_generation: int | None = (
-        # TRL 1.16: micro-batches one generation serves = gradient_accumulation_steps × num_mini_batches; sets
-        # `num_mini_batches`
-        None
-    )
-    generation_batch_size: int | None = (
-        # TRL 1.16: completions per generation, all processes = rollout_size × processes; sets
-        # `num_mini_batches`
-        None
-    )
-    shuffle_dataset: bool = (
-        True  # TRL 1.16: each epoch's prompts in a seeded random order; False: in dataset order
-    )
+    # TRL 1.16: further variables of the chat template for conversational prompts (e.g. {"enable_thinking":
+    # False}; JSON text too)
+    chat_template_kwargs: dict | str | None = None
+    # TRL 1.16: completions sampled per evaluation prompt; None: as in training (RLOO's k, GRPO's G, PPO's 1)
+    num_generations_eval: int | None = None
+    # TRL 1.16: micro-batches one generation serves = gradient_accumulation_steps × num_mini_batches; sets
+    # `num_mini_batches`
+    steps_per_generation: int | None = None
+    # TRL 1.16: completions per generation, all processes = rollout_size × processes; sets `num_mini_batches`
+    generation_batch_size: int | None = None
+    # TRL 1.16: each epoch's prompts in a seeded random order; False: in dataset order
+    shuffle_dataset: bool = True
     # TRL's SFT/DPO name (verl: use_remove_padding): every pass after sampling over the real tokens packed in
     # bins (reward models the trainer makes too), the output layer at real response tokens only; the same
     # numbers
@@ -325,29 +297,25 @@ class OnPolicyConfig(TrainingConfig):
     # every pass after sampling, their responses reading its keys and values (`shared_prompt_forward`), and
     # once in the sampler (`decode`'s `share_prompts`); the same numbers
     shared_prefix: bool = False
-    same_setting: ClassVar[
-        dict[str, str]
-    ] = {}  # TRL's name -> the shared field it is another name of (see `merge_names`)
-    keeps_columns: ClassVar[bool] = (
-        # a row's columns reach the reward functions (🤗's `remove_unused_columns`=False, TRL's GRPO default)
-        True
-    )
-    may_change_on_resume: ClassVar[frozenset] = (
-        TrainingConfig.may_change_on_resume
-        | {  # a resumed run may be extended
-            "num_sample_generations",
-            "offload_models",
-            "eval_steps",
-            "total_episodes",
-            "max_steps",
-            "num_train_epochs",
-        }
-    )
+    # TRL's name -> the shared field it is another name of (see `merge_names`)
+    same_setting: ClassVar[dict[str, str]] = {}
+    # a row's columns reach the reward functions (🤗's `remove_unused_columns`=False, TRL's GRPO default)
+    keeps_columns: ClassVar[bool] = True
+    # a resumed run may be extended
+    may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {
+        "num_sample_generations",
+        "offload_models",
+        "eval_steps",
+        "total_episodes",
+        "max_steps",
+        "num_train_epochs",
+    }
 
     def __post_init__(self):
         super().__post_init__()
         merge_names(self, self.same_setting)
-        generation_batches(self)  # TRL's steps_per_generation / generation_batch_size onto num_mini_batches
+        # TRL's steps_per_generation / generation_batch_size onto num_mini_batches
+        generation_batches(self)
         check_sampling_config(self)
         for name in ("padding_free", "shared_prefix"):
             if not isinstance(getattr(self, name), bool):
@@ -362,8 +330,9 @@ class OnPolicyConfig(TrainingConfig):
         check_number("kl_coef", self.kl_coef)
         for name in ("cliprange", "temperature"):
             check_number(name, getattr(self, name), low_open=True)
+        # TRL 1.12's PPO: epochs × prompts, 🤗's 3.0
         if self.total_episodes is None and self.num_train_epochs is None:
-            self.num_train_epochs = 3.0  # TRL 1.12's PPO: epochs × prompts, 🤗's 3.0
+            self.num_train_epochs = 3.0
         for name in (
             "response_length",
             "num_ppo_epochs",
@@ -462,9 +431,8 @@ def _micro_batch_weights(
 ) -> list[Tensor]:  # n_i·G·P/N: times a micro-batch's mean, its share of the minibatch's mean
     """Weights that turn each micro-batch's token mean into its share of the token mean over the whole minibatch
     (`TrainLoop.loss_scale`)."""
-    scale = loop.loss_scale(
-        counts, allow_empty=True
-    )  # e.g. GRPO with every completion of a minibatch masked: a zero-loss step
+    # e.g. GRPO with every completion of a minibatch masked: a zero-loss step
+    scale = loop.loss_scale(counts, allow_empty=True)
     return [n * scale for n in counts]
 
 # %% ../nbs/08_onpolicy.ipynb #12fcc99f
@@ -482,7 +450,8 @@ def trl_arguments(
         raise TypeError(
             f"{name}(model, ref_model=None, args=None, processing_class=None, train_dataset=None, "
             f"eval_dataset=None, "
-            f"reward_funcs=None, peft_config=None, callbacks=None): the config goes in `args=`, not first"
+            f"reward_funcs=None, peft_config=None, callbacks=None): the config goes in `args=`, "
+            f"not first"
         )
     if ref_model is not None and (
         not isinstance(ref_model, nn.Module) or isinstance(ref_model, (RewardModel, WeightedReward))
@@ -521,14 +490,10 @@ class PolicyPass(NamedTuple):
     (`OnPolicyTrainer.policy_pass`)."""
 
     logprobs: Tensor  # (batch, resp) log π(y_t) at the temperature, with gradients
-    entropy: (
-        Tensor | None
-    )  # (batch, resp) the entropy per token (with gradients only where a loss term takes it)
-    aux_loss: Tensor | None = (
-        # a mixture-of-experts policy's load-balancing loss L_aux of this pass, with gradients (None: not
-        # added)
-        None
-    )
+    # (batch, resp) the entropy per token (with gradients only where a loss term takes it)
+    entropy: Tensor | None
+    # a mixture-of-experts policy's load-balancing loss L_aux of this pass, with gradients (None: not added)
+    aux_loss: Tensor | None = None
 
 # %% ../nbs/08_onpolicy.ipynb #3e6fc23a
 class OnPolicyTrainer(Trainer):
@@ -541,12 +506,13 @@ class OnPolicyTrainer(Trainer):
     def __init__(
         self,
         model,  # the policy: a name/path, a causal LM, or an `Agent`
-        ref_model: nn.Module
         # π_ref, the SFT model (frozen here); None: a frozen copy of the policy (LoRA: its adapter-off base)
-        | None = None,
+        ref_model: nn.Module | None = None,
         args: OnPolicyConfig | None = None,  # hyper-parameters; None: the defaults
-        processing_class=None,  # the policy's tokenizer; None: loaded from `model` when that is a name/path
-        train_dataset=None,  # prompts: a Dataset or list of dicts with a "prompt" column (for `train`)
+        # the policy's tokenizer; None: loaded from `model` when that is a name/path
+        processing_class=None,
+        # prompts: a Dataset or list of dicts with a "prompt" column (for `train`)
+        train_dataset=None,
         eval_dataset=None,  # held-out prompts, the same form (evaluated every `eval_steps`)
         # a `RewardModel`, a reward function, a path to a reward model, or a list of them (weighted by
         # `args.reward_weights`)
@@ -558,13 +524,11 @@ class OnPolicyTrainer(Trainer):
         tools=None,
         rollout_func=None,  # TRL's `rollout_func`: refused, see `trainer_tools`
         environment_factory=None,  # TRL's `environment_factory`: refused, see `trainer_tools`
-        optimizers=(
-            None,
-            None,
-            # 🤗's: (your optimizer over the policy's trainable parameters, its lr_scheduler or None)
-            # (`check_optimizers`)
-        ),
-        **renamed,  # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
+        # 🤗's: (your optimizer over the policy's trainable parameters, its lr_scheduler or None)
+        # (`check_optimizers`)
+        optimizers=(None, None),
+        # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
+        **renamed,
     ):
         a = trl_arguments(
             type(self),
@@ -593,29 +557,24 @@ class OnPolicyTrainer(Trainer):
             for d, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset"))
         )
         self.callbacks, self.kl_ctl = as_callbacks(callbacks), FixedKLController(self.args.kl_coef)
-        self.tools = trainer_tools(
-            self.args, tools, rollout_func, environment_factory, eval_dataset
-        )  # a `Toolbox`, or None
-        self.model = fuse_activations(
-            self.policy_from(model, peft_config)
-        )  # before anything samples or scores with it
+        # a `Toolbox`, or None
+        self.tools = trainer_tools(self.args, tools, rollout_func, environment_factory, eval_dataset)
+        # before anything samples or scores with it
+        self.model = fuse_activations(self.policy_from(model, peft_config))
         policy = self.model.model if isinstance(self.model, Agent) else self.model
+        # RLOO, GRPO: MoE's c·L_aux
         if isinstance(self.args, TRLOptions):
-            self.router_aux_loss_coef = router_aux_coef(
-                policy, self.args.router_aux_loss_coef
-            )  # RLOO, GRPO: MoE's c·L_aux
-        refuse_packed_aux(
-            self.args.padding_free, self.router_aux_loss_coef, self.args.shared_prefix
-        )  # before anything packs or shares
+            self.router_aux_loss_coef = router_aux_coef(policy, self.args.router_aux_loss_coef)
+        # before anything packs or shares
+        refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef, self.args.shared_prefix)
         float32_head = getattr(self.args, "cast_lm_head_to_fp32", False)  # GRPO's field
         if float32_head:
             cast_lm_head_to_fp32(policy)
         self.ref_model = frozen_reference(policy, ref_model) if self.needs_reference else None
         if float32_head and self.ref_model is not None:
             cast_lm_head_to_fp32(self.ref_model)
-        self.ref_is_copy = (
-            self.ref_model is not None and ref_model is None and not _is_peft(policy)
-        )  # our own copy (`setup` may hold it in half precision)
+        # our own copy (`setup` may hold it in half precision)
+        self.ref_is_copy = self.ref_model is not None and ref_model is None and not _is_peft(policy)
 
     needs_reference: bool = True  # whether the algorithm uses π_ref (GRPO: only when `beta` > 0)
 
@@ -629,11 +588,8 @@ class OnPolicyTrainer(Trainer):
     # when the update's first micro-batch is the whole rollout, the rollout's policy pass (with gradients) is
     # that micro-batch's pass too (`first_pass`); False: a separate no-grad pass
     keeps_first_pass: bool = True
-    progress_keys: tuple = (
-        "objective/scores",
-        "objective/kl",
-        "objective/kl_coef",
-    )  # metrics shown on the progress bar
+    # metrics shown on the progress bar
+    progress_keys: tuple = ("objective/scores", "objective/kl", "objective/kl_coef")
 
     # What each algorithm supplies (the rest of the loop is shared):
     def sample_rollout(
@@ -717,7 +673,8 @@ def whiten(
     mask: Tensor,  # True where `values` counts
     shift_mean: bool = True,  # False: scale only, keep the mean
     accelerator: Accelerator | None = None,  # the run's accelerator (None: one process)
-) -> Tensor:  # this process's rows, whitened with the statistics of all processes' rows
+    # this process's rows, whitened with the statistics of all processes' rows
+) -> Tensor:
     """`masked_whiten` over the whole rollout: gathered from every process, so the result does not depend on how
     the rows are split."""
     if accelerator is None or accelerator.num_processes == 1:
@@ -751,29 +708,24 @@ class TRLOptions:
     """TRL 1.16's RLOO and GRPO options for loading the policy, syncing the reference and logging completions,
     honoured by the shared engine (see the section)."""
 
-    model_init_kwargs: dict | str | None = (
-        # keywords of `AutoModelForCausalLM.from_pretrained` when `model` is a name or path (a JSON string is
-        # read as a dict)
-        None
-    )
-    trust_remote_code: bool = (
-        False  # let `from_pretrained` run a checkpoint's own code (the policy and its tokenizer)
-    )
-    sync_ref_model: bool = False  # TR-DPO: every `ref_model_sync_steps` steps, π_ref ← α·π_θ + (1 − α)·π_ref
+    # keywords of `AutoModelForCausalLM.from_pretrained` when `model` is a name or path (a JSON string is read
+    # as a dict)
+    model_init_kwargs: dict | str | None = None
+    # let `from_pretrained` run a checkpoint's own code (the policy and its tokenizer)
+    trust_remote_code: bool = False
+    # TR-DPO: every `ref_model_sync_steps` steps, π_ref ← α·π_θ + (1 − α)·π_ref
+    sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6  # α of the sync, in [0, 1]
     ref_model_sync_steps: int = 512  # steps between syncs (a step: one rollout and its updates)
     # every logging step: prompt, completion, each reward, advantage: printed, in completions.jsonl, to table
     # trackers
     log_completions: bool = False
-    num_completions_to_print: int | None = (
-        None  # rows of that table printed (None: all); the file and trackers get every row
-    )
+    # rows of that table printed (None: all); the file and trackers get every row
+    num_completions_to_print: int | None = None
     log_unique_prompts: bool = False  # only the first completion of each prompt in the table
-    router_aux_loss_coef: float | None = (
-        # mixture-of-experts policies: c of the load-balancing loss c·L_aux added to each micro-batch's loss
-        # (`router_aux_coef`; None: the model config's, 0: none)
-        None
-    )
+    # mixture-of-experts policies: c of the load-balancing loss c·L_aux added to each micro-batch's loss
+    # (`router_aux_coef`; None: the model config's, 0: none)
+    router_aux_loss_coef: float | None = None
 
     def check_trl_options(self):
         """Refuse values out of range, by name (after `TrainingConfig`'s `coerce_dicts` has read a JSON
@@ -834,12 +786,14 @@ def trl_callbacks(self: OnPolicyTrainer) -> list:
     if self.ref_model is None:
         raise ValueError(
             "`sync_ref_model` mixes the policy into the reference, and with `beta`=0 there is none: set "
-            "`beta` > 0 or leave it off"
+            "`beta` > "
+            "0 or leave it off"
         )
     if _is_peft(self.model):
         raise ValueError(
             "`sync_ref_model` with LoRA (`peft_config`): the reference is the adapter-off base, there is no "
-            "copy to sync"
+            "copy "
+            "to sync"
         )
     return [SyncRefModelCallback(self.ref_model, c.ref_model_mixup_alpha, c.ref_model_sync_steps), *resume]
 
@@ -896,7 +850,8 @@ def stop_token_id(self: OnPolicyTrainer) -> int:
 
 # %% ../nbs/08_onpolicy.ipynb #f89902a5
 def _prompt_columns(
-    rows,  # a batch of rows: `dataset[indices]` (a dict of columns with "prompt"), or a list of prompts
+    # a batch of rows: `dataset[indices]` (a dict of columns with "prompt"), or a list of prompts
+    rows,
     repeat: int = 1,  # samples per prompt: each row this many times in a row (RLOO's k, GRPO's G)
 ) -> dict[str, list]:  # {"prompt": [...], the other columns: [...]}, every row `repeat` times
     """A batch of prompt rows as columns, each row repeated for its samples, so that every sample carries its own
@@ -923,14 +878,13 @@ def prompt_texts(
 def sample_and_score(
     self: OnPolicyTrainer,
     model: nn.Module,  # the causal LM that samples
-    rows: dict
     # one response per row: `dataset[indices]` (columns with "prompt": texts or conversations), or a list of
     # prompts
-    | list,
+    rows: dict | list,
     seed: int | None = None,  # seed of this batch's sampling (None: the random state as it stands)
     first_row: int = 0,  # the global index of this process's first row
-    loop: TrainLoop
-    | None = None,  # the run's loop, for the device of an offloaded reward model (None: no offloading)
+    # the run's loop, for the device of an offloaded reward model (None: no offloading)
+    loop: TrainLoop | None = None,
 ) -> Samples:  # prompts as text in `prompts`
     """Render the prompts (`prompt_text`), sample a response each (in chunks), decode, score with the reward and
     the rows' other columns, subtract `missing_eos_penalty` where no stop came."""
@@ -941,10 +895,9 @@ def sample_and_score(
     q_ids, q_mask = (t.to(device) for t in encode_prompts(tok, texts, c.max_prompt_length))
 
     def sample(ids, mask, rows):
+        # a chunk's samples do not depend on the process
         if seed is not None:
-            torch.manual_seed(
-                seed + first_row + int(rows[0])
-            )  # a chunk's samples do not depend on the process
+            torch.manual_seed(seed + first_row + int(rows[0]))
         if self.tools is not None:
             return self.tools.generate(
                 model,
@@ -969,20 +922,16 @@ def sample_and_score(
         )
 
     out = chunked(sample, q_ids, q_mask, torch.arange(len(prompts)), size=c.local_rollout_forward_batch_size)
-    width = self.response_width(
-        out[1], loop
-    )  # the columns after every response's end cost every pass of the step
+    # the columns after every response's end cost every pass of the step
+    width = self.response_width(out[1], loop)
     r_ids, r_mask = out[0][:, :width], out[1][:, :width]
-    completion_ids = [
-        ids[m].tolist() for ids, m in zip(r_ids.cpu(), r_mask.cpu())
-    ]  # the tokens, up to and with the stop token
+    # the tokens, up to and with the stop token
+    completion_ids = [ids[m].tolist() for ids, m in zip(r_ids.cpu(), r_mask.cpu())]
     completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
-    with self.on_device(
-        self.reward_model, None if loop is None else loop.device
-    ):  # functions may read the tokens too, as TRL passes them
-        called = (
-            {} if self.tools is None else {"num_tool_calls": out.num_tool_calls.tolist()}
-        )  # with tools, rewards read the conversations
+    # functions may read the tokens too, as TRL passes them
+    with self.on_device(self.reward_model, None if loop is None else loop.device):
+        # with tools, rewards read the conversations
+        called = {} if self.tools is None else {"num_tool_calls": out.num_tool_calls.tolist()}
         each = self.reward_model.each(
             prompts,
             completions if self.tools is None else out.conversations,
@@ -1004,11 +953,10 @@ def sample_and_score(
 def response_width(
     self: OnPolicyTrainer,
     response_mask: Tensor,  # (batch, response_length) True on real tokens
-    loop: TrainLoop
-    | None = None,  # the run's loop: under several processes the width is the largest of any process's
-) -> (
-    int
-):  # columns to keep: the longest response's tokens (at least 1); all of them with `trims_responses` off
+    # the run's loop: under several processes the width is the largest of any process's
+    loop: TrainLoop | None = None,
+    # columns to keep: the longest response's tokens (at least 1); all of them with `trims_responses` off
+) -> int:
     """How many response columns a rollout keeps: up to its longest response, every process's, as TRL pads
     completions to the longest."""
     if not self.trims_responses:
@@ -1057,17 +1005,16 @@ def check_prompt_lengths(self: OnPolicyTrainer):
         if data is None:
             continue
         prompts = data["prompt"] if isinstance(data, Dataset) else [row["prompt"] for row in data]
-        lengths = [
-            len(ids) for ids in tok(self.prompt_texts(prompts), add_special_tokens=False).input_ids
-        ]  # as sampling renders them
+        # as sampling renders them
+        lengths = [len(ids) for ids in tok(self.prompt_texts(prompts), add_special_tokens=False).input_ids]
         if c.max_prompt_length is not None:
             warn_cut_prompts(lengths, c.max_prompt_length)
         elif budget is not None and max(lengths) > budget:
             raise ValueError(
                 f"the longest prompt has {max(lengths)} tokens: with `{length}`={c.response_length} it does "
                 f"not fit the model's "
-                f"context ({budget + c.response_length} tokens); set `max_prompt_length` to cut prompts from "
-                f"the left"
+                f"context ({budget + c.response_length} tokens); set `max_prompt_length` to cut "
+                f"prompts from the left"
             )
 
 # %% ../nbs/08_onpolicy.ipynb #24faa504
@@ -1087,8 +1034,8 @@ def check_ready(self: OnPolicyTrainer):
     if self.args.rollout_size % self.samples_per_prompt:
         raise ValueError(
             f"a rollout of {self.args.rollout_size} responses (per_device_train_batch_size × "
-            f"gradient_accumulation_steps × num_mini_batches) is not a multiple of {self.samples_per_prompt} "
-            f"per prompt"
+            f"gradient_accumulation_steps × num_mini_batches) is not a multiple of "
+            f"{self.samples_per_prompt} per prompt"
         )
 
 # %% ../nbs/08_onpolicy.ipynb #c7d2a1b8
@@ -1104,9 +1051,8 @@ def step_rows(
 ) -> list[int]:  # this process's prompts for the step
     """The dataset rows of a step: `batch_indices` (shuffled), or with `shuffle=False` consecutive rows in
     dataset order, cycling by epoch."""
-    if (
-        shuffle or batch_size > n_examples or batch_size % num_processes
-    ):  # `batch_indices` shuffles, or refuses the sizes
+    # `batch_indices` shuffles, or refuses the sizes
+    if shuffle or batch_size > n_examples or batch_size % num_processes:
         return batch_indices(n_examples, batch_size, step, seed, process_index, num_processes)
     share = batch_size // num_processes
     start = step % (n_examples // batch_size) * batch_size + process_index * share
@@ -1116,9 +1062,8 @@ def step_rows(
 @patch
 def train(
     self: OnPolicyTrainer,
-    resume_from_checkpoint: bool
-    | str
-    | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+    # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+    resume_from_checkpoint: bool | str | None = None,
 ) -> nn.Module:
     """The on-policy loop, step by step as the chapter's prose numbers it; returns the trained model (also saved
     to `output_dir`)."""
@@ -1136,9 +1081,8 @@ def train(
     model = self.setup(loop, steps)
     progress = loop.progress_bar(steps, type(self).__name__.removesuffix("Trainer").lower())
     prompts_per_step = c.rollout_size // self.samples_per_prompt * procs
-    evaluate = (
-        None if self.eval_dataset is None else lambda: self.evaluate(model, loop)
-    )  # held-out prompts: eval/score, eval/win_rate, eval/kl
+    # held-out prompts: eval/score, eval/win_rate, eval/kl
+    evaluate = None if self.eval_dataset is None else lambda: self.evaluate(model, loop)
     try:
         loop.evaluate_on_start(evaluate, progress)  # 🤗's `eval_on_start`
         while loop.state.step < steps:
@@ -1155,29 +1099,30 @@ def train(
                 procs,
                 c.shuffle_dataset,
             )
-            with (
-                loop.accelerator.autocast(),
-                loop.gathered_for_generation(),
-            ):  # π_old in the update's precision; ZeRO-3: whole weights
+            # π_old in the update's precision; ZeRO-3: whole weights
+            with loop.accelerator.autocast(), loop.gathered_for_generation():
                 rollout, samples = self.sample_rollout(
                     model,
                     self.train_dataset[rows],
                     sampling_seed(c.seed, loop.state.step),
+                    # the rows' columns reach the reward
                     rank * c.rollout_size,
                     loop,
-                )  # the rows' columns reach the reward
+                )
             # rewards/<name>/mean, /std over every process's completions, as TRL gathers them
             reward_stats = self.reward_model.stats(
                 loop.accelerator.gather(samples.reward_scores.to(loop.device).T.contiguous()).T
             )
             # 2. K epochs of minibatch updates; statistics averaged over processes
             stats = {**self.rollout_stats(rollout), **reward_stats, **self.update(model, rollout, loop)}
+            # NCCL all-reduces no CPU tensor
             stats = {
                 k: loop.accelerator.reduce(v.to(loop.device), reduction="mean") for k, v in stats.items()
-            }  # NCCL all-reduces no CPU tensor
+            }
+            # TRL's: prompts and completions, every process
             stats["num_tokens"] = loop.count_tokens(
                 samples.query_attention_mask.sum() + samples.response_mask.sum()
-            )  # TRL's: prompts and completions, every process
+            )
             if samples.tool_calls is not None:
                 stats.update(tool_stats(samples.tool_calls, samples.tool_failures, loop.accelerator))
             # 3. the KL controller, then logs, sample tables and checkpoints
@@ -1185,22 +1130,23 @@ def train(
                 self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
             loop.state.step += 1
             progress.update(1)
-            stats.update(
-                loop.evaluate_if_due(evaluate, c.eval_steps, loop.state.step == steps)
-            )  # every `eval_steps`, ranked (`note_evaluation`)
+            # every `eval_steps`, ranked (`note_evaluation`)
+            stats.update(loop.evaluate_if_due(evaluate, c.eval_steps, loop.state.step == steps))
             self.report(
                 loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress
             )
-            self.log_completions(
-                loop, rollout, samples, steps
-            )  # `log_completions`: the step's table (`TRLOptions`)
+            # `log_completions`: the step's table (`TRLOptions`)
+            self.log_completions(loop, rollout, samples, steps)
+            # the last step, or a callback's `control.should_training_stop`
             if loop.end_step(loop.state.step == steps):
-                break  # the last step, or a callback's `control.should_training_stop`
+                break
+    # an exception must not leave our Ctrl-C handler, nor glibc's settings
     finally:
-        loop.leave()  # an exception must not leave our Ctrl-C handler, nor glibc's settings
+        loop.leave()
     progress.close()
     loop.save_checkpoint()
-    loop.load_best()  # 🤗's `load_best_model_at_end`: the best evaluated checkpoint's weights
+    # 🤗's `load_best_model_at_end`: the best evaluated checkpoint's weights
+    loop.load_best()
     self.model = model
     loop.save_model(model)
     loop.end()
@@ -1235,8 +1181,9 @@ def setup(
     checkpoints, resume, Ctrl-C handling."""
     c = self.args
     loop.register(self.kl_ctl)
+    # GRPO's adaptive entropy coefficient (`use_adaptive_entropy`)
     if getattr(self, "entropy_ctl", None) is not None:
-        loop.register(self.entropy_ctl)  # GRPO's adaptive entropy coefficient (`use_adaptive_entropy`)
+        loop.register(self.entropy_ctl)
     loop.progress_keys = self.progress_keys
     loop.callbacks += self.trl_callbacks()  # TR-DPO's reference sync (`TRLOptions`)
     model = loop.accelerator.unwrap_model(
@@ -1247,27 +1194,29 @@ def setup(
     # the models made here, run only under the rollout's autocast: linear layers in its dtype (`half_linears`:
     # the same outputs, half the bytes)
     if on:
+        # never mixed into (PPO has no sync)
         if self.ref_is_copy and not getattr(c, "sync_ref_model", False):
-            half_linears(self.ref_model, half)  # never mixed into (PPO has no sync)
+            half_linears(self.ref_model, half)
         for f in getattr(self.reward_model, "models", ()):
+            # a reward model loaded from a path
             if getattr(f, "loaded_here", False):
-                half_linears(f, half)  # a reward model loaded from a path
+                half_linears(f, half)
     for frozen in (self.ref_model, self.reward_model):
         if isinstance(frozen, nn.Module):
             frozen.to("cpu" if c.offload_models else loop.device)
     loop.maybe_resume()
+    # WORLD_SIZE was not the process count
     if (
         c.generation_batch_size is not None
         and c.rollout_size * loop.accelerator.num_processes != c.generation_batch_size
-    ):  # WORLD_SIZE was not the process count
+    ):
         raise ValueError(
             f"`generation_batch_size`={c.generation_batch_size} is not {c.rollout_size} × "
             f"{loop.accelerator.num_processes} processes: set `steps_per_generation` instead"
         )
     prompts_per_step = c.rollout_size // self.samples_per_prompt * loop.accelerator.num_processes
-    loop.begin(
-        steps, len(self.train_dataset) / prompts_per_step
-    )  # Ctrl-C / SIGTERM: finish the step, checkpoint, save, exit; on_train_begin
+    # Ctrl-C / SIGTERM: finish the step, checkpoint, save, exit; on_train_begin
+    loop.begin(steps, len(self.train_dataset) / prompts_per_step)
     return model
 
 # %% ../nbs/08_onpolicy.ipynb #c81df9c7
@@ -1310,7 +1259,8 @@ def report(
         )
 
 # %% ../nbs/08_onpolicy.ipynb #7b2d9e41
-_TRL_RENAMED = {"lr": "learning_rate"}  # the seed's (TRL ≤ 0.21, PPO) name -> TRL 1.16's
+# the seed's (TRL ≤ 0.21, PPO) name -> TRL 1.16's
+_TRL_RENAMED = {"lr": "learning_rate"}
 _RLOO_ALIASES = {
     "reward": "objective/scores",
     "entropy": "policy/entropy_avg",
@@ -1340,7 +1290,8 @@ def first_pass(
     model: nn.Module,  # the policy being trained (PPO: the `Agent`)
     samples: Samples,  # the rollout's prompts and responses
     loop: TrainLoop | None,  # the run's loop (None: outside training, nothing kept)
-):  # its `policy_pass` over the whole rollout, with gradients; None when the update cannot use it
+    # its `policy_pass` over the whole rollout, with gradients; None when the update cannot use it
+):
     """The policy's pass over the rollout, made with gradients and kept for the update when the update's first
     micro-batch is the whole rollout (`num_mini_batches` = `gradient_accumulation_steps` = 1)."""
     c = self.args
@@ -1351,11 +1302,12 @@ def first_pass(
         and c.gradient_accumulation_steps == 1
     ):
         return None
-    if (
-        getattr(loop.accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
-    ):  # made inside the gathering, its saved weights
-        return None  # would be partitioned again before its backward
-    model.train()  # as in `update`: gradient checkpointing works in train mode
+    # made inside the gathering, its saved weights
+    if getattr(loop.accelerator.state.deepspeed_plugin, "zero_stage", None) == 3:
+        # would be partitioned again before its backward
+        return None
+    # as in `update`: gradient checkpointing works in train mode
+    model.train()
     with torch.enable_grad(), loop.accelerator.autocast():
         return self.policy_pass(model, samples)
 
@@ -1373,17 +1325,13 @@ def update(
     """`num_ppo_epochs` × `num_mini_batches` optimizer steps on one rollout; each loss term a mean over its units
     in the whole minibatch."""
     c, acc, sums, count = self.args, loop.accelerator, {}, 0
-    kept, rollout.kept = (
-        rollout.kept,
-        None,
-        # the rollout's pass with gradients, handed to the first micro-batch (`first_pass`): not kept alive
-        # into
-        # the next rollout
-    )
-    model.train()  # dropout is off; train mode lets gradient checkpointing work
-    deal = like_rows(
-        rollout, c.per_device_train_batch_size, c.shared_prefix
-    )  # micro-batches of like rows: less padding, the same minibatches
+    # the rollout's pass with gradients, handed to the first micro-batch (`first_pass`): not kept alive into
+    # the next rollout
+    kept, rollout.kept = rollout.kept, None
+    # dropout is off; train mode lets gradient checkpointing work
+    model.train()
+    # micro-batches of like rows: less padding, the same minibatches
+    deal = like_rows(rollout, c.per_device_train_batch_size, c.shared_prefix)
     for epoch in range(c.num_ppo_epochs):
         cuts = minibatches(
             len(rollout),
@@ -1417,32 +1365,30 @@ def update(
                     else trim_responses(part, rollout.longest_response(rows))
                     for i, (part, rows) in enumerate(zip(parts, micro_batches))
                 ]
-            aux = (
-                {"aux": torch.tensor(1.0)} if self.router_aux_loss_coef else {}
-            )  # MoE's c·L_aux: a mean per micro-batch's pass, averaged over them
+            # MoE's c·L_aux: a mean per micro-batch's pass, averaged over them
+            aux = {"aux": torch.tensor(1.0)} if self.router_aux_loss_coef else {}
             units = [{**self.loss_units(part, draw), **aux} for part, draw in zip(parts, draws)]
             weights = {name: _micro_batch_weights([u[name] for u in units], loop) for name in units[0]}
-            for i, (part, draw) in enumerate(
-                zip(parts, draws)
-            ):  # with a kept pass, (0, 0, 0) is the whole rollout in order
+            # with a kept pass, (0, 0, 0) is the whole rollout in order
+            for i, (part, draw) in enumerate(zip(parts, draws)):
                 reuse = {} if kept is None or (epoch, m, i) != (0, 0, 0) else {"kept": kept}
                 with acc.autocast():
                     losses, stats = self.micro_batch_loss(model, part, draw, **reuse)
-                total = sum(
-                    loss * weights[name][i] for name, loss in losses.items()
-                )  # this micro-batch's share of the minibatch's loss
+                # this micro-batch's share of the minibatch's loss
+                total = sum(loss * weights[name][i] for name, loss in losses.items())
                 loop.backward(total)
+                # / count: the minibatch's mean loss (`loss_scale` put G in)
                 sums["loss"] = (
                     sums.get("loss", 0)
                     + total.detach() * len(micro_batches) / acc.gradient_accumulation_steps
-                )  # / count: the minibatch's mean loss (`loss_scale` put G in)
-                primary = weights[next(iter(weights))][
-                    i
-                ]  # statistics weighted like the first loss term; L_aux like its own (TRL's plain mean)
+                )
+                # statistics weighted like the first loss term; L_aux like its own (TRL's plain mean)
+                primary = weights[next(iter(weights))][i]
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0) + v * (weights["aux"][i] if k == "aux_loss" else primary)
                 count += 1
-            loop.average_gradients(model)  # the model is called through its methods, not DDP's forward
+            # the model is called through its methods, not DDP's forward
+            loop.average_gradients(model)
             grad_norm = loop.optimizer_step(model, stats)
     return {**{k: v / count for k, v in sums.items()}, "grad_norm": grad_norm}
 
@@ -1456,9 +1402,8 @@ def _sample_each(
     stop_token_id: int,  # the token that ends a response
     temperature: float,  # sampling temperature; 0: greedy
     seed: int,  # every model samples from this seed
-    sampling: dict
     # further `generate_responses` keywords when sampling (`sampling_options`); unused when greedy
-    | None = None,
+    sampling: dict | None = None,
 ) -> dict[str, tuple[Tensor, Tensor, list[str]]]:  # name -> (response ids, mask, texts)
     """One response per prompt from each model, all from the same seed (common random numbers); temperature 0
     takes the most likely token."""
@@ -1523,24 +1468,21 @@ def evaluate_policy(
     temperature: float = 1.0,  # sampling temperature; 0: greedy, with the KL read at temperature 1
     stop_token_id: int | None = None,  # None: the tokenizer's EOS
     seed: int = 0,  # sampling seed (the same for both models)
-    columns: dict[str, list]
-    | None = None,  # the prompts' other columns for the reward, one value per prompt (e.g. answer=[...])
-    max_prompt_length: int
+    # the prompts' other columns for the reward, one value per prompt (e.g. answer=[...])
+    columns: dict[str, list] | None = None,
     # keep at most this many prompt tokens, from the end (None: what the context leaves; `prompt_budget`)
-    | None = None,
-    chat_template_kwargs: dict
-    | None = None,  # further variables of the chat template, for conversational prompts
-    sampling: dict
+    max_prompt_length: int | None = None,
+    # further variables of the chat template, for conversational prompts
+    chat_template_kwargs: dict | None = None,
     # top-p/top-k/min-p, repetition penalty… as `generate_responses` keywords (`sampling_options`); unused
     # when greedy
-    | None = None,
+    sampling: dict | None = None,
 ) -> tuple[dict, list[dict]]:  # (metrics, one record per prompt)
     "Reward, gold score, win rates (ties ½) and KL of a policy against its reference, on held-out prompts."
     model = policy.model if isinstance(policy, Agent) else policy
     texts = [prompt_text(tokenizer, p, **(chat_template_kwargs or {})) for p in prompts]
-    fit = prompt_budget(
-        model, max_prompt_length, response_length
-    )  # as training cuts them: within the context
+    # as training cuts them: within the context
+    fit = prompt_budget(model, max_prompt_length, response_length)
     q_ids, q_mask = (t.to(next(model.parameters()).device) for t in encode_prompts(tokenizer, texts, fit))
     models = {"policy": model, **({} if ref_model is None else {"reference": ref_model})}
     samples = _sample_each(
@@ -1578,9 +1520,8 @@ def evaluate(
     self: OnPolicyTrainer,
     model: nn.Module,  # the policy being trained, unwrapped (PPO: the agent)
     loop: TrainLoop,  # the run's loop: device and processes
-) -> dict[
-    str, float
-]:  # eval/score, and with a reference eval/score_ref, eval/win_rate, eval/kl: means over all prompts
+    # eval/score, and with a reference eval/score_ref, eval/win_rate, eval/kl: means over all prompts
+) -> dict[str, float]:
     """`evaluate_policy` on `eval_dataset` with the training's sampling options, `num_generations_eval`
     completions per prompt (None: as in training), in chunks of `local_rollout_forward_batch_size` prompts
     shared round-robin by the processes, each seeded by its first row; the random state is left as it was."""

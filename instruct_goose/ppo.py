@@ -23,9 +23,8 @@ from .onpolicy import OnPolicyConfig, OnPolicyTrainer, refuse_unsupported
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
 
 # %% ../nbs/08b_ppo.ipynb #c8e2f3a4
-_PPO_REFUSED: dict[
-    str, str
-] = {  # TRL 1.12's PPOConfig field -> why it is not run here (refused unless at TRL's default)
+# TRL 1.12's PPOConfig field -> why it is not run here (refused unless at TRL's default)
+_PPO_REFUSED: dict[str, str] = {
     **dict.fromkeys(
         ("sft_model_path", "reward_model_path"),
         "TRL's trainer never reads it (its example script does): load the model "
@@ -44,7 +43,8 @@ _PPO_REFUSED: dict[
             "local_mini_batch_size",
             "mini_batch_size",
         ),
-        "TRL's trainer computes it, overwriting what is given: set `per_device_train_batch_size`, "
+        "TRL's trainer computes it, overwriting what is given: set "
+        "`per_device_train_batch_size`, "
         "`gradient_accumulation_steps`, `num_mini_batches` and `total_episodes`",
     ),
     **dict.fromkeys(
@@ -61,9 +61,8 @@ class TRLPPOFields:
     """TRL 1.12's `PPOConfig` fields that this library does not run, at TRL's defaults; another value is refused
     by name (`_PPO_REFUSED`)."""
 
-    sft_model_path: str = (
-        "EleutherAI/pythia-160m"  # refused unless TRL's default: TRL's trainer never reads it; pass `model`
-    )
+    # refused unless TRL's default: TRL's trainer never reads it; pass `model`
+    sft_model_path: str = "EleutherAI/pythia-160m"
     # refused unless TRL's default: TRL's trainer never reads it; pass `reward_funcs`
     reward_model_path: str = "EleutherAI/pythia-160m"
     dataset_num_proc: int | None = None  # refused unless None: read by TRL's example script only
@@ -75,12 +74,10 @@ class TRLPPOFields:
     local_mini_batch_size: int | None = None  # refused unless None: computed by TRL's trainer
     mini_batch_size: int | None = None  # refused unless None: computed by TRL's trainer
     model_adapter_name: str | None = None  # refused unless None: one peft adapter is trained here
-    ref_adapter_name: str | None = (
-        None  # refused unless None: the reference is the adapter-off base (or `ref_model`)
-    )
-    ds3_gather_for_generation: bool = (
-        True  # refused unless True: ZeRO-3 generation gathers the full weights (issue 28)
-    )
+    # refused unless None: the reference is the adapter-off base (or `ref_model`)
+    ref_adapter_name: str | None = None
+    # refused unless True: ZeRO-3 generation gathers the full weights (issue 28)
+    ds3_gather_for_generation: bool = True
 
 # %% ../nbs/08b_ppo.ipynb #d9393f0f
 @dataclass
@@ -147,8 +144,9 @@ def objective_stats(
         "objective/non_score_reward": seq_non_score.mean(),
         "objective/scores": rollout.scores.mean(),
         "objective/rlhf_reward": (rollout.scores + seq_non_score).mean(),
+        # on the rollout's device, as every statistic: NCCL all-reduces no CPU tensor
         "objective/kl_coef": seq_kl.new_tensor(kl_coef),
-    }  # on the rollout's device, as every statistic: NCCL all-reduces no CPU tensor
+    }
 
 # %% ../nbs/08b_ppo.ipynb #2f13d71a
 class RLHFTrainer(OnPolicyTrainer):
@@ -160,14 +158,16 @@ class RLHFTrainer(OnPolicyTrainer):
         self,
         # the policy: an `Agent` (policy + value head), or a causal LM or name/path (a value head is added)
         model,
-        ref_model: nn.Module
         # π_ref, the SFT model (frozen here); None: a frozen copy of the policy (LoRA: its adapter-off base)
-        | None = None,
+        ref_model: nn.Module | None = None,
         args: RLHFConfig | None = None,  # hyper-parameters; None: the defaults
-        processing_class=None,  # the policy's tokenizer; None: loaded from `model` when that is a name/path
-        train_dataset=None,  # prompts: a Dataset or list of dicts with a "prompt" column (for `train`)
+        # the policy's tokenizer; None: loaded from `model` when that is a name/path
+        processing_class=None,
+        # prompts: a Dataset or list of dicts with a "prompt" column (for `train`)
+        train_dataset=None,
         eval_dataset=None,  # held-out prompts, the same form (evaluated every `eval_steps`)
-        reward_funcs=None,  # a `RewardModel`, a reward function, a path to a reward model, or a list of them
+        # a `RewardModel`, a reward function, a path to a reward model, or a list of them
+        reward_funcs=None,
         # a peft config: LoRA adapters (and the value head) are trained; the reference is the adapter-off base
         peft_config=None,
         callbacks=None,  # 🤗 `TrainerCallback`s
@@ -176,13 +176,11 @@ class RLHFTrainer(OnPolicyTrainer):
         # TRL's separate critic (a 🤗 model, e.g. a sequence classifier): its trunk learns the values; None: a
         # head on the policy's trunk
         value_model=None,
-        optimizers=(
-            None,
-            None,
-            # 🤗's: (your optimizer over the `Agent`'s trainable parameters, its lr_scheduler or None): give
-            # `model` as an `Agent`
-        ),
-        **renamed,  # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
+        # 🤗's: (your optimizer over the `Agent`'s trainable parameters, its lr_scheduler or None): give
+        # `model` as an `Agent`
+        optimizers=(None, None),
+        # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
+        **renamed,
     ):
         super().__init__(
             model,
@@ -197,11 +195,9 @@ class RLHFTrainer(OnPolicyTrainer):
             optimizers=optimizers,
             **renamed,
         )
-        if (
-            value_model is not None
-            # the given critic's trunk, its value head from a 1-label classifier's score head (else new), as
-            # `Agent(policy, value_model)` builds it
-        ):
+        # the given critic's trunk, its value head from a 1-label classifier's score head (else new), as
+        # `Agent(policy, value_model)` builds it
+        if value_model is not None:
             if isinstance(model, Agent):
                 raise ValueError(
                     "`model` is an Agent, which has its critic already: give `value_model` with a causal LM"
@@ -226,7 +222,8 @@ class RLHFTrainer(OnPolicyTrainer):
 
     def policy_from(
         self,
-        model,  # an `Agent`, a causal LM, or a name/path (a saved `Agent` keeps its value head)
+        # an `Agent`, a causal LM, or a name/path (a saved `Agent` keeps its value head)
+        model,
         peft_config=None,  # a peft config: adapters on the agent's causal LM
     ) -> Agent:  # the agent PPO trains: policy and value head
         """PPO's policy: an `Agent`, its value head added when `model` is not one; peft adapters on its causal LM
@@ -340,8 +337,8 @@ def make_rollout(
     scores: Float[Tensor, "batch"],  # r_θ(x, y) per response
     logprobs: Float[Tensor, "batch resp"],  # log π_old(y_t) of the sampling policy
     values: Float[Tensor, "batch resp"],  # V^old_t
-    loop: TrainLoop
-    | None = None,  # the run's loop: its device and processes (None: one process, no offloading)
+    # the run's loop: its device and processes (None: one process, no offloading)
+    loop: TrainLoop | None = None,
 ) -> Rollout:
     "Reference log-probabilities, shaped rewards, GAE and whitened advantages for a batch of responses."
     c, mask = self.args, response_attention_mask.bool()
@@ -421,9 +418,8 @@ def compute_loss(
     response_attention_mask: Int[Tensor, "batch resp"] | Bool[Tensor, "batch resp"],
     rewards: Float[Tensor, "batch"],  # r_θ(x, y): one score per response
     return_stats: bool = False,  # also return the statistics (rollout's and loss's)
-) -> (
-    Float[Tensor, ""] | tuple[Float[Tensor, ""], dict]
-):  # the PPO loss, with gradients to policy and value head (and the statistics)
+    # the PPO loss, with gradients to policy and value head (and the statistics)
+) -> Float[Tensor, ""] | tuple[Float[Tensor, ""], dict]:
     """The PPO loss of one batch sampled by the current policy (the first PPO epoch on it). Masks decide padding:
     prompts and responses may come padded on either side."""
     query_ids, query_attention_mask = pad_to_side(query_ids, query_attention_mask, "left")
@@ -450,10 +446,8 @@ def compute_loss(
     return (loss, {**self.rollout_stats(rollout), **stats}) if return_stats else loss
 
 # %% ../nbs/08b_ppo.ipynb #7cfe55b6
-PPOConfig, PPOTrainer = (
-    RLHFConfig,
-    RLHFTrainer,
-)  # TRL's names (`trl.experimental.ppo` in TRL 1.x up to 1.12; `from trl import` in TRL ≤ 0.2x)
+# TRL's names (`trl.experimental.ppo` in TRL 1.x up to 1.12; `from trl import` in TRL ≤ 0.2x)
+PPOConfig, PPOTrainer = RLHFConfig, RLHFTrainer
 
 # %% ../nbs/08b_ppo.ipynb #a0d070f3
 @patch
@@ -463,9 +457,8 @@ def ptx_batch(
     # ones
     draw: int,
     device: torch.device,  # where the tensors go
-) -> tuple[
-    Tensor, Tensor, Tensor
-]:  # (ids, mask, loss_mask) of `per_device_train_batch_size` pretraining texts
+    # (ids, mask, loss_mask) of `per_device_train_batch_size` pretraining texts
+) -> tuple[Tensor, Tensor, Tensor]:
     """The `draw`-th pretraining micro-batch for InstructGPT's γ term, encoded as plain text (every predicted
     token counts), cut to `max_prompt_length` (64 when None) + `response_length` tokens."""
     c, data = self.args, self.pretrain_dataset

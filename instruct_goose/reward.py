@@ -75,9 +75,8 @@ class RewardModel(nn.Module):
 
     def __init__(
         self,
-        model: PreTrainedModel
         # a 🤗 model (any family), or a name/path of a checkpoint (loaded as a 1-label sequence classifier)
-        | str,
+        model: PreTrainedModel | str,
         tokenizer=None,  # the reward model's own tokenizer, to score text (`score`)
         # score the real tokens packed in bins (`packed_forward`; a decoder's classifier that takes
         # `position_ids`): the same scores
@@ -122,8 +121,9 @@ class RewardModel(nn.Module):
             )
 
     @property
+    # decoders' classifiers; encoders pool their first token
     def reads_last_token(self) -> bool:
-        return hasattr(self.model, "score")  # decoders' classifiers; encoders pool their first token
+        return hasattr(self.model, "score")
 
     @property
     def backbone(self) -> nn.Module:  # the trunk, inside peft's wrapper where the classifier has adapters
@@ -132,8 +132,9 @@ class RewardModel(nn.Module):
         ).base_model
 
     @property
+    # `padding_free` possible
     def can_pack(self) -> bool:
-        return self.reads_last_token and _accepts(self.backbone, "position_ids")  # `padding_free` possible
+        return self.reads_last_token and _accepts(self.backbone, "position_ids")
 
     @property
     def head(self) -> nn.Linear:
@@ -147,13 +148,13 @@ class RewardModel(nn.Module):
     def forward(
         self,
         input_ids: Int[Tensor, "batch seq"],  # prompt + response token ids
-        attention_mask: Int[Tensor, "batch seq"]
-        | Bool[Tensor, "batch seq"],  # 1 on real tokens, padding on either side
-        prefix_groups: Int[Tensor, "batch"]
+        # 1 on real tokens, padding on either side
+        attention_mask: Int[Tensor, "batch seq"] | Bool[Tensor, "batch seq"],
         # rows of one group start with the same tokens (one prompt's completions): those run once
         # (`_shared_prefix_states`)
-        | None = None,
-    ) -> Float[Tensor, "batch"]:  # one score per sequence, float32
+        prefix_groups: Int[Tensor, "batch"] | None = None,
+        # one score per sequence, float32
+    ) -> Float[Tensor, "batch"]:
         last = last_true_index(attention_mask.bool())
         empty = (last < 0).nonzero().flatten().tolist()
         if empty:
@@ -168,9 +169,8 @@ class RewardModel(nn.Module):
         if not self.reads_last_token:
             ids, mask = pad_to_side(input_ids, attention_mask, "right")
             return self.model(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
-        if (
-            self.padding_free
-        ):  # each row's real tokens in bins (`packed_forward`): its last state is at its running count - 1
+        # each row's real tokens in bins (`packed_forward`): its last state is at its running count - 1
+        if self.padding_free:
             states = packed_forward(self.backbone, input_ids, attention_mask, hidden=True)
             return self.model.score(states[attention_mask.long().sum(1).cumsum(0) - 1]).squeeze(-1).float()
         positions = (
@@ -192,8 +192,8 @@ class RewardModel(nn.Module):
 def encode(
     self: RewardModel,
     texts: list[str],  # whole texts (prompt + completion)
-    max_length: int
-    | None = None,  # cut each text to this many tokens (None: refuse texts longer than the model's context)
+    # cut each text to this many tokens (None: refuse texts longer than the model's context)
+    max_length: int | None = None,
 ) -> tuple[Tensor, Tensor]:  # (ids, mask) on the model's device
     """Tokenize `texts` with the reward model's own tokenizer and its special tokens, as it was trained to read
     them."""
@@ -220,19 +220,20 @@ def score(
     prompts: list[str],  # prompt texts
     completions: list[str],  # completion texts, one per prompt
     batch_size: int = 32,  # sequences per forward pass
-    max_length: int
-    | None = None,  # cut each text to this many tokens (None: refuse texts longer than the context)
+    # cut each text to this many tokens (None: refuse texts longer than the context)
+    max_length: int | None = None,
 ) -> Float[Tensor, "batch"]:  # one score per (prompt, completion)
     "Score text pairs, tokenized with the reward model's own tokenizer (never the policy's ids)."
     if len(prompts) != len(completions):
         raise ValueError(f"`prompts` has {len(prompts)} items but `completions` has {len(completions)}")
     texts = [p + c for p, c in zip(prompts, completions)]
     number = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+    # one group a prompt
     groups = (
         torch.tensor([number[p] for p in prompts], device=self.head.weight.device)
         if self.shared_prefix
         else None
-    )  # one group a prompt
+    )
     with eval_mode(self):
         return torch.cat(
             [
@@ -292,40 +293,33 @@ def _shared_prefix_states(
     input_ids: Tensor,  # (batch, seq) whole rows, padding on either side
     attention_mask: Tensor,  # (batch, seq) 1 on real tokens
     groups: Tensor,  # (batch,) rows of one group start with the same tokens
-) -> (
-    Tensor | None
     # (batch, hidden) each row's last state; None where no group has two rows, or a group's rows share no
     # first
     # token
-):
+) -> Tensor | None:
     """Each row's last hidden state, the tokens its group's rows all start with run once
     (`shared_prompt_forward`): those as a left-padded prompt, the rest of each row as its response
     (`_cut_rows`)."""
     ids, mask = pad_to_side(input_ids, attention_mask, "right")
     real, lengths = mask.bool(), mask.long().sum(1)
-    first, inverse = prompt_groups(
-        groups[:, None], torch.ones_like(groups[:, None])
-    )  # each group's first row
+    # each group's first row
+    first, inverse = prompt_groups(groups[:, None], torch.ones_like(groups[:, None]))
     if len(first) == len(ids):
         return None
-    common = (
-        ((ids == ids[first][inverse]) & real & real[first][inverse]).long().cumprod(1).sum(1)
-    )  # tokens each row starts with as its first row does
-    prefix = common.new_full(first.shape, ids.shape[1]).scatter_reduce_(0, inverse, common, "amin")[
-        inverse
-    ]  # what all its group's rows start with
+    # tokens each row starts with as its first row does
+    common = ((ids == ids[first][inverse]) & real & real[first][inverse]).long().cumprod(1).sum(1)
+    # what all its group's rows start with
+    prefix = common.new_full(first.shape, ids.shape[1]).scatter_reduce_(0, inverse, common, "amin")[inverse]
     if bool((prefix == 0).any()):
         return None
-    rows = _cut_rows(
-        ids, torch.zeros_like(prefix), prefix, lengths, extra=1
-    )  # a pad column more: the state at column `rest` is the row's last token's
+    # a pad column more: the state at column `rest` is the row's last token's
+    rows = _cut_rows(ids, torch.zeros_like(prefix), prefix, lengths, extra=1)
     states = shared_prompt_forward(backbone, *rows, hidden=True, groups=(first, inverse))
     return states[torch.arange(len(ids), device=ids.device), lengths - prefix]
 
 # %% ../nbs/04_reward.ipynb #4fa081ed
-RewardFunction = Callable[
-    ..., Sequence[float | None]
-]  # f(prompts, completions, **columns) -> a score (or None) each
+# f(prompts, completions, **columns) -> a score (or None) each
+RewardFunction = Callable[..., Sequence[float | None]]
 
 # %% ../nbs/04_reward.ipynb #003b861e
 def _as_scores(
@@ -346,12 +340,10 @@ def _as_scores(
         raise TypeError(f"{name} returned {type(raw).__name__}, not a list of {n} scores")
     if len(raw) != n:
         raise ValueError(f"{name} returned {len(raw)} scores for {n} completions")
-    raw = [
-        x.item() if hasattr(x, "item") and getattr(x, "ndim", None) == 0 else x for x in raw
-    ]  # numpy and torch scalars
-    bad = [
-        i for i, x in enumerate(raw) if x is not None and not isinstance(x, Real)
-    ]  # bool is a Real: True is 1
+    # numpy and torch scalars
+    raw = [x.item() if hasattr(x, "item") and getattr(x, "ndim", None) == 0 else x for x in raw]
+    # bool is a Real: True is 1
+    bad = [i for i, x in enumerate(raw) if x is not None and not isinstance(x, Real)]
     if bad:
         raise TypeError(f"{name} returned non-numbers at {bad}: {[raw[i] for i in bad][:3]}")
     nonfinite = [i for i, x in enumerate(raw) if x is not None and not math.isfinite(x)]
@@ -370,19 +362,18 @@ def _reward_call(
     f: Callable,  # a reward function
     prompts: list,  # one prompt per completion
     completions: list,  # the completions
-    columns: dict[
-        str, list
-        # the dataset's other columns, one value per completion (and `completion_ids`, `trainer_state`, … when
-        # given)
-    ],
+    # the dataset's other columns, one value per completion (and `completion_ids`, `trainer_state`, … when
+    # given)
+    columns: dict[str, list],
     name: str,  # `f`, for messages
 ):  # what `f` returned (a coroutine when `f` is async)
     """Call `f` as its signature asks: by keyword (TRL's way) when it names `prompts`/`completions` or requires
     only names the call has, else `f(prompts, completions)`; the columns it names, or all with **kwargs."""
     try:
         params = inspect.signature(f).parameters
+    # no signature to read (a builtin): the two-argument form
     except (TypeError, ValueError):
-        return f(prompts, completions)  # no signature to read (a builtin): the two-argument form
+        return f(prompts, completions)
     kinds = {p.kind for p in params.values()}
     named = [n for n, p in params.items() if p.kind in _NAMED]
     given = {"prompts": prompts, "completions": completions, **columns}
@@ -397,8 +388,8 @@ def _reward_call(
         raise TypeError(
             f"{name} needs {unknown[0]!r}, which is neither `prompts`, `completions` nor a column of the "
             f"data "
-            f"(its columns: {sorted(columns)}): name its parameters as TRL passes them, or take (prompts, "
-            f"completions)"
+            f"(its columns: {sorted(columns)}): name its parameters as TRL passes them, or take "
+            f"(prompts, completions)"
         )
     missing = [n for n in unknown if n not in slots]
     if missing:
@@ -440,9 +431,8 @@ def _chat_completions(
     'content': text}]` after conversations."""
     if not prompts or not is_conversational(prompts[0]):
         return completions
-    return [
-        c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions
-    ]  # already messages (tool calls): as they are
+    # already messages (tool calls): as they are
+    return [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
 
 # %% ../nbs/04_reward.ipynb #8bbc07a7
 def _model_texts(
@@ -515,7 +505,8 @@ def score_completions(
     reward: "RewardModel | RewardFunction",
     prompts: list,  # one prompt per completion: texts or conversations
     completions: list[str],  # the decoded completions
-    **columns,  # the data's other columns, one value per completion (e.g. answer=[...])
+    # the data's other columns, one value per completion (e.g. answer=[...])
+    **columns,
 ) -> Float[Tensor, "batch"]:  # float32 scores, NaN where the function returned None
     """Score completions with one reward model or function, called as its signature asks; anything but a finite
     number (or None) each is an error."""
@@ -543,21 +534,18 @@ class WeightedReward(nn.Module):
         bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, Real) or not math.isfinite(w)]
         if bad:
             raise ValueError(f"`reward_weights` must be finite numbers; got {bad[0]!r}")
-        members = sum(
-            len(f.names) for f in functions if _is_ensemble(f)
-        )  # their rows follow the rewards' rows in `each`
+        # their rows follow the rewards' rows in `each`
+        members = sum(len(f.names) for f in functions if _is_ensemble(f))
         self.functions, self.weights, self.warned = (
             list(functions),
             [float(w) for w in weights] + [0.0] * members,
             False,
         )
-        self.models = nn.ModuleList(
-            [f for f in functions if isinstance(f, nn.Module)]
-        )  # `.to(device)` moves the reward models
+        # `.to(device)` moves the reward models
+        self.models = nn.ModuleList([f for f in functions if isinstance(f, nn.Module)])
         names = [_reward_name(f) for f in functions]
-        self.names = [
-            n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)
-        ]  # two lambdas stay apart
+        # two lambdas stay apart
+        self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
         self.__name__ = " + ".join(f"{w:g}·{n}" for n, w in zip(self.names, self.weights))
 
 # %% ../nbs/04_reward.ipynb #d2fd02b5
@@ -603,7 +591,8 @@ def each(
 def combine(
     self: WeightedReward,
     scores: Float[Tensor, "rewards batch"],  # `each`'s scores, NaN where a reward returned None
-) -> Float[Tensor, "batch"]:  # Σ_j w_j·r_j over the rewards that apply to each completion (0 where none does)
+    # Σ_j w_j·r_j over the rewards that apply to each completion (0 where none does)
+) -> Float[Tensor, "batch"]:
     """The weighted sum, leaving out None (TRL's GRPO: `nansum`); the first completion no reward applies to is
     warned about once."""
     applies = ~scores.isnan()
@@ -631,10 +620,10 @@ def forward(
 @patch
 def stats(
     self: WeightedReward,
-    scores: Tensor,  # (rewards, completions) each reward's scores, NaN where it returned None (`each`)
-) -> dict[
-    str, Tensor
-]:  # `rewards/<name>/mean` and `/std` (n − 1) over the completions each reward applies to
+    # (rewards, completions) each reward's scores, NaN where it returned None (`each`)
+    scores: Tensor,
+    # `rewards/<name>/mean` and `/std` (n − 1) over the completions each reward applies to
+) -> dict[str, Tensor]:
     """Each reward's mean and standard deviation under TRL's names, and each ensemble's `stats` (its members'
     means, their spread); the trainers pass every process's `each` scores, gathered, as TRL computes them."""
     out, row = {}, len(self.functions)
@@ -708,7 +697,8 @@ def reward_from(
     # reward models made here run each prompt's tokens once for its completions, where they can; a
     # `RewardModel` given keeps its own
     shared_prefix: bool = False,
-) -> WeightedReward:  # the reward the trainers call: (prompts, completions, **columns) -> scores
+    # the reward the trainers call: (prompts, completions, **columns) -> scores
+) -> WeightedReward:
     """TRL's `reward_funcs` and `reward_weights` (GRPOConfig, TRL ≥ 0.14) as one `WeightedReward`; a path or a 🤗
     classifier becomes a `RewardModel`."""
     if isinstance(reward_funcs, WeightedReward) and reward_weights is None:
@@ -721,6 +711,7 @@ def reward_from(
     if bad:
         raise TypeError(
             f"`reward_funcs`[{bad[0]}] is a {type(funcs[bad[0]]).__name__}, not a RewardModel, a reward "
-            f"function or a path"
+            f"function "
+            f"or a path"
         )
     return WeightedReward(funcs, [1.0] * len(funcs) if reward_weights is None else list(reward_weights))

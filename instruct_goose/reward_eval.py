@@ -85,9 +85,8 @@ def reliability_bins(
     correct = (margins > 0).double() + 0.5 * (margins == 0).double()
     which = ((confidence - 0.5) * 2 * n_bins).floor().long().clamp(0, n_bins - 1)
     count = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, which, torch.ones_like(margins))
-    mean = lambda v: (
-        torch.zeros(n_bins, dtype=torch.float64).index_add_(0, which, v) / count
-    )  # NaN where empty
+    # NaN where empty
+    mean = lambda v: torch.zeros(n_bins, dtype=torch.float64).index_add_(0, which, v) / count
     return ReliabilityBins(mean(confidence), mean(correct), count)
 
 # %% ../nbs/04c_reward_eval.ipynb #06bdae94
@@ -208,11 +207,14 @@ def _groups(raw, data, column: str) -> list | None:
 
 # %% ../nbs/04c_reward_eval.ipynb #ea538936
 def pair_scores(
-    reward,  # a RewardModel, 🤗 classifier, path, reward function, ensemble... (`reward_from`)
-    data,  # preference pairs in any of the library's formats (`preference_dataset`)
-    tokenizer=None,  # renders conversations, reads a 🤗 classifier, counts length; None: the reward's own
-    gold: Callable
-    | None = None,  # a gold judge, a reward function f(prompts, completions) (e.g. `gold_score`)
+    # a RewardModel, 🤗 classifier, path, reward function, ensemble... (`reward_from`)
+    reward,
+    # preference pairs in any of the library's formats (`preference_dataset`)
+    data,
+    # renders conversations, reads a 🤗 classifier, counts length; None: the reward's own
+    tokenizer=None,
+    # a gold judge, a reward function f(prompts, completions) (e.g. `gold_score`)
+    gold: Callable | None = None,
     category_column: str = "category",  # the column of prompt groups, used when the data has it
     batch_size: int = 256,  # pairs scored per call
 ) -> PairScores:
@@ -377,9 +379,8 @@ def length_debiased(
 # %% ../nbs/04c_reward_eval.ipynb #64caa0fd
 def length_penalty(
     coef: float,  # reward lost per token (or character)
-    unit: Literal[
-        "tokens", "characters"
-    ] = "tokens",  # tokens: the policy's (`completion_ids`, as the trainers pass them)
+    # tokens: the policy's (`completion_ids`, as the trainers pass them)
+    unit: Literal["tokens", "characters"] = "tokens",
 ) -> Callable:  # a reward function for `reward_funcs`
     """An explicit length term −coef·|y| for the RL trainers' `reward_funcs`: tokens of the policy, or
     characters."""
@@ -408,7 +409,8 @@ _AGGREGATIONS = ("mean", "min", "mean_minus_std", "mean_minus_var")
 def aggregate_rewards(
     scores: Float[Tensor, "members batch"],  # each member's scores
     aggregation: str = "mean",  # mean, min, mean_minus_std or mean_minus_var
-    k: float = 1.0,  # the weight of the spread in mean_minus_std / mean_minus_var (Coste's λ)
+    # the weight of the spread in mean_minus_std / mean_minus_var (Coste's λ)
+    k: float = 1.0,
 ) -> Float[Tensor, "batch"]:  # one score per completion
     """Combine the members' scores: mean, min (WCO), mean − k·std or mean − k·var (UWO), spread over members
     dividing by K."""
@@ -429,7 +431,8 @@ class RewardEnsemble(nn.Module):
 
     def __init__(
         self,
-        members: list,  # RewardModels, 🤗 classifiers, paths or reward functions (`reward_from` each)
+        # RewardModels, 🤗 classifiers, paths or reward functions (`reward_from` each)
+        members: list,
         aggregation: str = "mean",  # mean, min, mean_minus_std or mean_minus_var
         k: float = 1.0,  # the weight of the spread
         processing_class=None,  # tokenizer for 🤗 classifiers given with none beside their checkpoint
@@ -446,9 +449,8 @@ class RewardEnsemble(nn.Module):
         self.aggregation, self.k, self.__name__ = aggregation, float(k), f"ensemble_{aggregation}"
         names = [_reward_name(m.functions[0]) for m in self.members]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
-        self.tokenizer = _length_tokenizer(
-            self.members[0], None
-        )  # counts length in reports: the first member's
+        # counts length in reports: the first member's
+        self.tokenizer = _length_tokenizer(self.members[0], None)
 
 # %% ../nbs/04c_reward_eval.ipynb #7f729448
 @patch
@@ -488,7 +490,8 @@ def forward(
 def stats(
     self: RewardEnsemble,
     scores: Tensor,  # (members, batch) from `member_scores`
-) -> dict[str, float]:  # `rewards/<member>/mean` for each member, `rewards/ensemble/std`: the mean spread
+    # `rewards/<member>/mean` for each member, `rewards/ensemble/std`: the mean spread
+) -> dict[str, float]:
     "Each member's mean score and the ensemble's mean spread (population std over members), for logging."
     out = {f"rewards/{n}/mean": s.mean().item() for n, s in zip(self.names, scores)}
     out["rewards/ensemble/std"] = scores.var(0, correction=0).sqrt().mean().item()
@@ -506,12 +509,10 @@ def kl_best_of_n(
 # %% ../nbs/04c_reward_eval.ipynb #923b4b5c
 @typecheck
 def best_of_n(
-    select: Float[
-        Tensor, "prompts samples"
-    ],  # the score that picks (the proxy reward) of N samples per prompt
-    value: Float[
-        Tensor, "prompts samples"
-    ],  # the score to report of the same samples (gold, proxy, length...)
+    # the score that picks (the proxy reward) of N samples per prompt
+    select: Float[Tensor, "prompts samples"],
+    # the score to report of the same samples (gold, proxy, length...)
+    value: Float[Tensor, "prompts samples"],
     n: int,  # best of how many, 1 ≤ n ≤ N
 ) -> float:  # E[value of the best of n by `select`], averaged over prompts
     """The unbiased estimate of best-of-n's `value` from N ≥ n samples per prompt (ties in `select` broken by

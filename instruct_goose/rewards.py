@@ -150,9 +150,10 @@ def _log_parsed(log_extra, solution, gold, answers, unfinished=()):
 # %% ../nbs/04b_rewards.ipynb #6ebad903
 def accuracy_reward(
     completions: list,  # strings or one-message conversations
-    solution: list[str],  # the data set's `solution` column: each row's gold answer
-    log_extra: Callable[[str, list], None]
-    | None = None,  # TRL's completions-table logger, when a trainer passes one
+    # the data set's `solution` column: each row's gold answer
+    solution: list[str],
+    # TRL's completions-table logger, when a trainer passes one
+    log_extra: Callable[[str, list], None] | None = None,
     **kwargs,  # the other columns, unused
 ) -> list[float | None]:  # 1.0 right, 0.0 wrong or no answer, None where the solution is not a number
     """TRL's `accuracy_reward` on numbers: the completion's `\\boxed{}` (or last math span) equals `solution`
@@ -165,12 +166,12 @@ def accuracy_reward(
 def reasoning_accuracy_reward(
     completions: list,  # strings or one-message conversations
     solution: list[str],  # the data set's `solution` column
-    reasoning_delimiters: list[str]
-    | None = None,  # where reasoning ends; the answer follows the last one (None: ["</think>"])
-    log_extra: Callable[[str, list], None]
-    | None = None,  # TRL's completions-table logger, when a trainer passes one
+    # where reasoning ends; the answer follows the last one (None: ["</think>"])
+    reasoning_delimiters: list[str] | None = None,
+    # TRL's completions-table logger, when a trainer passes one
+    log_extra: Callable[[str, list], None] | None = None,
     **kwargs,  # the other columns, unused
-) -> list[float | None]:  # accuracy of the answer after the reasoning; 0.0 when the reasoning never ends
+) -> list[float | None]:  # accuracy of the answer after the reasoning; 0.0 when it never ends
     """TRL's `reasoning_accuracy_reward`: `accuracy_reward` on the text after the reasoning delimiter; 0.0 when
     there is none."""
     delimiters = ["</think>"] if reasoning_delimiters is None else list(reasoning_delimiters)
@@ -234,7 +235,8 @@ def get_cosine_scaled_reward(
     max_value_wrong: float = -0.5,  # a wrong answer's reward at L_max and beyond
     min_value_correct: float = 0.5,  # a right answer's reward at L_max and beyond
     max_value_correct: float = 1.0,  # a right answer's reward at length 0
-) -> Callable:  # reward(completions, solution, completion_ids, **kwargs) -> list[float | None]
+    # reward(completions, solution, completion_ids, **kwargs) -> list[float | None]
+) -> Callable:
     """TRL's `get_cosine_scaled_reward`: correctness (`accuracy_reward`) scaled by a cosine schedule of the
     completion's length."""
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:

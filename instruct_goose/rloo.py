@@ -43,7 +43,8 @@ _TRL_REFUSED: dict[str, str] = {
     "pad_to_multiple_of": (
         "padding only widens tensors (for Neuron's one compile per shape), it changes no number; widths here "
         "are the "
-        "longest prompt and `max_completion_length`; leave it at 'auto' (TRL's: no padding off Neuron)"
+        "longest prompt and `max_completion_length`; leave it at 'auto' (TRL's: no "
+        "padding off Neuron)"
     ),
     "log_multimodal": "completions here are text only: there is nothing multimodal to log or to leave out; "
     "leave it at True",
@@ -80,13 +81,12 @@ class TRLNotYet:
     """The fields TRL 1.16's `RLOOConfig` and `GRPOConfig` both add that this library does not run yet, at TRL's
     defaults (see `_TRL_REFUSED`)."""
 
-    disable_dropout: bool = True  # dropout is always off here (TRL's default: False); False is refused
+    # dropout is always off here (TRL's default: False); False is refused
+    disable_dropout: bool = True
     ds3_gather_for_generation: bool = True  # refused (_TRL_REFUSED) unless True
-    pad_to_multiple_of: str | None = (
-        # refused (_TRL_REFUSED) unless "auto": padding changes no number (TRL: an int, or "auto": none off
-        # Neuron)
-        "auto"
-    )
+    # refused (_TRL_REFUSED) unless "auto": padding changes no number (TRL: an int, or "auto": none off
+    # Neuron)
+    pad_to_multiple_of: str | None = "auto"
     use_vllm: bool = False  # refused (_TRL_REFUSED): generation is built in
     vllm_mode: str = "colocate"  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_model_impl: str = "vllm"  # refused (_TRL_REFUSED): vLLM does not run here
@@ -100,7 +100,8 @@ class TRLNotYet:
     vllm_gpu_memory_utilization: float = 0.3  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_max_model_length: int | None = None  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_tensor_parallel_size: int = 1  # refused (_TRL_REFUSED): vLLM does not run here
-    log_multimodal: bool = True  # refused (_TRL_REFUSED) unless True: text only, nothing multimodal to log
+    # refused (_TRL_REFUSED) unless True: text only, nothing multimodal to log
+    log_multimodal: bool = True
 
 # %% ../nbs/09_rloo.ipynb #ce77ecce
 @dataclass
@@ -108,20 +109,19 @@ class GRPONotYet(TRLNotYet):
     """The further fields of TRL 1.16's `GRPOConfig` that this library does not run yet, at TRL's defaults (see
     `_TRL_REFUSED`)."""
 
-    vllm_importance_sampling_correction: bool = (
-        True  # refused (_TRL_REFUSED) unless True: vLLM does not run here
-    )
+    # refused (_TRL_REFUSED) unless True: vLLM does not run here
+    vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: str = "sequence_mask"  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_clip_max: float | None = 3.0  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_clip_min: float | None = None  # refused (_TRL_REFUSED): vLLM does not run here
     vllm_importance_sampling_cap: float | None = None  # refused (_TRL_REFUSED): vLLM does not run here
-    log_completions_hub_repo: str | None = (
-        None  # refused (_TRL_REFUSED): no Hub uploads; completions.jsonl in output_dir
-    )
+    # refused (_TRL_REFUSED): no Hub uploads; completions.jsonl in output_dir
+    log_completions_hub_repo: str | None = None
 
 # %% ../nbs/09_rloo.ipynb #a9c8e7d6
 def _reward_clip_range(
-    value,  # as given: TRL 1.16's (min, max) or a 2-item list (YAML, the CLI); the seed's one number c
+    # as given: TRL 1.16's (min, max) or a 2-item list (YAML, the CLI); the seed's one number c
+    value,
 ) -> tuple[float, float]:  # (min, max), as floats
     """`reward_clip_range` checked by name: TRL 1.16's (min, max), min < max, or the seed's one number c > 0,
     [−c, c]."""
@@ -151,25 +151,23 @@ class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
     # k: responses sampled per prompt (≥ 2); the rollout must hold a multiple of it (TRL ≤ 0.21: `rloo_k`)
     num_generations: int = 2
     beta: float = 0.05  # β: weight of the KL penalty (TRL ≤ 0.21 and PPO: `kl_coef`)
-    max_completion_length: int = (
-        512  # tokens sampled per response (TRL ≤ 0.21 and PPO: `response_length`; TRL 1.16's default)
-    )
+    # tokens sampled per response (TRL ≤ 0.21 and PPO: `response_length`; TRL 1.16's default)
+    max_completion_length: int = 512
     epsilon: float = 0.2  # ε: clip range of the ratio (TRL ≤ 0.21 and PPO: `cliprange`)
-    epsilon_high: float | None = None  # upper clip range of the ratio (DAPO's clip-higher); None: `epsilon`
-    mask_truncated_completions: bool = (
-        False  # responses that never stopped get no loss and no KL (DAPO), as TRL masks them
-    )
+    # upper clip range of the ratio (DAPO's clip-higher); None: `epsilon`
+    epsilon_high: float | None = None
+    # responses that never stopped get no loss and no KL (DAPO), as TRL masks them
+    mask_truncated_completions: bool = False
     rloo_k: int = 2  # TRL ≤ 0.21's name of `num_generations`
-    num_iterations: int = (
-        1  # passes over each rollout (TRL ≥ 0.22's name and default; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
-    )
+    # passes over each rollout (TRL ≥ 0.22's name and default; PPO and TRL ≤ 0.21: `num_ppo_epochs`)
+    num_iterations: int = 1
     normalize_reward: bool = False  # standardise the scores over the rollout (Reinforce++)
     reward_clip_range: list[float] | None = None  # TRL's (min, max), or the seed's c: [−c, c]; None: off
-    normalize_advantages: bool = (
-        False  # whiten the advantages over the rollout (Reinforce++; TRL ≤ 0.21: `normalize_advantage`)
-    )
+    # whiten the advantages over the rollout (Reinforce++; TRL ≤ 0.21: `normalize_advantage`)
+    normalize_advantages: bool = False
     normalize_advantage: bool = False  # TRL ≤ 0.21's name of `normalize_advantages`
-    token_level_kl: bool = False  # per-token KL penalty, returns-to-go and per-token ratios (Reinforce++)
+    # per-token KL penalty, returns-to-go and per-token ratios (Reinforce++)
+    token_level_kl: bool = False
     response_length: int = 512  # the shared name of `max_completion_length`
     num_ppo_epochs: int = 1  # the shared name of `num_iterations`
     same_setting: ClassVar[dict[str, str]] = {
@@ -184,7 +182,8 @@ class RLOOConfig(OnPolicyConfig, TRLOptions, TRLNotYet, ToolConfig):
     def __post_init__(self):
         refuse_unsupported(self, _TRL_REFUSED)
         super().__post_init__()
-        self.check_trl_options()  # model loading, reference sync (`TRLOptions`), after `coerce_dicts`
+        # model loading, reference sync (`TRLOptions`), after `coerce_dicts`
+        self.check_trl_options()
         k = self.num_generations
         if k < 2:
             raise ValueError(
@@ -258,9 +257,8 @@ class RLOOTrainer(OnPolicyTrainer):
     # made as every on-policy trainer is (`OnPolicyTrainer`: TRL's keywords); `model` is a causal LM (no value
     # head)
     config_class = RLOOConfig
-    metric_names = (
-        "both"  # TRL ≤ 0.21's names, which this chapter follows, and TRL 1.16's (`trl_metric_names`)
-    )
+    # TRL ≤ 0.21's names, which this chapter follows, and TRL 1.16's (`trl_metric_names`)
+    metric_names = "both"
 
     @property
     def samples_per_prompt(self) -> int:
@@ -294,14 +292,12 @@ class RLOOTrainer(OnPolicyTrainer):
         logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else kept[0].detach()
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref:
             ref_logprobs = logprobs_in_chunks(ref, *inputs)
-        loss_mask = (
-            x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask
-        )  # tool results are context (`tools`)
+        # tool results are context (`tools`)
+        loss_mask = x.response_mask.clone() if x.tool_mask is None else x.response_mask & x.tool_mask
         if c.mask_truncated_completions:
             loss_mask &= ((x.response_ids == self.stop_token_id) & x.response_mask).any(1, keepdim=True)
-        ref_logprobs = torch.where(
-            loss_mask, ref_logprobs, logprobs
-        )  # off the loss mask π_ref = π_old: a KL of 0 (the score stays)
+        # off the loss mask π_ref = π_old: a KL of 0 (the score stays)
+        ref_logprobs = torch.where(loss_mask, ref_logprobs, logprobs)
         scores, kl, non_score, rlhf_reward, advantages = self.advantages(
             x.scores, logprobs, ref_logprobs, x.response_mask, None if loop is None else loop.accelerator
         )
@@ -331,7 +327,8 @@ class RLOOTrainer(OnPolicyTrainer):
         pass, (log π, entropy), already made)."""
         current = self.policy_pass(policy, part) if kept is None else kept
         loss, stats = self.loss(part, current.logprobs, current.entropy)
-        aux, logged = self.aux_term(current)  # a mixture-of-experts policy: c·L_aux of the pass
+        # a mixture-of-experts policy: c·L_aux of the pass
+        aux, logged = self.aux_term(current)
         return {"policy": loss, **aux}, {**stats, **logged}
 
     def rollout_stats(self, rollout: RLOORollout) -> dict:
@@ -344,8 +341,9 @@ class RLOOTrainer(OnPolicyTrainer):
             "objective/non_score_reward": seq_non_score.mean(),
             "objective/rlhf_reward": rollout.rlhf_reward.mean(),
             "objective/scores": rollout.scores.mean(),
+            # TRL 1.16's (per-token KL)
             "reward_std": rollout.scores.std(),
-            "kl": masked_mean(rollout.kl, rollout.loss_mask),  # TRL 1.16's (per-token KL)
+            "kl": masked_mean(rollout.kl, rollout.loss_mask),
             "frac_reward_zero_std": (rollout.scores.reshape(-1, self.args.num_generations).std(1) == 0)
             .float()
             .mean(),
@@ -361,15 +359,14 @@ def advantages(
     logprobs: Tensor,  # (batch, resp) log π_old
     ref_logprobs: Tensor,  # (batch, resp) log π_ref
     mask: Tensor,  # (batch, resp) True on real tokens
-    accelerator: Accelerator
-    | None = None,  # the run's accelerator, for whitening over all processes (None: one process)
+    # the run's accelerator, for whitening over all processes (None: one process)
+    accelerator: Accelerator | None = None,
 ) -> tuple:  # (scores, kl, non_score_reward, rlhf_reward, advantages)
     "Rewards and leave-one-out advantages for k·B responses laid out as `rloo_advantages` expects."
     c = self.args
     every = lambda x: torch.ones_like(x, dtype=torch.bool)
-    whiten = lambda x, m, shift_mean=True: self.whiten(
-        x, m, shift_mean, accelerator
-    )  # over all processes' rows
+    # over all processes' rows
+    whiten = lambda x, m, shift_mean=True: self.whiten(x, m, shift_mean, accelerator)
     if c.normalize_reward:
         scores = whiten(scores, every(scores))
     if c.reward_clip_range is not None:
@@ -377,8 +374,9 @@ def advantages(
     rewards, kl, non_score_reward = compute_rewards(
         scores, logprobs, ref_logprobs, mask, c.kl_coef, c.kl_estimator
     )
+    # per token, as PPO
     if c.whiten_rewards and c.token_level_kl:
-        rewards = whiten(rewards, mask, shift_mean=False)  # per token, as PPO
+        rewards = whiten(rewards, mask, shift_mean=False)
     rlhf_reward = rewards.sum(1)
     if c.whiten_rewards and not c.token_level_kl:
         rlhf_reward = whiten(rlhf_reward, every(rlhf_reward), shift_mean=False)
@@ -407,28 +405,27 @@ def loss(
     else:
         old, new = masked_sum(part.logprobs, mask, dim=1)[:, None], masked_sum(logprobs, mask, dim=1)[:, None]
         advantages, ratio_mask = part.advantages[:, None], torch.ones_like(old, dtype=torch.bool)
-    ratios = torch.exp(new - old.detach())  # PPO's clip with TRL's clip-higher: [1 − ε, 1 + ε_high]
+    # PPO's clip with TRL's clip-higher: [1 − ε, 1 + ε_high]
+    ratios = torch.exp(new - old.detach())
     unclipped, clipped = -advantages * ratios, -advantages * ratios.clamp(1 - c.cliprange, 1 + c.clip_high)
     loss, clipfrac = (
         masked_mean(torch.maximum(unclipped, clipped), ratio_mask),
         masked_mean((clipped > unclipped).float(), ratio_mask),
     )
-    low, high = (
-        (ratios < 1 - c.cliprange) & (advantages < 0),
-        (ratios > 1 + c.clip_high) & (advantages > 0),
-    )  # TRL 1.16's regions
+    # TRL 1.16's regions
+    low, high = (ratios < 1 - c.cliprange) & (advantages < 0), (ratios > 1 + c.clip_high) & (advantages > 0)
     return loss, {
         "policy/approxkl_avg": 0.5 * masked_mean((logprobs.detach() - part.logprobs) ** 2, mask),
         "policy/clipfrac_avg": clipfrac.detach(),
         "loss/policy_avg": loss.detach(),
-        "val/clipfrac_avg": torch.zeros_like(
-            clipfrac
-        ),  # TRL logs it for RLOO too; there is no value function
+        # TRL logs it for RLOO too; there is no value function
+        "val/clipfrac_avg": torch.zeros_like(clipfrac),
         "policy/entropy_avg": masked_mean(entropy.detach(), mask),
         "val/ratio": masked_mean(ratios.detach(), ratio_mask),
         "val/ratio_var": masked_var(ratios.detach(), ratio_mask),
         "clip_ratio/low_mean": masked_mean(low.float(), ratio_mask),
         "clip_ratio/high_mean": masked_mean(high.float(), ratio_mask),
+        # TRL's min and max of the 0/1 flags
         "clip_ratio/low_min": (low | ~ratio_mask).all().float(),
-        "clip_ratio/high_max": (high & ratio_mask).any().float(),  # TRL's min and max of the 0/1 flags
+        "clip_ratio/high_max": (high & ratio_mask).any().float(),
     }

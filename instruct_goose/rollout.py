@@ -28,12 +28,10 @@ class Samples(NamedTuple):
     scores: Tensor  # (batch,) reward, after the missing-EOS penalty
     prompts: list  # the prompt texts
     completions: list  # the decoded responses
-    reward_scores: Tensor | None = (
-        None  # (rewards, batch) each reward's scores (`WeightedReward.each`), NaN where it returned None
-    )
-    tool_mask: Tensor | None = (
-        None  # (batch, resp) False on tool results' tokens (context, not actions); None: no tools
-    )
+    # (rewards, batch) each reward's scores (`WeightedReward.each`), NaN where it returned None
+    reward_scores: Tensor | None = None
+    # (batch, resp) False on tool results' tokens (context, not actions); None: no tools
+    tool_mask: Tensor | None = None
     tool_calls: Tensor | None = None  # (batch,) tool calls each completion made; None: no tools
     tool_failures: Tensor | None = None  # (batch,) of which failed
 
@@ -78,11 +76,11 @@ class RowBatch:
 # %% ../nbs/07_rollout.ipynb #25c95bc6
 def trim_responses(
     batch: RowBatch,  # a rollout, or a minibatch of one (`rollout[rows]`), with `response_mask`
-    length: int
     # its longest response's tokens, if known (`RowBatch.longest_response`); None: read from `response_mask`
     # (a device sync)
-    | None = None,
-) -> RowBatch:  # the same rows, each (rows, resp, …) field cut after the longest response among them
+    length: int | None = None,
+    # the same rows, each (rows, resp, …) field cut after the longest response among them
+) -> RowBatch:
     """Drop the response columns that are padding in every row of `batch`: its per-token fields (as wide as
     `response_mask`, prompts aside) end at its longest response (at least one column)."""
     width = batch.response_mask.shape[1]
@@ -105,10 +103,9 @@ def padded_positions(
     prompt_lengths: Tensor,  # (rows,) each row's real prompt tokens, in the order the rows are cut
     response_lengths: Tensor,  # (rows,) each row's real response tokens
     size: int,  # rows per micro-batch
-    groups: Tensor
     # (rows,) each row's prompt (`prompt_groups`) where a micro-batch runs each distinct prompt once
     # (`shared_prefix`)
-    | None = None,
+    groups: Tensor | None = None,
 ) -> int:  # positions all the micro-batches' passes read
     """Positions read by micro-batches of `size` rows, each cut to its longest prompt P and response R (at least
     1): rows × (P + R), or with `groups` distinct prompts × P + rows × R."""
@@ -120,7 +117,8 @@ def padded_positions(
     )
     if groups is None:
         return int((rows * (P + R)).sum())
-    g = cut(groups, -1).sort(1).values  # a micro-batch's prompts, ascending; -1 past the last row
+    # a micro-batch's prompts, ascending; -1 past the last row
+    g = cut(groups, -1).sort(1).values
     prompts = ((g >= 0) & F.pad(g[:, 1:] != g[:, :-1], (1, 0), value=True)).sum(1)  # distinct among them
     return int((prompts * P + rows * R).sum())
 
@@ -133,8 +131,8 @@ def cheapest_order(
     prompt_lengths: Tensor,  # (rows,) each row's real prompt tokens
     response_lengths: Tensor,  # (rows,) each row's real response tokens
     size: int,  # rows per part
-    groups: Tensor
-    | None = None,  # (rows,) each row's prompt where a part runs each distinct prompt once (`shared_prefix`)
+    # (rows,) each row's prompt where a part runs each distinct prompt once (`shared_prefix`)
+    groups: Tensor | None = None,
 ) -> Tensor:  # (rows,) the rows' order: `arange` when as they are is cheapest
     """Of the rows as they are, by response then prompt length, by prompt then response length and (`groups`) by
     prompt then response length, the order whose parts of `size` read fewest positions (`padded_positions`);
@@ -173,12 +171,9 @@ def _concat(parts: list):
     first = parts[0]
     if isinstance(first, Tensor):
         return torch.cat(parts)
+    # lists (conversations): joined
     joined = [
-        None
-        if column[0] is None
-        else torch.cat(column)
-        if isinstance(column[0], Tensor)
-        else sum(column, [])  # lists (conversations): joined
+        None if column[0] is None else torch.cat(column) if isinstance(column[0], Tensor) else sum(column, [])
         for column in zip(*parts)
     ]
     return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
@@ -213,7 +208,8 @@ def _take(out, rows: Tensor):
 
 # %% ../nbs/07_rollout.ipynb #3024b8bc
 def chunked(
-    fn: Callable,  # fn(query_ids, query_attention_mask, *rows) -> a tensor or a tuple of tensors
+    # fn(query_ids, query_attention_mask, *rows) -> a tensor or a tuple of tensors
+    fn: Callable,
     query_ids: Tensor,  # (batch, query) left-padded prompts
     query_attention_mask: Tensor,  # (batch, query)
     *per_row: Tensor,  # more (batch, ...) tensors, cut the same way
@@ -230,9 +226,8 @@ def chunked(
     order."""
     order = None
     if responses:
-        prompt_lengths, lengths = torch.stack(
-            [query_attention_mask.sum(1), per_row[1].sum(1)]
-        ).cpu()  # real tokens: one sync, not one a piece
+        # real tokens: one sync, not one a piece
+        prompt_lengths, lengths = torch.stack([query_attention_mask.sum(1), per_row[1].sum(1)]).cpu()
         if len(query_ids) > size:
             order = cheapest_order(
                 prompt_lengths,
@@ -242,7 +237,8 @@ def chunked(
             )
             if torch.equal(order, torch.arange(len(order))):
                 order = None
-    if order is not None:  # the pieces' rows, dealt; the results put back in the rows' order below
+    # the pieces' rows, dealt; the results put back in the rows' order below
+    if order is not None:
         dealt = order.to(query_ids.device)
         query_ids, query_attention_mask, lengths = (
             query_ids[dealt],
@@ -303,10 +299,9 @@ def minibatches(
     per_device_train_batch_size: int,  # rows per micro-batch
     gradient_accumulation_steps: int,  # micro-batches per minibatch
     num_mini_batches: int,  # minibatches per pass
-    deal: Callable[[Tensor], Tensor]
     # a minibatch's rows -> the same rows in the order they are cut into micro-batches (`like_rows`); None: as
     # drawn
-    | None = None,
+    deal: Callable[[Tensor], Tensor] | None = None,
 ) -> list[list[Tensor]]:  # per minibatch, the rows of each of its micro-batches
     """One pass's minibatches, each cut into micro-batches: shuffled when there are several, in order when one
     covers the rollout; with `deal`, dealt into micro-batches its way."""

@@ -59,23 +59,21 @@ class StageConfig(TrainingConfig):
 
     num_train_epochs: float = 1.0  # passes over the training set (ignored when `max_steps` > 0)
     max_steps: int = 0  # optimizer steps in all; 0 (or 🤗's -1): from `num_train_epochs`
-    max_length: int | None = (
-        1024  # longest tokenized sequence; longer ones are cut (TRL 1.16's default; None: nothing is cut)
-    )
-    eval_steps: float | None = (
-        # evaluate every this many steps, or 🤗's fraction in (0, 1) of all steps (None or 0: only at the end;
-        # every `logging_steps` where `eval_strategy`="steps" is given, as 🤗)
-        None
-    )
+    # longest tokenized sequence; longer ones are cut (TRL 1.16's default; None: nothing is cut)
+    max_length: int | None = 1024
+    # evaluate every this many steps, or 🤗's fraction in (0, 1) of all steps (None or 0: only at the end;
+    # every `logging_steps` where `eval_strategy`="steps" is given, as 🤗)
+    eval_steps: float | None = None
     # 🤗's: on an out-of-memory error, the step again in micro-batches half as large
     # (`TrainLoop.retry_on_oom`): the same minibatch and gradient (🤗 halves the batch instead)
     auto_find_batch_size: bool = False
+    # a resumed run may be extended
     may_change_on_resume: ClassVar[frozenset] = TrainingConfig.may_change_on_resume | {
         "eval_steps",
         "num_train_epochs",
         "max_steps",
         "auto_find_batch_size",
-    }  # a resumed run may be extended
+    }
 
     def __post_init__(self):
         super().__post_init__()
@@ -93,11 +91,9 @@ class StageConfig(TrainingConfig):
 
 # %% ../nbs/06_sft.ipynb #fe913be0
 def pad_multiple(
-    value: int
-    | str
     # TRL's `pad_to_multiple_of`: a whole number, "auto" (TRL's default), None; from a command line also
     # "none"/"null" or digits
-    | None,
+    value: int | str | None,
 ) -> int | None:  # the multiple each micro-batch's width is padded to; None: the width as it is
     """TRL 1.16's `pad_to_multiple_of`, read the same way by every supervised config: "auto" is None, as TRL
     gives it off Neuron (it pads to 128 on Neuron only); a number must be a whole number ≥ 1, else a one-line
@@ -118,74 +114,59 @@ class SFTConfig(StageConfig):
     "Supervised fine-tuning: TRL 1.16's `SFTConfig` fields, each honoured or refused by name."
 
     learning_rate: float = 2e-5  # peak learning rate of the optimizer
-    neftune_noise_alpha: float | None = (
-        # 🤗's NEFTune: uniform noise of half-width α/√(L·d) added to the input embeddings while training
-        # (None: off)
-        None
-    )
+    # 🤗's NEFTune: uniform noise of half-width α/√(L·d) added to the input embeddings while training (None:
+    # off)
+    neftune_noise_alpha: float | None = None
     dataset_text_field: str = "text"  # the column of plain-text rows
-    completion_only_loss: bool | None = (
-        # prompt-completion rows: the loss on the completion alone (None, True: TRL's default) or on the
-        # prompt too (False)
-        None
-    )
+    # prompt-completion rows: the loss on the completion alone (None, True: TRL's default) or on the prompt
+    # too (False)
+    completion_only_loss: bool | None = None
     # conversations only: the loss on the assistant's turns (True), or every token (False: TRL 1.16's)
     assistant_only_loss: bool = False
     # "nll", or "dft": Dynamic Fine-Tuning, each token's NLL times its probability (no gradient through it);
     # TRL's "chunked_nll" is "nll"
     loss_type: str = "nll"
-    eos_token: str | None = (
-        None  # the token that ends each completion and text row (None: the tokenizer's EOS)
-    )
+    # the token that ends each completion and text row (None: the tokenizer's EOS)
+    eos_token: str | None = None
     # each micro-batch's sequences end to end, no pad token in their attention (`packed_forward`): the same
     # loss, no work on padding
     padding_free: bool = False
     # TRL's "bfd" packing: rows grouped into examples of at most `max_length` tokens (best-fit decreasing),
     # each read padding-free
     packing: bool = False
-    packing_strategy: str = "bfd"  # "bfd" (TRL 1.16's default); "bfd_split" and "wrapped" are refused
-    eval_packing: bool | None = (
-        None  # the eval set grouped the same way (None: as `packing`); the eval loss is the same either way
-    )
-    pad_to_multiple_of: int | str | None = (
-        None  # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
-    )
+    # "bfd" (TRL 1.16's default); "bfd_split" and "wrapped" are refused
+    packing_strategy: str = "bfd"
+    # the eval set grouped the same way (None: as `packing`); the eval loss is the same either way
+    eval_packing: bool | None = None
+    # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
+    pad_to_multiple_of: int | str | None = None
     # past `max_length` the end is cut (TRL 1.16's only undeprecated value; "keep_end" is refused)
     truncation_mode: str = "keep_start"
     # the rows shuffled once with `seed` (🤗 datasets' `shuffle`, as TRL 1.16) before `packing` groups them, so
     # other rows share a bin; each epoch's order is a seeded permutation either way
     shuffle_dataset: bool = False
-    model_init_kwargs: dict | str | None = (
-        None  # keyword arguments of `from_pretrained` when `model` is a name or path (TRL's JSON text too)
-    )
-    trust_remote_code: bool = False  # let `from_pretrained` run a checkpoint's own code (model and tokenizer)
-    chat_template_path: str | None = (
-        # the chat template to render conversations with: a Jinja file, or a tokenizer's directory (its
-        # template)
-        None
-    )
-    activation_offloading: bool = (
-        False  # keep the saved activations on the CPU between forward and backward (a memory lever, as DPO's)
-    )
-    dataset_kwargs: dict | str | None = (
-        # TRL's {"skip_prepare_dataset": ...}: taken, as rows are encoded per micro-batch and never prepared
-        # here; other keys refused
-        None
-    )
-    dataset_num_proc: int | None = (
-        None  # refused unless None: no map over the dataset runs here to be parallelised
-    )
-    router_aux_loss_coef: float | None = (
-        # mixture-of-experts models: c of the load-balancing loss c·L_aux added to the loss
-        # (`router_aux_coef`; None: the model config's, 0: none)
-        None
-    )
-    pad_token: str | None = None  # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
+    # keyword arguments of `from_pretrained` when `model` is a name or path (TRL's JSON text too)
+    model_init_kwargs: dict | str | None = None
+    # let `from_pretrained` run a checkpoint's own code (model and tokenizer)
+    trust_remote_code: bool = False
+    # the chat template to render conversations with: a Jinja file, or a tokenizer's directory (its template)
+    chat_template_path: str | None = None
+    # keep the saved activations on the CPU between forward and backward (a memory lever, as DPO's)
+    activation_offloading: bool = False
+    # TRL's {"skip_prepare_dataset": ...}: taken, as rows are encoded per micro-batch and never prepared here;
+    # other keys refused
+    dataset_kwargs: dict | str | None = None
+    # refused unless None: no map over the dataset runs here to be parallelised
+    dataset_num_proc: int | None = None
+    # mixture-of-experts models: c of the load-balancing loss c·L_aux added to the loss (`router_aux_coef`;
+    # None: the model config's, 0: none)
+    router_aux_loss_coef: float | None = None
+    # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
+    pad_token: str | None = None
 
     def __post_init__(self):
-        self.pad_to_multiple_of = pad_multiple(
-            self.pad_to_multiple_of
-        )  # before 🤗's number checks: "auto" is TRL's too
+        # before 🤗's number checks: "auto" is TRL's too
+        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)
         if self.loss_type == "chunked_nll":
             self.loss_type = "nll"  # TRL 1.16's deprecated alias
         super().__post_init__()
@@ -221,7 +202,8 @@ def _check_sft_options(c: SFTConfig):
     if c.dataset_num_proc is not None:
         raise ValueError(
             "`dataset_num_proc`: no map over the dataset runs here (rows are encoded per micro-batch); leave "
-            "it None"
+            "it "
+            "None"
         )
     if c.router_aux_loss_coef is not None:
         check_number("router_aux_loss_coef", c.router_aux_loss_coef)
@@ -238,47 +220,36 @@ class RewardConfig(StageConfig):
     name."""
 
     learning_rate: float = 1e-4  # peak learning rate of the optimizer (TRL 1.16's default)
-    max_length: int | None = (
-        # a pair whose chosen or rejected text is longer than this many tokens is left out, with a warning, as
-        # TRL 1.16 filters it (`drop_long_pairs`; None: none is)
-        1024
-    )
+    # a pair whose chosen or rejected text is longer than this many tokens is left out, with a warning, as TRL
+    # 1.16 filters it (`drop_long_pairs`; None: none is)
+    max_length: int | None = 1024
     # afterwards, scale the head so the training pairs score std 1 (and mean 0, if the head has a bias)
     normalize: bool = True
-    center_rewards_coefficient: float | None = (
-        # add c·mean((r_chosen + r_rejected)²) to the loss: rewards centred on 0 (Eisenstein et al., 2023)
-        None
-    )
+    # add c·mean((r_chosen + r_rejected)²) to the loss: rewards centred on 0 (Eisenstein et al., 2023)
+    center_rewards_coefficient: float | None = None
     # zero the reward model's dropout while it trains (TRL's default; the saved config keeps its rates)
     disable_dropout: bool = True
-    model_init_kwargs: dict | str | None = (
-        None  # keyword arguments of `from_pretrained` when `model` is a name or path (TRL's JSON text too)
-    )
-    trust_remote_code: bool = False  # let `from_pretrained` run a checkpoint's own code (model and tokenizer)
-    chat_template_path: str | None = (
-        # the chat template to render conversational pairs with: a Jinja file, or a tokenizer's directory
-        None
-    )
-    pad_to_multiple_of: int | str | None = (
-        None  # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
-    )
-    activation_offloading: bool = (
-        False  # keep the saved activations on the CPU between forward and backward (a memory lever)
-    )
-    eos_token: str | None = (
-        # refused unless None: the text is read as given, no EOS appended, as the reward model scores
-        # completions when RL samples
-        None
-    )
-    dataset_num_proc: int | None = (
-        None  # refused unless None: no map over the dataset runs here to be parallelised
-    )
-    pad_token: str | None = None  # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
+    # keyword arguments of `from_pretrained` when `model` is a name or path (TRL's JSON text too)
+    model_init_kwargs: dict | str | None = None
+    # let `from_pretrained` run a checkpoint's own code (model and tokenizer)
+    trust_remote_code: bool = False
+    # the chat template to render conversational pairs with: a Jinja file, or a tokenizer's directory
+    chat_template_path: str | None = None
+    # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
+    pad_to_multiple_of: int | str | None = None
+    # keep the saved activations on the CPU between forward and backward (a memory lever)
+    activation_offloading: bool = False
+    # refused unless None: the text is read as given, no EOS appended, as the reward model scores completions
+    # when RL samples
+    eos_token: str | None = None
+    # refused unless None: no map over the dataset runs here to be parallelised
+    dataset_num_proc: int | None = None
+    # refused: deprecated in TRL 1.1; set `tokenizer.pad_token` instead
+    pad_token: str | None = None
 
     def __post_init__(self):
-        self.pad_to_multiple_of = pad_multiple(
-            self.pad_to_multiple_of
-        )  # before 🤗's number checks: "auto" is TRL's too
+        # before 🤗's number checks: "auto" is TRL's too
+        self.pad_to_multiple_of = pad_multiple(self.pad_to_multiple_of)
         super().__post_init__()
         if self.center_rewards_coefficient is not None:
             check_number("center_rewards_coefficient", self.center_rewards_coefficient)
@@ -351,7 +322,8 @@ def _overlap(spans: list, others: list) -> list:
 def _render_sft(
     tokenizer,
     rows: dict,  # a batch of conversational SFT rows ({column: values})
-    completion_only: bool = True,  # a prompt-completion row's loss on its completion (`completion_only_loss`)
+    # a prompt-completion row's loss on its completion (`completion_only_loss`)
+    completion_only: bool = True,
     assistant_only: bool = False,  # the loss on the assistant's turns (`assistant_only_loss`)
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:  # the rendered texts and their loss spans (characters)
     """Texts and loss spans of a batch of conversational SFT rows, as TRL 1.16 masks them: the whole
@@ -468,8 +440,8 @@ def drop_long_pairs(
         long,
         name,
         f"every pair of `{name}` has a chosen or rejected text longer than max_length ({max_length}) tokens",
-        f"pairs have a chosen or rejected text longer than max_length ({max_length}) tokens (TRL 1.16 leaves "
-        f"them out too)",
+        f"pairs have a chosen or rejected text longer than max_length ({max_length}) tokens "
+        f"(TRL 1.16 leaves them out too)",
     )
 
 # %% ../nbs/06_sft.ipynb #ec482df6
@@ -527,11 +499,8 @@ def best_fit_bins(
     """Best-fit decreasing as TRL 1.16 packs (`trl.data_utils._pack_bfd`): the sequences longest first (ties in
     order), each into the bin with the least room that holds it (the oldest such bin), a new bin when none
     does."""
-    rooms, holding, bins = (
-        [],
-        defaultdict(deque),
-        [],
-    )  # rooms: the sorted sizes of room some bin has; holding: those bins, oldest first
+    # rooms: the sorted sizes of room some bin has; holding: those bins, oldest first
+    rooms, holding, bins = [], defaultdict(deque), []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         k = bisect.bisect_left(rooms, lengths[i])
         if k < len(rooms):
@@ -566,14 +535,12 @@ class SFTTrainer(Trainer):
         eval_dataset=None,  # the same columns, for `eval_loss`
         # the tokenizer (with a pad token); None: loaded from `model` when that is a name/path
         processing_class=None,
-        peft_config=None,  # a peft config (e.g. `LoraConfig`): train adapters only, saved as peft's adapter
+        # a peft config (e.g. `LoraConfig`): train adapters only, saved as peft's adapter
+        peft_config=None,
         callbacks=None,  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
-        optimizers=(
-            None,
-            None,
-            # 🤗's: (your optimizer over the model's trainable parameters, its lr_scheduler or None)
-            # (`check_optimizers`)
-        ),
+        # 🤗's: (your optimizer over the model's trainable parameters, its lr_scheduler or None)
+        # (`check_optimizers`)
+        optimizers=(None, None),
         # 🤗's: (optimizer class, its keyword arguments) instead of `args.optim`/`optim_args`
         optimizer_cls_and_kwargs=None,
         **renamed,  # the old names `config` and `tokenizer` (see `trainer_arguments`)
@@ -593,9 +560,8 @@ class SFTTrainer(Trainer):
                 "drop it"
             )
         self.model, self.callbacks = with_peft(_load_model(model, self.args), peft_config), callbacks
-        self.router_aux_loss_coef = router_aux_coef(
-            self.model, self.args.router_aux_loss_coef
-        )  # MoE: c of c·L_aux (0: none)
+        # MoE: c of c·L_aux (0: none)
+        self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)
         refuse_packed_aux(self.args.padding_free or self.args.packing, self.router_aux_loss_coef)
         self.eos_token_id = token_id(self.processing_class, self.args.eos_token, "eos_token")
         self.max_length = fit_to_context(self.args.max_length, self.model)
@@ -672,10 +638,9 @@ def encode(self: SFTTrainer, rows: dict) -> tuple[tuple[Tensor, Tensor, Tensor],
             self.max_length,
             self.eos_token_id,
         )
+        # the prompt too; nothing predicts a row's first token
         if a.completion_only_loss is False:
-            loss_mask = mask.bool() & (
-                torch.arange(mask.shape[1]) > 0
-            )  # the prompt too; nothing predicts a row's first token
+            loss_mask = mask.bool() & (torch.arange(mask.shape[1]) > 0)
     if self.max_length is None:
         within_context(mask, self.model)
     ids, mask, loss_mask = pad_to_multiple(
@@ -689,9 +654,8 @@ def nll_sum(
     self: SFTTrainer,
     model: nn.Module,
     batch: tuple[Tensor, Tensor, Tensor],  # (ids, mask, loss_mask) from `encode`, on the CPU
-    padding_free: bool
     # one forward without padding (`loss_token_states`); None: the config's `padding_free` or `packing`
-    | None = None,
+    padding_free: bool | None = None,
     # also TRL's statistics of the batch's loss tokens, without a graph: {"entropy", "mean_token_accuracy"}
     # (means)
     stats: bool = False,
@@ -713,13 +677,13 @@ def nll_sum(
     logps, entropy, top1 = (
         states_stats(out, labels, head) if stats else (states_logps(out, labels, head), None, None)
     )
+    # DFT (Wu et al., 2025): each token weighted by its own probability
     if a.loss_type == "dft":
-        logps = (
-            logps * logps.detach().exp()
-        )  # DFT (Wu et al., 2025): each token weighted by its own probability
+        logps = logps * logps.detach().exp()
     if not stats:
         return -logps.sum()
-    n = max(len(labels), 1)  # a batch without loss tokens logs 0, as TRL
+    # a batch without loss tokens logs 0, as TRL
+    n = max(len(labels), 1)
     return -logps.sum(), {"entropy": entropy.sum() / n, "mean_token_accuracy": top1.float().sum() / n}
 
 # %% ../nbs/06_sft.ipynb #1c9f878c
@@ -765,9 +729,8 @@ def evaluate(
 @patch
 def train(
     self: SFTTrainer,
-    resume_from_checkpoint: bool
-    | str
-    | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+    # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+    resume_from_checkpoint: bool | str | None = None,
 ) -> PreTrainedModel:
     """Fine-tune, log 🤗's `loss` (and `eval_loss`), checkpoint, and save the model (with `peft_config`: its
     adapter) and tokenizer to `output_dir`."""
@@ -776,9 +739,8 @@ def train(
         raise ValueError("`train_dataset` is needed to train")
     self.loop = loop = self.make_loop(self.args, self.processing_class, self.callbacks)
     loop.progress_keys = ("loss", "eval_loss")
-    self.train_bins = (
-        self.pack(self.train_dataset) if self.args.packing else None
-    )  # TRL's packing: an example is a bin of rows
+    # TRL's packing: an example is a bin of rows
+    self.train_bins = self.pack(self.train_dataset) if self.args.packing else None
     rows = (
         (lambda indices: [r for i in indices for r in self.train_bins[i]])
         if self.args.packing
@@ -791,22 +753,18 @@ def train(
 
     def loss_fn(model, batch):
         with offloaded(self.args.activation_offloading), router_aux_losses(model, c_aux > 0) as aux:
-            loss, stats = self.nll_sum(
-                model, batch, stats=True
-            )  # TRL's entropy, mean_token_accuracy: each micro-batch's mean, averaged
-        stats = {**stats, "num_tokens": batch[1].sum()}  # TRL's num_tokens: every real token, prompts too
+            # TRL's entropy, mean_token_accuracy: each micro-batch's mean, averaged
+            loss, stats = self.nll_sum(model, batch, stats=True)
+        # TRL's num_tokens: every real token, prompts too
+        stats = {**stats, "num_tokens": batch[1].sum()}
         if not aux:
             return loss, stats
-        return (
-            loss,
-            {**stats, "aux_loss": aux[0].detach()},
-            c_aux * aux[0],
-        )  # MoE: c·L_aux of the micro-batch's pass, averaged over micro-batches
+        # MoE: c·L_aux of the micro-batch's pass, averaged over micro-batches
+        return loss, {**stats, "aux_loss": aux[0].detach()}, c_aux * aux[0]
 
     evaluate = self.evaluate if self.eval_dataset is not None else None
-    alpha = (
-        self.args.neftune_noise_alpha
-    )  # NEFTune: 🤗's own hook on the input embeddings, in training mode only, removed after
+    # NEFTune: 🤗's own hook on the input embeddings, in training mode only, removed after
+    alpha = self.args.neftune_noise_alpha
     noise = None if alpha is None else activate_neftune(self.model, alpha)
     try:
         trained = loop.fit(
@@ -824,7 +782,8 @@ def train(
         if noise is not None:
             deactivate_neftune(self.model, noise)
     self.model = trained
-    loop.save_model(self.model)  # with `peft_config`: the adapter alone, as TRL and the RL trainers save it
+    # with `peft_config`: the adapter alone, as TRL and the RL trainers save it
+    loop.save_model(self.model)
     loop.end()
     return self.model
 
@@ -833,7 +792,8 @@ def _reward_model(model, tokenizer, seed: int, **from_pretrained_kwargs) -> Rewa
     """The `RewardTrainer`'s `model` as a `RewardModel` that reads text with `tokenizer` (or its own); a new
     score head is drawn from `seed`; a name or path loaded with `from_pretrained_kwargs`."""
     if not isinstance(model, RewardModel):
-        set_seed(seed)  # as 🤗's Trainer seeds in __init__: the same config gives the same new head
+        # as 🤗's Trainer seeds in __init__: the same config gives the same new head
+        set_seed(seed)
         model = RewardModel(model, tokenizer=tokenizer, **from_pretrained_kwargs)
     elif tokenizer is not None and model.tokenizer is not None and tokenizer is not model.tokenizer:
         raise ValueError(
@@ -875,9 +835,8 @@ class RewardTrainer(Trainer):
 
     def __init__(
         self,
-        model: RewardModel
-        | PreTrainedModel
-        | str,  # a `RewardModel`, a 🤗 sequence classifier or causal LM (its trunk), or a name/path
+        # a `RewardModel`, a 🤗 sequence classifier or causal LM (its trunk), or a name/path
+        model: RewardModel | PreTrainedModel | str,
         args: RewardConfig | None = None,  # hyper-parameters; None: the defaults
         # pairs: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or conversations
         train_dataset=None,
@@ -888,12 +847,9 @@ class RewardTrainer(Trainer):
         # adapter
         peft_config=None,
         callbacks=None,  # 🤗 `TrainerCallback`s, called by the loop (see `TrainLoop`)
-        optimizers=(
-            None,
-            None,
-            # 🤗's: (your optimizer over the model's trainable parameters, its lr_scheduler or None)
-            # (`check_optimizers`)
-        ),
+        # 🤗's: (your optimizer over the model's trainable parameters, its lr_scheduler or None)
+        # (`check_optimizers`)
+        optimizers=(None, None),
         # 🤗's: (optimizer class, its keyword arguments) instead of `args.optim`/`optim_args`
         optimizer_cls_and_kwargs=None,
         **renamed,  # the old names `config` and `tokenizer` (see `trainer_arguments`)
@@ -953,12 +909,12 @@ def pair_scores(
     texts = [p + c for p, c in zip(rows["prompt"], rows["chosen"])] + [
         p + r for p, r in zip(rows["prompt"], rows["rejected"])
     ]
-    ids, mask = self.reward_model.encode(
-        texts, self.max_length
-    )  # the pairs kept (`drop_long_pairs`) fit: nothing is cut
+    # the pairs kept (`drop_long_pairs`) fit: nothing is cut
+    ids, mask = self.reward_model.encode(texts, self.max_length)
+    # after the text, wherever the tokenizer put its own pads
     ids, mask = pad_to_multiple(
         self.args.pad_to_multiple_of, (ids, _pad_token_id(self.reward_model.tokenizer)), (mask, 0)
-    )  # after the text, wherever the tokenizer put its own pads
+    )
     if tokens is not None:
         tokens.append(mask.sum())
     scores = model(ids, mask)
@@ -990,9 +946,8 @@ def pair_loss_sum(self: RewardTrainer, model: nn.Module, rows: dict) -> tuple[Te
     batch of rows: the loss before the minibatch mean (`pair_loss`)."""
     tokens = []
     chosen, rejected = self.pair_scores(model, rows, tokens)
-    loss = self.pair_loss(
-        chosen, rejected, _margins(rows, chosen)
-    )  # the logged `margin` is r_c − r_r, as TRL's
+    # the logged `margin` is r_c − r_r, as TRL's
+    loss = self.pair_loss(chosen, rejected, _margins(rows, chosen))
     both = torch.cat([chosen, rejected]).detach()
     return loss * len(chosen), {
         "accuracy": pairwise_accuracy(chosen, rejected).detach(),
@@ -1021,7 +976,8 @@ def evaluate(
     batch_size: int | None = None,  # pairs per forward pass (None: `per_device_eval_batch_size`)
     # also the whole `reward_report`: printed as a rich table and appended to `output_dir/metrics.jsonl`
     report: bool = False,
-    gold=None,  # with `report`: a gold judge f(prompts, completions) -> scores (e.g. `gold_score`)
+    # with `report`: a gold judge f(prompts, completions) -> scores (e.g. `gold_score`)
+    gold=None,
     # with `report`: accuracy per group of this column, when the pairs have it
     category_column: str = "category",
 ) -> dict:
@@ -1070,9 +1026,8 @@ def evaluate(
 @patch
 def train(
     self: RewardTrainer,
-    resume_from_checkpoint: bool
-    | str
-    | None = None,  # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+    # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
+    resume_from_checkpoint: bool | str | None = None,
 ) -> RewardModel:
     """Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir` (with
     `peft_config`: the adapter and score head, as TRL)."""

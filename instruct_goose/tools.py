@@ -83,12 +83,10 @@ _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 def parse_tool_calls(
     text: str,  # an assistant turn as the model wrote it (special tokens kept)
-) -> tuple[
-    str, list[dict | str]
     # (its text before the first call, each call {"type": "function", "function": {name, arguments}} or an
     # error
     # message)
-]:
+) -> tuple[str, list[dict | str]]:
     """The tool calls of an assistant turn in the Hermes/Qwen format `<tool_call>{"name": ..., "arguments":
     {...}}</tool_call>`; a call that is not such JSON becomes an error message."""
     start = text.find("<tool_call>")
@@ -135,18 +133,16 @@ def call_tool(
         return name, str({"error": f"Tool {name} ran past its time limit of {timeout:g} s."}), True
     except Exception as e:
         return name, str({"error": str(e) or type(e).__name__}), True
+    # a tool that never returns keeps its thread, not the run
     finally:
-        pool.shutdown(
-            wait=False, cancel_futures=True
-        )  # a tool that never returns keeps its thread, not the run
+        pool.shutdown(wait=False, cancel_futures=True)
 
 # %% ../nbs/09d_tools.ipynb #f4d65a3a
 def tool_suffix_ids(
     tokenizer,  # renders the conversation (its chat template)
     tool_messages: list[dict],  # the `tool` messages answering one assistant turn
-) -> list[
-    int
-]:  # the tokens that follow the assistant's end-of-turn: the tool turns and the next assistant header
+    # the tokens that follow the assistant's end-of-turn: the tool turns and the next assistant header
+) -> list[int]:
     """The template's tokens between an assistant turn's EOS and the model's next turn (TRL's
     `_get_tool_suffix_ids`): rendered once with and once without the tool messages."""
     head = [
@@ -183,7 +179,8 @@ class ToolSamples(NamedTuple):
     tool_mask: Tensor
     num_tool_calls: Tensor  # (batch,) tool calls made
     num_tool_failures: Tensor  # (batch,) of which failed (malformed, unknown, raised, timed out)
-    conversations: list  # per completion, its messages: assistant turns (with `tool_calls`) and `tool` turns
+    # per completion, its messages: assistant turns (with `tool_calls`) and `tool` turns
+    conversations: list
 
 # %% ../nbs/09d_tools.ipynb #fb1c5f64
 def _assistant_message(tokenizer, ids: list[int], stop_token_ids: list[int]) -> tuple[dict, list]:
@@ -197,7 +194,8 @@ def _assistant_message(tokenizer, ids: list[int], stop_token_ids: list[int]) -> 
 @torch.no_grad()
 def generate_with_tools(
     model: nn.Module,  # a 🤗 causal LM
-    tokenizer,  # its tokenizer, with a chat template that renders tool calls and `tool` messages
+    # its tokenizer, with a chat template that renders tool calls and `tool` messages
+    tokenizer,
     query_ids: Tensor,  # (batch, query) prompts rendered with the tools' schemas, left-padded
     query_attention_mask: Tensor,  # (batch, query)
     tools: list[Callable],  # the functions the model may call
@@ -207,8 +205,8 @@ def generate_with_tools(
     stop_token_ids: int | list[int],  # end of an assistant turn (EOS)
     pad_token_id: int,  # written after each completion
     temperature: float = 1.0,  # T: sample from softmax(z / T)
-    max_tool_calling_iterations: int
-    | None = None,  # rounds of tool calls at most (None: until a turn calls none or the budget is spent)
+    # rounds of tool calls at most (None: until a turn calls none or the budget is spent)
+    max_tool_calling_iterations: int | None = None,
     tool_timeout: float = 10.0,  # seconds a tool may run before the model gets an error message
     **generate_kwargs,  # passed on to `generate_responses`
 ) -> ToolSamples:
@@ -239,8 +237,9 @@ def generate_with_tools(
             results = [call_tool(by_name, call, tool_timeout) for call in parsed]
             replies = [{"role": "tool", "name": name, "content": content} for name, content, _ in results]
             suffix = tool_suffix_ids(tokenizer, replies)
+            # no room for the results and a reply: the completion ends here
             if len(tokens[i]) + len(suffix) >= max_new_tokens:
-                continue  # no room for the results and a reply: the completion ends here
+                continue
             conversations[i] += replies
             tokens[i] += suffix
             masks[i] += [False] * len(suffix)
@@ -279,11 +278,9 @@ def _tool_samples(
 class ToolConfig:
     "The tool-calling fields of `RLOOConfig` and `GRPOConfig` (used only when the trainer is given `tools`)."
 
-    max_tool_calling_iterations: int | None = (
-        # rounds of tool calls per completion at most (TRL's); None: until a turn calls no tool or
-        # `max_completion_length` is spent
-        None
-    )
+    # rounds of tool calls per completion at most (TRL's); None: until a turn calls no tool or
+    # `max_completion_length` is spent
+    max_tool_calling_iterations: int | None = None
     # seconds a tool may run; past it the model reads an error message (not in TRL, whose tools run unbounded)
     tool_timeout: float = 10.0
 
@@ -355,13 +352,14 @@ class Toolbox:
 _ENVIRONMENTS = (
     "not implemented yet; issue 30 (TRL 1.16 calls it experimental: one stateful environment per rollout "
     "whose methods are "
-    "the tools, `reset` per prompt and an optional `get_reward`): pass plain functions as `tools=` and read "
-    "the conversation in a reward function"
+    "the tools, `reset` per prompt and an optional `get_reward`): pass plain functions as "
+    "`tools=` and read the conversation in a reward function"
 )
 _ROLLOUT_FUNC = (
     "not implemented yet; issue 30 (TRL 1.16 calls it experimental: the user's function samples and returns "
     "token ids and "
-    "its own log-probabilities, which here would be scored again): use `tools=` for multi-turn sampling"
+    "its own log-probabilities, which here would be scored again): use `tools=` for multi-turn "
+    "sampling"
 )
 
 
@@ -370,7 +368,8 @@ def trainer_tools(
     tools=None,  # TRL's `tools`: Python functions
     rollout_func=None,  # TRL's `rollout_func` (refused)
     environment_factory=None,  # TRL's `environment_factory` (refused)
-    eval_dataset=None,  # the trainer's held-out prompts (evaluation samples without tools: refused with them)
+    # the trainer's held-out prompts (evaluation samples without tools: refused with them)
+    eval_dataset=None,
 ) -> Toolbox | None:  # what the trainer samples with (None: no tools)
     """The on-policy trainers' tool arguments checked: a `Toolbox` for RLOO and GRPO, every tool setting without
     `tools` (or PPO's) refused by name."""
@@ -390,7 +389,8 @@ def trainer_tools(
     if eval_dataset is not None:
         raise ValueError(
             "`eval_dataset` with `tools` is not supported yet (evaluation samples without tools): evaluate "
-            "after training"
+            "after "
+            "training"
         )
     return Toolbox(list(tools), args.max_tool_calling_iterations, args.tool_timeout)
 

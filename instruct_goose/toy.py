@@ -108,15 +108,15 @@ def task_path(name: str) -> Path:
 def load_task(
     name: Literal["sft", "preferences", "prompts", "pretrain"],  # which part of the task
     split: Literal["train", "eval"] = "train",  # which split (the SFT corpus has only train)
-    chat: bool = False,  # as conversations (the pretraining text stays plain)
+    # as conversations (the pretraining text stays plain)
+    chat: bool = False,
 ) -> Dataset:  # a 🤗 dataset of the file's records
     """A part of the built-in task as a 🤗 `Dataset`, read with `load_dataset('json', ...)`; with `chat`, rows of
     messages."""
     with quiet_progress():
         dataset = load_dataset("json", data_files=str(task_path(name)), split="train")
-        if (
-            "split" in dataset.column_names
-        ):  # in memory: several processes filtering at once must not race to write one cache file
+        # in memory: several processes filtering at once must not race to write one cache file
+        if "split" in dataset.column_names:
             dataset = dataset.filter(lambda row: row["split"] == split, keep_in_memory=True).remove_columns(
                 "split"
             )
@@ -196,7 +196,8 @@ def arithmetic_task(
     if n > len(problems):
         raise ValueError(
             f"`n`={n} is more than the {len(problems)} distinct problems with operands up to {max_operand} "
-            f"and ops {ops!r}"
+            f"and "
+            f"ops {ops!r}"
         )
     rows = random.Random(seed).sample(problems, n)
     return Dataset.from_dict(
@@ -223,7 +224,8 @@ def exact_answer_reward(
         if unknown:
             raise KeyError(
                 f"no answer for the prompt {unknown[0]!r}: build the reward from rows that hold every prompt "
-                f"it will see"
+                f"it "
+                f"will see"
             )
         return [float(c.strip() == answers[p]) for p, c in zip(prompts, completions)]
 

@@ -28,7 +28,8 @@ class Family:
     name: str
     config_class: str  # e.g. "LlamaConfig"
     sizes: dict = field(default_factory=dict)
-    causal_class: str | None = None  # the ...ForCausalLM class (None: an encoder, reward backbone only)
+    # the ...ForCausalLM class (None: an encoder, reward backbone only)
+    causal_class: str | None = None
     classifier_class: str = ""  # the ...ForSequenceClassification class
 
     def config(self, tokenizer, **extra):

@@ -61,15 +61,8 @@ from _families import BY_NAME, CAUSAL, ENCODERS, build_causal, build_classifier
 CAUSAL_NAMES = [f.name for f in CAUSAL]
 ENCODER_NAMES = [f.name for f in ENCODERS]
 PIPELINE_BY_DEFAULT = {"llama", "opt"}
-SLOW_FAMILIES = {
-    "qwen2_moe",
-    "mixtral",
-    "gpt_oss",
-    "gemma2",
-    "olmo2",
-    "olmo3",
-    "smollm3",
-}  # in the full matrix only: the code paths of each are checked by default elsewhere (see above)
+# in the full matrix only: the code paths of each are checked by default elsewhere (see above)
+SLOW_FAMILIES = {"qwen2_moe", "mixtral", "gpt_oss", "gemma2", "olmo2", "olmo3", "smollm3"}
 
 
 def marked(names):
@@ -194,7 +187,8 @@ def capture_generate_scores(model) -> list:
         generation_config = copy.deepcopy(generation_config)
         generation_config.output_scores = generation_config.return_dict_in_generate = True
         out = generate(*args, generation_config=generation_config, **kwargs)
-        captured.append(torch.stack(out.scores, 1))  # (batch, steps, vocab), after every logits processor
+        # (batch, steps, vocab), after every logits processor
+        captured.append(torch.stack(out.scores, 1))
         return out.sequences
 
     model.generate = generate_and_keep_scores
@@ -256,10 +250,12 @@ def test_packed_linears_sample_the_same_tokens(family, causal, tokenizer):
     q, m = encode_prompts(tokenizer, PROMPTS)
     with torch.no_grad():
         plain = model(input_ids=q, attention_mask=m).logits
+        # the tiny layers too
         with packed_linears(model, len(q), min_features=1):
-            packed = model(input_ids=q, attention_mask=m).logits  # the tiny layers too
+            packed = model(input_ids=q, attention_mask=m).logits
     torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-5)
-    assert not any("forward" in vars(layer) for layer in model.modules())  # every layer's own forward is back
+    # every layer's own forward is back
+    assert not any("forward" in vars(layer) for layer in model.modules())
     samples = []
     for pack in (False, True):
         torch.manual_seed(0)
@@ -370,22 +366,21 @@ def test_decode_draws_the_scored_distribution_under_cpu_bf16_autocast(family, ca
     @contextlib.contextmanager
     def packed():
         with packed_linears(agent.model, len(PROMPTS), min_features=1, dtype=torch.bfloat16):
-            assert any("forward" in vars(mod) for mod in agent.model.modules())  # the tiny layers packed too
+            # the tiny layers packed too
+            assert any("forward" in vars(mod) for mod in agent.model.modules())
             yield
 
-    around = (
-        packed if torch.ops.mkldnn._is_mkldnn_bf16_supported() else contextlib.nullcontext
-    )  # a CPU without oneDNN's bf16 kernels: autocast's own multiplies
+    # a CPU without oneDNN's bf16 kernels: autocast's own multiplies
+    around = packed if torch.ops.mkldnn._is_mkldnn_bf16_supported() else contextlib.nullcontext
     with torch.autocast("cpu", dtype=torch.bfloat16):
         sampled, scored = drawn_and_scored(agent, tokenizer, around, packed=False)
     assert scored.dtype == torch.float32
-    assert (sampled - scored).abs().max().item() <= 3e-2, (
-        family
-        # 7× the 0.0042 measured here, for other CPUs' kernels; the bf16 path's mask ignored gives 0.19-0.28
-        # (GPT-2, OPT)
-    )
+    # 7× the 0.0042 measured here, for other CPUs' kernels; the bf16 path's mask ignored gives 0.19-0.28
+    # (GPT-2, OPT)
+    assert (sampled - scored).abs().max().item() <= 3e-2, family
 
 
+# q, k, v apart (gpt2, gpt_neox, phi3: one layer already)
 FUSED = {
     "llama",
     "qwen2",
@@ -401,7 +396,7 @@ FUSED = {
     "qwen3_moe",
     "mixtral",
     "gpt_oss",
-}  # q, k, v apart (gpt2, gpt_neox, phi3: one layer already)
+}
 
 
 @pytest.mark.parametrize("family", marked(OWN_DECODING))
@@ -436,10 +431,8 @@ def test_fused_projections_draw_the_scored_distribution(family, causal, tokenize
     sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
     scored = agent.response_stats(q, m, r, rm, temperature=0.7, entropy="skip").logprobs
     assert (sampled - scored).abs().max().item() <= 1e-5, family
-    assert (stacked[0] > 0) == (family in FUSED), (
-        family,
-        stacked,
-    )  # the fused layers were made (and used: the draws above)
+    # the fused layers were made (and used: the draws above)
+    assert (stacked[0] > 0) == (family in FUSED), (family, stacked)
     assert not any(
         n.endswith(("fused_qkv", "fused_gate_up")) or hasattr(mod, "_merged_away")
         for n, mod in agent.model.named_modules()
@@ -499,7 +492,8 @@ def test_decode_reads_sliding_windows_as_generate_and_the_scoring_pass_do(family
     )
     assert (sampled - scored).abs().max().item() <= 1e-5, family
     runs = []
-    for graphs in (False, True):  # the windows of a tensor-held write position, as a graph replays it
+    # the windows of a tensor-held write position, as a graph replays it
+    for graphs in (False, True):
         with drawing_with(by_argmax):
             runs.append(decoding.decode(model, q, m, 12, never, tokenizer.pad_token_id, graphs=graphs))
     assert torch.equal(*runs), family
@@ -523,7 +517,8 @@ def test_decode_under_graphs_gives_the_plain_loops_tokens(family, causal, tokeni
     that run the same code, and a second call traces nothing new."""
     model = causal(family)
     q, m = encode_prompts(tokenizer, PROMPTS * 2)
-    stops = list(range(3, model.config.vocab_size, 8))  # one id in 8: rows stop at different steps
+    # one id in 8: rows stop at different steps
+    stops = list(range(3, model.config.vocab_size, 8))
     traced = []
 
     def backend(graph, example_inputs):
@@ -531,7 +526,8 @@ def test_decode_under_graphs_gives_the_plain_loops_tokens(family, causal, tokeni
         return graph.forward
 
     runs = {}
-    torch._dynamo.reset()  # dynamo remembers which sizes changed in earlier tests: start afresh
+    # dynamo remembers which sizes changed in earlier tests: start afresh
+    torch._dynamo.reset()
     try:
         for run, options in [
             ("plain", dict(graphs=False)),
@@ -543,12 +539,8 @@ def test_decode_under_graphs_gives_the_plain_loops_tokens(family, causal, tokeni
                 ids = decoding.decode(
                     model, q, m, 16, stops, tokenizer.pad_token_id, repetition_penalty=1.1, **options
                 )
-            runs[run] = (
-                ids,
-                rows,
-                len(traced),
-                sum("index_copy" in g.code for g in traced),
-            )  # graphs, and those of a layer (they write its cache)
+            # graphs, and those of a layer (they write its cache)
+            runs[run] = ids, rows, len(traced), sum("index_copy" in g.code for g in traced)
     finally:
         torch._dynamo.reset()
     for run in ("graphs", "compiled 1", "compiled 2"):
@@ -556,20 +548,18 @@ def test_decode_under_graphs_gives_the_plain_loops_tokens(family, causal, tokeni
     assert runs["plain"][1][-1] < 8 <= runs["plain"][1][0], runs["plain"][1]  # rows did leave the batch
     assert all(n <= b < 2 * n for b, n in zip(runs["graphs"][1], runs["plain"][1])), runs
     assert runs["compiled 1"][1] == runs["graphs"][1], runs  # the same batch sizes
-    first, *later = sorted(set(runs["graphs"][1][1:]), reverse=True)  # batch sizes after the prompt's pass
-    per_part = (
-        1 + any(b >= 2 for b in later) + (1 in later)
-    )  # the first size's graph, one with the batch a symbol, batch 1's (dynamo specialises 1)
-    kinds = (
-        2 if family == "smollm3" else 1
-    )  # layers that run other code: SmolLM3's without rotary positions (NoPE)
-    assert runs["compiled 1"][3] == kinds * per_part, (
-        family,
-        runs,
-    )  # not a graph a layer, nor one a size: a per-layer guard (its index, say) doubles it
+    # batch sizes after the prompt's pass
+    first, *later = sorted(set(runs["graphs"][1][1:]), reverse=True)
+    # the first size's graph, one with the batch a symbol, batch 1's (dynamo specialises 1)
+    per_part = 1 + any(b >= 2 for b in later) + (1 in later)
+    # layers that run other code: SmolLM3's without rotary positions (NoPE)
+    kinds = 2 if family == "smollm3" else 1
+    # not a graph a layer, nor one a size: a per-layer guard (its index, say) doubles it
+    assert runs["compiled 1"][3] == kinds * per_part, (family, runs)
+    # the rotary table(s), the output layer; none anew
     assert (
         runs["compiled 1"][2] <= (kinds + 3) * per_part and runs["compiled 2"][2:] == runs["compiled 1"][2:]
-    ), runs  # the rotary table(s), the output layer; none anew
+    ), runs
 
 
 # ------------------------------------------------------------------------ 3. left padding and batching change
@@ -792,9 +782,8 @@ def test_normalized_reward_model_reloads_as_plain_transformers_classifier(
     normalised scores."""
     reward_model = RewardModel(str(checkpoint("classifier", family)), tokenizer=tokenizer)
     prompts, completions = reward_texts()
-    reward_model.normalize_(
-        torch.tensor([-1.0, 0.5, 2.0, 3.5])
-    )  # well-conditioned: see test_reward_model_normalize
+    # well-conditioned: see test_reward_model_normalize
+    reward_model.normalize_(torch.tensor([-1.0, 0.5, 2.0, 3.5]))
     reward_model.save_pretrained(tmp_path)
     plain = AutoModelForSequenceClassification.from_pretrained(tmp_path)
     theirs = hf_scores(plain, reward_model, [p + c for p, c in zip(prompts, completions)])
@@ -823,9 +812,8 @@ def test_selective_checkpointing_gives_the_plain_gradients(family, autocast, che
         model = Auto.from_pretrained(checkpoint(kind, family)).train()
         if policy:
             enable_gradient_checkpointing(model, policy=policy)
-            assert any(
-                getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
-            )  # the blocks checkpoint
+            # the blocks checkpoint
+            assert any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
         torch.manual_seed(0)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(**batch).logits.float().logsumexp(-1).mean()

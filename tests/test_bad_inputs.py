@@ -166,8 +166,9 @@ def test_pad_equal_to_eos_trains_with_correct_masks(model, tokenizer, tmp_path):
     rollout, samples = trainer.sample_rollout(trainer.model, ["the goose"] * 4)
     for ids, real in zip(samples.response_ids.tolist(), samples.response_mask.tolist()):
         n = sum(real)
+        # the first EOS is real
         if gpt2_style.eos_token_id in ids:
-            assert n == ids.index(gpt2_style.eos_token_id) + 1  # the first EOS is real
+            assert n == ids.index(gpt2_style.eos_token_id) + 1
         else:
             assert n == len(ids)
     assert math.isfinite(trainer.train().value_head.weight.sum().item())
@@ -378,9 +379,8 @@ def test_reward_training_max_length_beyond_the_context_is_cut(model, tokenizer, 
             RewardConfig(output_dir=str(tmp_path)),
             pairs,
         )
-    assert (
-        len(trainer.train_dataset) == 1 and trainer.max_length == 64
-    )  # the pair whose prompt fills 64 tokens is left out
+    # the pair whose prompt fills 64 tokens is left out
+    assert len(trainer.train_dataset) == 1 and trainer.max_length == 64
 
 
 def test_evaluate_returns_numbers(model, tokenizer, tmp_path):
@@ -425,9 +425,8 @@ def test_nonfinite_loss_stops_with_the_step_and_quantity(model, tokenizer, tmp_p
         FloatingPointError, match="step 1: the gradient norm is nan; non-finite: .*loss/value_avg"
     ):
         trainer.train()
-    assert all(
-        torch.equal(v, policy_before[k]) for k, v in trainer.model.model.state_dict().items()
-    )  # no NaN written
+    # no NaN written
+    assert all(torch.equal(v, policy_before[k]) for k, v in trainer.model.model.state_dict().items())
 
 
 def test_nonfinite_batches_can_be_skipped(model, tokenizer, tmp_path):

@@ -29,8 +29,8 @@ def llama3_tokenizer():
     tok.chat_template = (
         "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
         "'<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' "
-        "}}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ "
+        "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
     )
     return tok
 
@@ -41,16 +41,19 @@ def llama3_tokenizer():
         # ChatML: <|im_start|> u s er Ċ Review : ĠThe Ġfilm <|im_end|> Ċ (0-10), <|im_start|> as s is t a nt Ċ
         # (11-18),
         # Ġwas Ġg o o d . <|im_end|> Ċ (19-26), the user's turn (27-37), the assistant's header (38-45), Ġwas
-        # Ġbad . <|im_end|> Ċ (46-50)
+        # Ġbad
+        # . <|im_end|> Ċ (46-50)
         (
             chat_task_tokenizer,
             list(range(19, 27)) + list(range(46, 51)),
             [" was good.<|im_end|>\n", " was bad.<|im_end|>\n"],
         ),
         # Llama 3: <eos> (0), the user's turn (1-12), the assistant's header <|start_header_id|> as s is t a
-        # nt <|end_header_id|> Ċ Ċ (13-22),
+        # nt
+        # <|end_header_id|> Ċ Ċ (13-22),
         # Ġwas Ġg o o d . <|eot_id|> (23-29), the user's turn (30-41), the assistant's header (42-51), Ġwas
-        # Ġbad . <|eot_id|> (52-55)
+        # Ġbad .
+        # <|eot_id|> (52-55)
         (
             llama3_tokenizer,
             list(range(23, 30)) + list(range(52, 56)),
@@ -72,9 +75,8 @@ def test_chat_sft_loss_mask_is_the_assistant_turns(make_tokenizer, expected, tur
     for a, b in zip(expected, expected[1:]):
         runs[-1].append(b) if b == a + 1 else runs.append([b])
     assert [tok.decode(ids[0, run]) for run in runs] == turns
-    assert (
-        ids.shape[1] == expected[-1] + 1
-    )  # nothing appended after the template's text (no EOS): the template ends the turn
+    # nothing appended after the template's text (no EOS): the template ends the turn
+    assert ids.shape[1] == expected[-1] + 1
 
 
 def test_chat_sft_lowers_the_held_out_loss(tmp_path):
@@ -106,10 +108,8 @@ def test_chat_sft_lowers_the_held_out_loss(tmp_path):
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     after = trainer.evaluate()["eval_loss"]
-    assert 5.5 < before < 7.0 and after < 0.65 * before, (
-        before,
-        after,
-    )  # from about ln 514 = 6.24 (uniform guessing)
+    # from about ln 514 = 6.24 (uniform guessing)
+    assert 5.5 < before < 7.0 and after < 0.65 * before, (before, after)
     assert steps == list(range(1, 41))  # the callbacks reach the loop
 
 
@@ -149,9 +149,8 @@ def test_chat_reward_model_beats_chance(tmp_path):
     trainer.train()
     end = trainer.evaluate()["eval_accuracy"]
     assert end > 0.75 and end > start, (start, end)
-    reloaded = RewardModel.from_pretrained(
-        tmp_path / "rm"
-    )  # a plain 🤗 sequence classifier and the chat tokenizer
+    # a plain 🤗 sequence classifier and the chat tokenizer
+    reloaded = RewardModel.from_pretrained(tmp_path / "rm")
     assert reloaded.tokenizer.chat_template == tok.chat_template
 
 
@@ -182,9 +181,8 @@ def test_reward_lora_trains_the_head_and_saves_the_adapter(tmp_path):
     loss.backward()
     assert trainer.reward_model.head.weight.grad.abs().sum() > 0  # the new head learns
     trained = trainer.train()
-    assert (
-        hasattr(trained.model, "peft_config") and (tmp_path / "rm" / "adapter_config.json").is_file()
-    )  # the adapter, as TRL saves it
+    # the adapter, as TRL saves it
+    assert hasattr(trained.model, "peft_config") and (tmp_path / "rm" / "adapter_config.json").is_file()
     reloaded = RewardModel.from_pretrained(tmp_path / "rm")
     texts = [r["prompt"] + r["chosen"] for r in trainer.train_dataset.select(range(4))]
     torch.testing.assert_close(

@@ -14,9 +14,8 @@ from instruct_goose.toy import chat_task_tokenizer, gold_score, load_task, tiny_
 from instruct_goose.sft import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from instruct_goose.onpolicy import evaluate_policy
 
-SEED = int(
-    os.environ.get("CHAT_RL_SEED", 0)
-)  # the RL runs' seed: 0 in the suite (the margins below were set from seeds 0-5)
+# the RL runs' seed: 0 in the suite (the margins below were set from seeds 0-5)
+SEED = int(os.environ.get("CHAT_RL_SEED", 0))
 
 
 @pytest.fixture(scope="session")
@@ -48,11 +47,9 @@ def chat_rm(chat_sft, tmp_path_factory):
     """A reward model trained on the chat preference pairs from a copy of the SFT model (the RM shares its trunk:
     the SFT model stays as it was)."""
     tok, sft = chat_sft
-    torch.manual_seed(
-        0
-        # RewardTrainer draws the new score head before it applies `seed` (reported): the same head whichever
-        # tests ran first
-    )
+    # RewardTrainer draws the new score head before it applies `seed` (reported): the same head whichever
+    # tests ran first
+    torch.manual_seed(0)
     config = RewardConfig(
         output_dir=str(tmp_path_factory.mktemp("chat_rm")),
         learning_rate=3e-3,
@@ -126,18 +123,19 @@ def test_chat_sft_samples_start_at_the_generation_prompt_and_end_the_turn(chat_s
         for _ in range(2)
     ]
     assert samples.prompts == rendered
+    # what the policy saw
     assert [
         tok.decode(q[m.bool()]) for q, m in zip(samples.query_ids, samples.query_attention_mask)
-    ] == rendered  # what the policy saw
-    assert seen[0][0] == [
-        p for p in rows["prompt"] for _ in range(2)
-    ]  # the reward gets the conversations themselves
+    ] == rendered
+    # the reward gets the conversations themselves
+    assert seen[0][0] == [p for p in rows["prompt"] for _ in range(2)]
     ids, mask = samples.response_ids, samples.response_mask.bool()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.eos_token_id == eos
     last = ids[torch.arange(len(ids)), mask.sum(1) - 1]  # each response's last real token
     stopped = ((ids == eos) & mask).any(1)
-    assert torch.equal(last == eos, stopped)  # a response that stops ends at the stop: nothing after it
+    # a response that stops ends at the stop: nothing after it
+    assert torch.equal(last == eos, stopped)
     # The SFT replies are 13.5 tokens on average with their <|im_end|> (20 at most), so 24 leave room: 56 of
     # these 64 rows stopped (0.875).
     assert stopped.float().mean() > 0.75, stopped.float().mean()

@@ -174,9 +174,8 @@ def test_bf16_autocast_backward(small_chunks):
         return lp, grads(model)
 
     (lp, ours), (ref_lp, theirs), (_, exact) = run(True, True), run(False, True), run(False, False)
-    torch.testing.assert_close(
-        lp, ref_lp, rtol=0, atol=1e-6
-    )  # the same bf16 products, the same float32 reductions
+    # the same bf16 products, the same float32 reductions
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-6)
     error = lambda g: max((a - b).abs().max().item() for a, b in zip(g, exact))
     assert error(ours) <= 1.5 * error(theirs), (error(ours), error(theirs))
 
@@ -214,8 +213,9 @@ def test_a_trained_copy_of_the_output_layer_is_scored_in_chunks(small_chunks, mo
     policy = peft.get_peft_model(
         copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
     )
+    # the copy, trained
     with torch.no_grad():
-        policy.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)  # the copy, trained
+        policy.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
     reference = create_reference_model(policy)
     small_chunks(base)
     x = batch(97)
@@ -342,9 +342,8 @@ def test_soft_capped_and_scaled_logits_are_scored_in_chunks(name, small_chunks):
         (lp, H, ours), (ref_lp, ref_H, theirs) = results
         torch.testing.assert_close(lp, ref_lp, rtol=0, atol=0 if autocast else 1e-5)
         torch.testing.assert_close(H, ref_H, rtol=0, atol=1e-5)
-        for a, b in zip(
-            ours, theirs
-        ):  # under autocast, the derivative of the capping in float32 vs autograd's in bf16
+        # under autocast, the derivative of the capping in float32 vs autograd's in bf16
+        for a, b in zip(ours, theirs):
             if b is not None:
                 torch.testing.assert_close(
                     a, b, rtol=0, atol=(3e-2 if autocast else 1e-4) * b.abs().max().item()
@@ -357,9 +356,8 @@ def test_an_unknown_logit_transform_is_scored_from_the_logits():
     its logits (the output layer alone would miss it)."""
     model = tiny("qwen2", 97, logit_scale=0.5)
     assert _output_layer(model) is None
-    assert (
-        _output_layer(transformed("gemma2", final_logit_softcapping=None)).after is None
-    )  # no soft-capping: the layer alone
+    # no soft-capping: the layer alone
+    assert _output_layer(transformed("gemma2", final_logit_softcapping=None)).after is None
     x = batch(97)
     with torch.no_grad():
         torch.testing.assert_close(
@@ -392,16 +390,16 @@ def training_pass(model, x, chunked: bool):
     return logprobs_from_logits(logits, x[2]), entropy_from_logits(logits)
 
 
-@pytest.mark.parametrize(
-    "arch", [pytest.param("gpt2", marks=pytest.mark.slow), "qwen2"]
-)  # ~10 s each on 2 busy cores
+# ~10 s each on 2 busy cores
+@pytest.mark.parametrize("arch", [pytest.param("gpt2", marks=pytest.mark.slow), "qwen2"])
 def test_no_saved_tensor_holds_the_logits(arch):
     """At V = 151,936 and 512 response tokens the chunked pass keeps nothing near batch × resp × vocab; the
     logits path keeps it."""
     model = tiny(arch, QWEN_VOCAB, hidden=16).train()
     x = batch(QWEN_VOCAB, n_resp=512)
     ours, (lp, H) = saved_tensor_sizes(lambda: training_pass(model, x, chunked=True))
-    assert ours[0] <= QWEN_VOCAB * 16, ours[:3]  # the largest: the output weight (V × 16), 1/64 of the logits
+    # the largest: the output weight (V × 16), 1/64 of the logits
+    assert ours[0] <= QWEN_VOCAB * 16, ours[:3]
     (lp.sum() + H.sum()).backward()
 
 
@@ -495,7 +493,8 @@ def step_gradients(trainer, part):
     return sizes, losses, stats, grads(trainer.model)
 
 
-@pytest.mark.slow  # the logits path at this size: GBs and ~50 s on 2 busy cores
+# the logits path at this size: GBs and ~50 s on 2 busy cores
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])
 def test_trainer_step_keeps_no_logits(algo, tmp_path, tokenizer, monkeypatch):
     """A GRPO or RLOO training step (`micro_batch_loss` through `policy_pass`) at V = 151,936 and 2 × 512 tokens
@@ -503,7 +502,8 @@ def test_trainer_step_keeps_no_logits(algo, tmp_path, tokenizer, monkeypatch):
     `response_logprobs`) keeps the logits and gives the same losses, statistics and gradients."""
     trainer, part = trainer_step(algo, tmp_path, tokenizer)
     ours, losses, stats, ours_grads = step_gradients(trainer, part)
-    assert ours[0] <= QWEN_VOCAB * 16, ours[:3]  # the largest: an output-layer-sized weight (V × 16)
+    # the largest: an output-layer-sized weight (V × 16)
+    assert ours[0] <= QWEN_VOCAB * 16, ours[:3]
     if algo == "grpo":
         assert set(losses) == {"policy", "entropy"} and losses["entropy"].requires_grad
     monkeypatch.setattr(agent_module, "_output_layer", lambda model: None)
@@ -563,7 +563,8 @@ def test_peak_memory_falls():
     or less."""
     chunked, logits = measure("qwen2", True, True), measure("qwen2", False, True)
     assert chunked["peak_mib"] * 5 < logits["peak_mib"], (chunked, logits)
-    assert logits["peak_mib"] > 2 * 512 * QWEN_VOCAB * 4 / 2**20  # above one float32 logits tensor (594 MiB)
+    # above one float32 logits tensor (594 MiB)
+    assert logits["peak_mib"] > 2 * 512 * QWEN_VOCAB * 4 / 2**20
 
 
 def measure_step(algo: str) -> dict:
@@ -581,7 +582,8 @@ def measure_step(algo: str) -> dict:
 
 
 if __name__ == "__main__":  # the numbers quoted in the levers chapter
-    if sys.argv[1:] == ["steps"]:  # a GRPO and an RLOO training step (run it on the commit before, too)
+    # a GRPO and an RLOO training step (run it on the commit before, too)
+    if sys.argv[1:] == ["steps"]:
         for algo in ("grpo", "rloo"):
             print(json.dumps(measure_step(algo)))
         sys.exit()
@@ -600,12 +602,14 @@ def test_head_backward_holds_8VH_at_most():
     Its gradients are a float32 computation's to bf16 rounding."""
     from instruct_goose.core import _ADD_BLOCK, logprobs_from_hidden
 
-    H = 512  # ∂W's terms outgrow a chunk's logits (110 × V)
+    # ∂W's terms outgrow a chunk's logits (110 × V)
+    H = 512
     W0 = torch.randn(QWEN_VOCAB, H, generator=torch.Generator().manual_seed(1)) * 0.05
 
     def run(autocast):
         g = torch.Generator().manual_seed(0)
-        h = torch.randn(2, 60, H, generator=g).requires_grad_()  # 120 positions: 2 chunks of 110 and 10
+        # 120 positions: 2 chunks of 110 and 10
+        h = torch.randn(2, 60, H, generator=g).requires_grad_()
         W = W0.clone().requires_grad_()
         labels = torch.randint(0, QWEN_VOCAB, (2, 60), generator=g)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

@@ -29,7 +29,8 @@ def goose(*args, cwd=None):
 
 
 def test_every_command_has_help(capsys):
-    from instruct_goose.cli import main  # in-process: the entry point itself is run by the other tests
+    # in-process: the entry point itself is run by the other tests
+    from instruct_goose.cli import main
 
     for command in ("sft", "rm", "ppo", "rloo", "grpo", "dpo", "eval", "pipeline"):
         with pytest.raises(SystemExit) as stopped:
@@ -133,7 +134,8 @@ def test_ppo_metrics_jsonl_holds_every_metric_of_every_logged_step(policy_dir, t
         "val/num_eos_tokens",
     }
     assert all(expected <= set(row) for row in rows), set(rows[0])
-    assert result.stdout.count("step 1/3 episode=16") == 1  # no bar: each logged step printed as a line
+    # no bar: each logged step printed as a line
+    assert result.stdout.count("step 1/3 episode=16") == 1
     plot = goose_here("plot", str(out))
     assert plot.returncode == 0, plot.stderr
     assert (out / "curves.png").stat().st_size > 10_000
@@ -249,14 +251,8 @@ def test_mistakes_end_in_one_line(policy_dir, tmp_path, goose_here):
     (tmp_path / "lr.yaml").write_text("learning_rate: 1e-3\nmax_steps: 1\n")
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "checkpoint-5").mkdir()
-    sft = [
-        "sft",
-        "--model",
-        str(policy_dir),
-        "--disable_tqdm",
-        "--max_length",
-        "64",
-    ]  # within the tiny model's context: no warning before the error
+    # within the tiny model's context: no warning before the error
+    sft = ["sft", "--model", str(policy_dir), "--disable_tqdm", "--max_length", "64"]
     one_line_error(goose_here("trian"), "unknown command 'trian'")
     one_line_error(
         goose_here("sft", "--dataset", str(tmp_path / "missing.jsonl")),
@@ -314,7 +310,8 @@ def test_tiny_models_get_one_torch_thread(monkeypatch):
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         torch.set_num_threads(2)
-        assert set_threads(tiny) == 1  # not set: one thread for a model under 50 M parameters
+        # not set: one thread for a model under 50 M parameters
+        assert set_threads(tiny) == 1
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
         torch.set_num_threads(2)
         assert set_threads(tiny) == 2  # set: the user's count stands
@@ -383,9 +380,8 @@ def test_pipeline_defaults_are_the_stage_commands():
         "overwrite_output_dir",
         "disable_tqdm",
     }
-    assert {
-        f.name for f in fields(PipelineCommand) if f.default is not None
-    } == own  # PPO-ptx's demo settings are its own
+    # PPO-ptx's demo settings are its own
+    assert {f.name for f in fields(PipelineCommand) if f.default is not None} == own
 
 
 def test_help_lists_one_flag_per_setting(capsys):
@@ -556,10 +552,11 @@ def test_eval_ensembles_several_reward_models_from_parquet(tmp_path, rm_dirs, pa
         metrics["eval/margin"] != pytest.approx(evaluate_reward_model(d, pair_rows)["eval/margin"], abs=1e-5)
         for d in rm_dirs
     )
+    # no "category" column, no --category_column: no groups
     assert not any(
         k.startswith("eval/pairs/") and k != "eval/pairs/chosen_shorter" and k != "eval/pairs/chosen_longer"
         for k in metrics
-    )  # no "category" column, no --category_column: no groups
+    )
 
 
 def test_eval_refuses_report_flags_it_cannot_honour(rm_dirs, pair_rows, tmp_path):

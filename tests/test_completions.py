@@ -72,9 +72,8 @@ def test_grpo_logs_every_completion(grpo_run):
     for step, logged in zip((1, 2), trainer.loop.state.history):
         mine = [r for r in rows if r["step"] == step]
         scores = torch.tensor([r["length"] for r in mine])
-        assert torch.allclose(
-            scores, torch.tensor([len(r["completion"]) / 10 for r in mine]), atol=1e-6
-        )  # the reward function's own numbers (float32)
+        # the reward function's own numbers (float32)
+        assert torch.allclose(scores, torch.tensor([len(r["completion"]) / 10 for r in mine]), atol=1e-6)
         assert abs(scores.mean().item() - logged["rewards/length/mean"]) <= 1e-6, (
             step,
             logged["rewards/length/mean"],
@@ -82,9 +81,8 @@ def test_grpo_logs_every_completion(grpo_run):
         assert torch.allclose(
             torch.tensor([r["advantage"] for r in mine]), group_advantages(scores, 4), atol=1e-5
         )
-        assert all(
-            mine[i]["prompt"] == mine[i - i % 4]["prompt"] for i in range(8)
-        )  # G completions of each prompt in a row
+        # G completions of each prompt in a row
+        assert all(mine[i]["prompt"] == mine[i - i % 4]["prompt"] for i in range(8))
 
 
 @pytest.mark.slow
@@ -121,9 +119,8 @@ def test_unique_prompts_and_rloo(policy_dir, tmp_path):
     rows = read_completions(tmp_path / "rloo")
     assert len(rows) == 16
     first = [r for r in rows if r["step"] == 1]
-    rlhf = torch.tensor(
-        [r["length"] for r in first]
-    )  # β·KL = 0 at step 1: π = π_ref, so the reward is the score
+    # β·KL = 0 at step 1: π = π_ref, so the reward is the score
+    rlhf = torch.tensor([r["length"] for r in first])
     assert torch.allclose(torch.tensor([r["advantage"] for r in first]), rloo_advantages(rlhf, 4), atol=1e-5)
     _train(policy_dir, tmp_path / "unique", log_unique_prompts=True)
     unique = read_completions(tmp_path / "unique")
@@ -165,12 +162,10 @@ def test_adaptive_entropy_coefficient_survives_resume(policy_dir, tmp_path):
         log_completions=False,
     )
     whole = _train(policy_dir, tmp_path / "whole", **options)
-    assert whole.entropy_ctl.state_dict()["coef"] == pytest.approx(
-        0.05
-    )  # two steps below the target: 0.01 + 2 × 0.02
-    assert [row["entropy_coef"] for row in whole.loop.state.history] == pytest.approx(
-        [0.0, 0.03]
-    )  # applied: off, then c₁
+    # two steps below the target: 0.01 + 2 × 0.02
+    assert whole.entropy_ctl.state_dict()["coef"] == pytest.approx(0.05)
+    # applied: off, then c₁
+    assert [row["entropy_coef"] for row in whole.loop.state.history] == pytest.approx([0.0, 0.03])
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     resumed = _train(
         policy_dir, tmp_path / "resumed", resume=str(tmp_path / "resumed" / "checkpoint-1"), **options

@@ -29,7 +29,8 @@ def launched_env(name) -> dict[str, str]:
     started)."""
     args = launch_command_parser().parse_args(["--config_file", str(CONFIGS / f"{name}.yaml"), "train.py"])
     args, defaults, mp_from_config = _validate_launch_command(args)
-    if args.use_deepspeed:  # as `launch_command` does before `deepspeed_launcher`
+    # as `launch_command` does before `deepspeed_launcher`
+    if args.use_deepspeed:
         args.deepspeed_fields_from_accelerate_config = ",".join(
             [*defaults.deepspeed_config, "mixed_precision"]
         )
@@ -82,7 +83,8 @@ def test_deepspeed_takes_accumulation_from_goose(name):
     Accelerator."""
     c = load(name)
     assert "gradient_accumulation_steps" not in c.deepspeed_config
-    assert c.deepspeed_config["gradient_clipping"] == 1.0  # goose's default --max_grad_norm
+    # goose's default --max_grad_norm
+    assert c.deepspeed_config["gradient_clipping"] == 1.0
 
 
 @pytest.mark.parametrize("name, stage", [("deepspeed_zero2", 2), ("deepspeed_zero3", 3)])
@@ -91,13 +93,13 @@ def test_deepspeed_plugin_reads_back_the_config(name, stage):
     assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" not in env
     with mock.patch.dict(os.environ, env, clear=True):
-        plugin = DeepSpeedPlugin()  # pure Python: DeepSpeed itself is not imported
+        # pure Python: DeepSpeed itself is not imported
+        plugin = DeepSpeedPlugin()
     zero = plugin.deepspeed_config["zero_optimization"]
     assert plugin.zero_stage == zero["stage"] == stage
     assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "none"
-    assert (
-        plugin.deepspeed_config["gradient_accumulation_steps"] == "auto"
-    )  # filled from goose's flag at prepare
+    # filled from goose's flag at prepare
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == "auto"
     assert plugin.zero3_init_flag is (stage == 3)
     assert zero["stage3_gather_16bit_weights_on_model_save"] is (stage == 3)
 
@@ -106,7 +108,8 @@ def test_fsdp_full_shard_with_original_parameters():
     c = load("fsdp")
     assert c.distributed_type == DistributedType.FSDP
     f = c.fsdp_config
-    assert f["fsdp_version"] == 1  # use_orig_params / sync_module_states are FSDP1 settings
+    # use_orig_params / sync_module_states are FSDP1 settings
+    assert f["fsdp_version"] == 1
     assert f["fsdp_sharding_strategy"] == f["fsdp_reshard_after_forward"] == "FULL_SHARD"
     assert f["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP" and f["fsdp_transformer_layer_cls_to_wrap"]
     assert f["fsdp_use_orig_params"] is True
@@ -142,10 +145,8 @@ def test_fsdp_wrap_class_is_found_in_a_goose_agent():
     from instruct_goose import Agent, task_tokenizer, tiny_causal_lm
 
     agent = Agent(tiny_causal_lm(task_tokenizer(), arch="llama"))
-    assert agent._no_split_modules == [
-        "LlamaDecoderLayer",
-        "LlamaForCausalLM",
-    ]  # what FSDP2's fsdp2.yaml leaves to the model
+    # what FSDP2's fsdp2.yaml leaves to the model
+    assert agent._no_split_modules == ["LlamaDecoderLayer", "LlamaForCausalLM"]
     name = load("fsdp").fsdp_config["fsdp_transformer_layer_cls_to_wrap"]
     assert get_module_class_from_name(agent, name) is not None
 
@@ -181,8 +182,9 @@ def test_readme_command_uses_real_flags(argv):
     parsed = launch_command_parser().parse_args([*launch_args, "train.py"])
     config = load_config_from_file(str(CONFIGS.parent / parsed.config_file))
     goose = parse_config(_COMMANDS[command][0], goose_args, prog=f"goose {command}")
+    # the on-policy trainers refuse FSDP
     if config.distributed_type == "FSDP":
-        assert command not in ("ppo", "rloo")  # the on-policy trainers refuse FSDP
+        assert command not in ("ppo", "rloo")
     # goose hands its own mixed_precision to the Accelerator, which wins over the launcher's: they must agree
     assert goose.mixed_precision == config.mixed_precision == "bf16"
     assert goose.max_grad_norm == config.deepspeed_config.get("gradient_clipping", goose.max_grad_norm)

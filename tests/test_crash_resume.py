@@ -98,9 +98,8 @@ def straight_ppo(policy_dir, tmp_path_factory):
     return straight
 
 
-@pytest.mark.parametrize(
-    "algo", ["ppo", pytest.param("rloo", marks=pytest.mark.slow)]
-)  # rloo: the same loop, in the full set
+# rloo: the same loop, in the full set
+@pytest.mark.parametrize("algo", ["ppo", pytest.param("rloo", marks=pytest.mark.slow)])
 def test_killed_run_resumes_to_the_same_result(algo, policy_dir, tmp_path, request):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     if algo == "ppo":
@@ -175,9 +174,8 @@ def sft_command(policy_dir, output_dir, *extra):
     ]
 
 
-@pytest.mark.parametrize(
-    "sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)]
-)  # SIGTERM: the same handler, in the full set
+# SIGTERM: the same handler, in the full set
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_sft_stopped_by_a_signal_resumes_to_the_same_weights(sig, policy_dir, tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     goose_here(sft_command(policy_dir, straight))
@@ -185,9 +183,8 @@ def test_sft_stopped_by_a_signal_resumes_to_the_same_weights(sig, policy_dir, tm
     assert code == 128 + sig, stderr[-3000:]
     (checkpoint,) = stopped.glob("checkpoint-*")
     assert 2 <= int(checkpoint.name.split("-")[1]) < SFT_STEPS
-    assert (stopped / "model.safetensors").is_file() and (
-        stopped / "tokenizer.json"
-    ).is_file()  # the model too
+    # the model too
+    assert (stopped / "model.safetensors").is_file() and (stopped / "tokenizer.json").is_file()
     resume = stderr.strip().splitlines()[-1].strip()
     assert resume.startswith("goose sft ") and resume.endswith("--resume_from_checkpoint latest"), stderr[
         -2000:

@@ -21,7 +21,8 @@ def test_inductor_samples_the_eager_steps_tokens_and_the_scored_p(arch):
     tokenizer = task_tokenizer()
     agent = Agent(tiny_causal_lm(tokenizer, arch=arch, seed=0).eval())
     q, m = encode_prompts(tokenizer, PROMPTS)
-    never = agent.model.config.vocab_size  # no row stops: one batch size, one compilation
+    # no row stops: one batch size, one compilation
+    never = agent.model.config.vocab_size
     runs = {}
     for compile in (False, True):
         drawn = []

@@ -45,9 +45,8 @@ class OnTheDevice(TorchDispatchMode):
         out = func(*args, **kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         tensors = inputs + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        on_cpu = [
-            t for t in tensors if t.device.type == "cpu" and (self.strict or t.dim() > 0)
-        ]  # outside a graph a CPU scalar is a kernel argument
+        # outside a graph a CPU scalar is a kernel argument
+        on_cpu = [t for t in tensors if t.device.type == "cpu" and (self.strict or t.dim() > 0)]
         assert not (on_cpu and (self.strict or any(t.device.type == "meta" for t in inputs))), (
             f"{func}: a CPU tensor where the model's device was meant"
             + (" (inside the step a CUDA graph records)" if self.strict else "")
@@ -61,8 +60,9 @@ def on_meta(name, tokenizer):
     config = build_causal(BY_NAME[name], tokenizer).config
     with META:
         model = AutoModelForCausalLM.from_config(config)
+    # 🤗's experts kernel (grouped_mm) multiplies bf16 only off the CPU
     if hasattr(config, "output_router_logits"):
-        model.to(torch.bfloat16)  # 🤗's experts kernel (grouped_mm) multiplies bf16 only off the CPU
+        model.to(torch.bfloat16)
     return model.eval().requires_grad_(False)
 
 
@@ -102,13 +102,12 @@ def test_decode_runs_on_the_models_device(family, graphs, tokenizer, monkeypatch
     q, m = encode_prompts(
         tokenizer, ["Review: The editing in this western", "Review: a", "Review: dull", "Review: I"]
     )
-    left, steps = (
-        [4, 3, 3, 2, 1, 1],
-        7,
-    )  # rows still going after each step but the last: 4 → 3 (batch 4) → 2 → 1
+    # rows still going after each step but the last: 4 → 3 (batch 4) → 2 → 1
+    left, steps = [4, 3, 3, 2, 1, 1], 7
     mode, sizes = OnTheDevice(left), []
     record_strictly(monkeypatch, mode, sizes)
     with mode:
+        # graphs: the projections stacked too
         out = decoding.decode(
             model,
             q.to(META),
@@ -117,7 +116,7 @@ def test_decode_runs_on_the_models_device(family, graphs, tokenizer, monkeypatch
             [0],
             tokenizer.pad_token_id,
             graphs=graphs,
-            fuse=graphs,  # graphs: the projections stacked too
+            fuse=graphs,
             temperature=0.7,
             top_k=20,
             top_p=0.8,
@@ -125,10 +124,10 @@ def test_decode_runs_on_the_models_device(family, graphs, tokenizer, monkeypatch
             repetition_penalty=1.1,
         )
     assert out.device == META and out.shape == (4, steps)
-    assert (
-        mode.syncs == steps - 1 and not mode.left
-    )  # one host sync a step (none after the last), none elsewhere
-    assert sizes == ([4, 2, 1] if graphs else [])  # powers of two: 3 rows run as 4
+    # one host sync a step (none after the last), none elsewhere
+    assert mode.syncs == steps - 1 and not mode.left
+    # powers of two: 3 rows run as 4
+    assert sizes == ([4, 2, 1] if graphs else [])
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "plain"])
@@ -200,9 +199,8 @@ def test_lora_sampling_runs_on_the_models_device(family, tokenizer, monkeypatch)
                 model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, graphs=True, fuse=True
             )
     assert out.device == META and sizes == [2]
-    assert fused == (
-        [0] * 3 if family == "gpt2" else [2 * model.config.num_hidden_layers] * 3
-    )  # Llama: each layer's q, k, v and gate, up
+    # Llama: each layer's q, k, v and gate, up
+    assert fused == ([0] * 3 if family == "gpt2" else [2 * model.config.num_hidden_layers] * 3)
 
 
 class AnswerAll(OnTheDevice):
@@ -226,9 +224,8 @@ def test_the_policy_pass_runs_on_the_models_device(family, critic, tokenizer):
 
         with META:
             value_model = AutoModelForSequenceClassification.from_config(on_meta(family, tokenizer).config)
-    agent = Agent(on_meta(family, tokenizer).requires_grad_(True), value_model=value_model).to(
-        META
-    )  # a trainer moves it so
+    # a trainer moves it so
+    agent = Agent(on_meta(family, tokenizer).requires_grad_(True), value_model=value_model).to(META)
     q, m = encode_prompts(tokenizer, ["Review: The editing in this western", "Review: a"])
     r, rm = torch.zeros(2, 5, dtype=torch.long, device=META), torch.ones(2, 5, dtype=torch.bool, device=META)
     with AnswerAll():
@@ -255,8 +252,7 @@ def test_generate_responses_samples_through_decode_off_the_cpu(tokenizer, monkey
     assert r.device == META and r.shape == (2, 3) and hf == []
     with AnswerAll():
         generate_responses(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, own_decoder=False)
+    # TRL's "dynamic"
     with AnswerAll():
-        generate_responses(
-            model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, static_cache=False
-        )  # TRL's "dynamic"
+        generate_responses(model, q.to(META), m.to(META), 3, [0], tokenizer.pad_token_id, static_cache=False)
     assert hf == [model, model]

@@ -18,7 +18,8 @@ from test_fsdp import _run as _launch
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
-    reason="DeepSpeed is not installed (not a dependency of the project; `pip install deepspeed` to run these)",
+    reason="DeepSpeed is not installed (not a dependency of the project; `pip "
+    "install deepspeed` to run these)",
 )
 
 
@@ -75,23 +76,24 @@ def test_zero_two_processes_equal_one(algo, stage, setup_dir, tmp_path, tmp_path
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     } <= shards, shards
-    assert [row["episode"] for row in two[1]][:2] == [8, 16]  # 2 processes × 4 rows a step: both counted
+    # 2 processes × 4 rows a step: both counted
+    assert [row["episode"] for row in two[1]][:2] == [8, 16]
     one = _one(setup_dir, tmp_path_factory, algo)
-    if (
-        algo == "rm"
-        # the pairwise loss is blind to ln_f's bias (it shifts both scores by w·b) and to the keys' biases
-        # (softmax
-    ):
+    # the pairwise loss is blind to ln_f's bias (it shifts both scores by w·b) and to the keys' biases
+    # (softmax
+    if algo == "rm":
         # is blind to a shift): their gradients are float noise (~1e-9), which Adam scales up to steps
         # ~lr·noise/(noise+ε); ln_f.bias
         # ended 2.1e-5 (ZeRO-2) apart while every logged loss, margin and gradient norm agreed to 1e-7
         # relative
         one, two = [({k: v for k, v in w.items() if k != "transformer.ln_f.bias"}, h) for w, h in (one, two)]
     _assert_same(one, two, f"{algo}: 1 process x 2 micro-batches vs ZeRO-{stage} over 2 processes", EPS[algo])
+    # the chapter's table (-s)
     print(
         f"{algo} ZeRO-{stage}: weights within "
         f"{max((one[0][k] - two[0][k]).abs().max().item() for k in one[0]):.1e}"
-    )  # the chapter's table (-s)
+    )
     start = _saved(setup_dir)
     moved = "lm_head.weight" if algo == "sft" else "transformer.h.0.mlp.c_fc.weight"
-    assert not torch.equal(two[0][moved], start[moved])  # training moved the weights
+    # training moved the weights
+    assert not torch.equal(two[0][moved], start[moved])

@@ -109,8 +109,8 @@ def test_notebook_to_markdown():
     # exported code sits in an open box titled by its code-summary; example code is a plain python block
     assert (
         '???+ abstract "Exported source"\n\n    ```python\n    class PPOLoss(nn.Module):\n        pass\n    '
-        '```' in md
-    )
+        '```'
+    ) in md
     assert "```python\nloss_fn = PPOLoss(epsilon=0.2)\n```" in md
     # the show_doc markdown is kept: source link with its attributes, heading with nbdev's anchor, shapes,
     # docstring
@@ -121,8 +121,8 @@ def test_notebook_to_markdown():
     assert "### PPOLoss.forward { #ppoloss.forward .api }" in md
     assert (
         "```python\ndef forward(\n    advantages:Float[Tensor, 'batch resp'], # Â_t from "
-        "compute_gae\n)->tuple:" in md
-    )
+        "compute_gae\n)->tuple:"
+    ) in md
     assert "clipfrac)\n```\n\n*Call self as a function.*" in md
     # markdown cells are kept as they are, math included; links to documented names point at this site's pages
     assert "$$L^{CLIP}(\\phi) = \\hat{\\mathbb{E}}_t[\\min(\\rho_t \\hat A_t, \\cdot)]$$" in md
@@ -255,9 +255,8 @@ def test_skipped_cells_and_previews():
         '```python\ntrain_on_gpu()\n```\n\n!!! note "Not run when these docs were built"\n\n    needs a GPU'
         in md
     )
-    assert md.index('!!! abstract "What you will get"\n\n    | a |') < md.index(
-        "```python\ntable"
-    )  # the table opens the page
+    # the table opens the page
+    assert md.index('!!! abstract "What you will get"\n\n    | a |') < md.index("```python\ntable")
     assert md.count("| 1 |") == 2 and "the notebook ran in 12 s" in md
 
 
@@ -307,7 +306,8 @@ def test_a_tiny_notebook_is_executed_once_then_taken_from_the_cache(tmp_path):
     assert not first["error"] and not first["cached"], first
     md = docs.notebook_to_markdown(json.loads(first["path"].read_text()))
     assert "```{ .text .cell-output }\n42\n```" in md  # printed
-    assert "Not run when these docs were built\"\n\n    it would fail" in md  # skipped, with its reason
+    # skipped, with its reason
+    assert "Not run when these docs were built\"\n\n    it would fail" in md
     assert "| n |\n| :-- |\n| 1 |" in md  # a rich table as a table
     second = run()["tiny"]
     assert second["cached"] and second["path"].parent == tmp_path / "cache"

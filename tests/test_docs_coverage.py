@@ -54,7 +54,8 @@ def test_no_public_name_is_documented_twice(module):
 
 
 def test_package_exports_every_module():
-    for module in set(public_modules()) - {"cli"}:  # the command line stays in its own module
+    # the command line stays in its own module
+    for module in set(public_modules()) - {"cli"}:
         for name in importlib.import_module(f"instruct_goose.{module}").__all__:
             assert getattr(instruct_goose, name, None) is not None, (
                 f"instruct_goose.{name} (from {module}) is not exported at top level"

@@ -100,9 +100,8 @@ def _same(weights_a, history_a, weights_b, history_b, eps=1e-5):
             assert rb[key] == pytest.approx(ra[key], abs=eps), (ra["step"], key)
 
 
-@pytest.mark.parametrize(
-    "precompute", [False, pytest.param(True, marks=pytest.mark.slow)]
-)  # precomputed reference: in the full set
+# precomputed reference: in the full set
+@pytest.mark.parametrize("precompute", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_one_and_two_processes_train_alike(script, policy_dir, tmp_path, precompute):
     """2 processes x 1 micro-batch = 1 process x 2 micro-batches of 4 pairs: the same weights and statistics, to
     1e-5."""
@@ -166,7 +165,8 @@ def test_goose_dpo_on_own_pairs_with_implicit_prompts(policy_dir, tmp_path, goos
     history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in history] == [1, 2, 3] and set(COMPARED) <= set(history[0])
     assert history[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)  # step 1: policy = reference, log 2
-    assert "eval_loss" not in history[-1]  # own data: the task's pairs are never mixed in
+    # own data: the task's pairs are never mixed in
+    assert "eval_loss" not in history[-1]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(policy_dir).config.vocab_size
 
@@ -204,14 +204,12 @@ def test_lora_dpo_from_peft_config_trains_adapters_only_against_the_adapter_off_
     )
     assert isinstance(trainer.model, peft.PeftModel) and isinstance(trainer.ref_model, AdapterOffReference)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    assert trainer.evaluate(dataset=pairs)["eval_loss"] == pytest.approx(
-        0.6931472, abs=1e-6
-    )  # zero-initialised adapters: policy = reference
+    # zero-initialised adapters: policy = reference
+    assert trainer.evaluate(dataset=pairs)["eval_loss"] == pytest.approx(0.6931472, abs=1e-6)
     trainer.train()
     after = trainer.evaluate(dataset=pairs)
-    assert after["eval_loss"] < 0.65 and after["eval_rewards/accuracies"] > 0.75, (
-        after
-    )  # the loss falls (0.57 and 0.94 when written)
+    # the loss falls (0.57 and 0.94 when written)
+    assert after["eval_loss"] < 0.65 and after["eval_rewards/accuracies"] > 0.75, after
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed and all("lora_" in n for n in changed), sorted(changed)[:5]
     base = AutoModelForCausalLM.from_pretrained(policy_dir).state_dict()
@@ -334,21 +332,24 @@ def test_padding_free_bins_give_the_padded_loss_and_gradient(family, tmp_path):
     ids, mask = batch[0], batch[1]
     lengths = mask.sum(1)
     bins = pack_bins(lengths.tolist(), int(lengths.max()))
-    assert sorted(i for b in bins for i in b) == list(range(len(ids))) and len(bins) < len(
-        ids
-    )  # short sequences share bins
+    # short sequences share bins
+    assert sorted(i for b in bins for i in b) == list(range(len(ids))) and len(bins) < len(ids)
     slot, position, segment = pack_layout(mask)
     real = mask.bool()
-    assert len(slot.unique()) == int(real.sum())  # every real token in exactly one slot
+    # every real token in exactly one slot
+    assert len(slot.unique()) == int(real.sum())
     row = torch.repeat_interleave(torch.arange(len(ids)), lengths)
-    assert torch.equal(segment.flatten()[slot], row)  # in its own sequence's segment
-    for r in range(len(ids)):  # a sequence is contiguous in one bin
+    # in its own sequence's segment
+    assert torch.equal(segment.flatten()[slot], row)
+    # a sequence is contiguous in one bin
+    for r in range(len(ids)):
         where = slot[row == r]
         assert len(set((where // segment.shape[1]).tolist())) == 1 and torch.equal(
             where.diff(), torch.ones(len(where) - 1, dtype=where.dtype)
         )
     assert (segment == -1).sum() == segment.numel() - real.sum()  # the rest are pads
-    assert ((segment >= 0).int().diff(dim=1) <= 0).all()  # real tokens first in each bin
+    # real tokens first in each bin
+    assert ((segment >= 0).int().diff(dim=1) <= 0).all()
     results = []
     for padding_free in (False, True):
         trainer.args = DPOConfig(
@@ -389,7 +390,8 @@ def test_soft_capped_logits_give_the_logits_paths_loss_statistics_and_gradient(
 
     tok = task_tokenizer()
     policy, ref = build_causal(BY_NAME["gemma2"], tok, seed=0), build_causal(BY_NAME["gemma2"], tok, seed=1)
-    assert agent_module._output_layer(policy).after is not None  # the family's final_logit_softcapping (30)
+    # the family's final_logit_softcapping (30)
+    assert agent_module._output_layer(policy).after is not None
     trainer = DPOTrainer(
         policy,
         ref_model=ref,
@@ -467,7 +469,8 @@ def test_shared_prompts_give_the_padded_loss_and_gradient(family, tmp_path):
         results.append(
             (loss_sum.item(), stats, {n: p.grad.clone() for n, p in trainer.model.named_parameters()})
         )
-    assert calls and all(calls)  # the policy's and the reference's passes shared
+    # the policy's and the reference's passes shared
+    assert calls and all(calls)
     (padded, padded_stats, padded_grad), (ours, our_stats, our_grad) = results
     assert ours == pytest.approx(padded, rel=1e-5, abs=1e-6)
     for key, value in padded_stats.items():

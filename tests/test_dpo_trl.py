@@ -71,9 +71,8 @@ CASES |= {
     "ld_alpha": dict(ld_alpha=0.5, loss_type=["sigmoid", "sft"]),
     "use_weighting": dict(use_weighting=True, loss_type=["sigmoid", "bco_pair"]),
     "discopop_tau": dict(loss_type=["discopop"], discopop_tau=0.2),
-    "activation_offloading": dict(
-        activation_offloading=True, loss_type=["apo_down"]
-    ),  # ours only: the same numbers
+    # ours only: the same numbers
+    "activation_offloading": dict(activation_offloading=True, loss_type=["apo_down"]),
 }
 
 
@@ -132,31 +131,32 @@ def test_entropy_token_accuracy_and_num_tokens_are_trls(sides):
     fitted = copy.deepcopy(ours.model)
     opt = torch.optim.Adam(fitted.parameters(), lr=3e-3)
     chosen = slice(0, len(PAIRS))
-    for _ in range(6):  # raise π(chosen): a share of its argmaxes become the labels
+    # raise π(chosen): a share of its argmaxes become the labels
+    for _ in range(6):
         opt.zero_grad()
         (-ours.score(fitted, ids[chosen], mask[chosen], loss_mask[chosen]).logps.sum()).backward()
         opt.step()
     settings = theirs.loss_types, theirs.loss_weights, theirs.use_weighting
     theirs.loss_types, theirs.loss_weights, theirs.use_weighting = ["sigmoid"], [1.0], False
     kept = copy.deepcopy(theirs.model.state_dict())
-    theirs.model.load_state_dict(
-        fitted.state_dict()
-    )  # TRL's model carries its fused head: load the weights into it
+    # TRL's model carries its fused head: load the weights into it
+    theirs.model.load_state_dict(fitted.state_dict())
+    # TRL's mode is its own model's
     theirs._metrics["train"].clear()
     theirs._total_train_tokens = 0
-    theirs.model.train()  # TRL's mode is its own model's
+    theirs.model.train()
     with torch.no_grad():
         theirs._compute_loss(theirs.model, inputs, return_outputs=False)
     theirs.loss_types, theirs.loss_weights, theirs.use_weighting = settings
-    theirs.model.load_state_dict(kept)  # the module's other tests compare from the shared weights
+    # the module's other tests compare from the shared weights
+    theirs.model.load_state_dict(kept)
     our_policy = copy.deepcopy(fitted).train()
     ours.args = DPOConfig(output_dir=ours.args.output_dir, max_prompt_length=None)
     with torch.no_grad():
         _, stats = ours.pair_loss_sum(our_policy, batch)
     got = theirs._metrics["train"]
-    assert 0.2 < stats["mean_token_accuracy"].item() < 1.0, stats[
-        "mean_token_accuracy"
-    ]  # the test can tell right from wrong
+    # the test can tell right from wrong
+    assert 0.2 < stats["mean_token_accuracy"].item() < 1.0, stats["mean_token_accuracy"]
     for name in ("entropy", "mean_token_accuracy"):
         assert stats[name].item() == pytest.approx(got[name][-1], rel=1e-5), (
             name,
@@ -247,8 +247,9 @@ def test_moe_load_balancing_loss_equals_trl(tmp_path, coef):
     )
     ref = copy.deepcopy(policy)
     with torch.no_grad():
+        # a reference that differs, so the DPO loss is not log 2
         for p in ref.parameters():
-            p.add_(0.05 * torch.randn_like(p))  # a reference that differs, so the DPO loss is not log 2
+            p.add_(0.05 * torch.randn_like(p))
     data = Dataset.from_list(PAIRS)
     theirs = TRLDPOTrainer(
         copy.deepcopy(policy),

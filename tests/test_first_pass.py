@@ -119,7 +119,8 @@ def test_kept_pass_trains_as_a_separate_pass(algo, family, tokenizer, tmp_path):
         )
     for row_kept, row_plain in zip(hist_kept, hist_plain, strict=True):
         for key, value in row_plain.items():
-            if isinstance(value, float) and key != "eps":  # eps: episodes per second, a timing
+            # eps: episodes per second, a timing
+            if isinstance(value, float) and key != "eps":
                 assert row_kept[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (algo, family, key)
     # one full pass fewer per step: the rollout's no-grad pass is gone, the update's passes are all there
     assert len(calls_plain) - len(calls_kept) == STEPS, (calls_plain, calls_kept)
@@ -132,8 +133,7 @@ def test_no_pass_kept_when_the_first_micro_batch_is_not_the_rollout(more, tokeni
     made apart."""
     kept, _, calls_kept = run("rloo", "llama", tokenizer, tmp_path, True, **more)
     plain, _, calls_plain = run("rloo", "llama", tokenizer, tmp_path, False, **more)
-    assert (
-        calls_kept == calls_plain and calls_kept.count(False) >= STEPS
-    )  # the rollout's no-grad passes are all made
+    # the rollout's no-grad passes are all made
+    assert calls_kept == calls_plain and calls_kept.count(False) >= STEPS
     for name, p in plain.items():
         assert torch.equal(kept[name], p), name

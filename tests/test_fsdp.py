@@ -212,13 +212,13 @@ def test_fsdp2_two_processes_equal_one(algo, setup_dir, tmp_path):
     `from_pretrained`."""
     one = _run(setup_dir, tmp_path / "one", algo, processes=1, accumulation=2)
     two = _run(setup_dir, tmp_path / "two", algo, processes=2, accumulation=1, fsdp=True)
-    assert (
-        tmp_path / "two" / "checkpoint-2" / "pytorch_model_fsdp_0"
-    ).is_dir()  # FSDP's sharded checkpoint, one shard a rank
+    # FSDP's sharded checkpoint, one shard a rank
+    assert (tmp_path / "two" / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()
     _assert_same(one, two, f"{algo}: 1 process x 2 micro-batches vs FSDP2 over 2 processes", EPS[algo])
     start = _saved(setup_dir)
     moved = "lm_head.weight" if algo == "sft" else "transformer.h.0.mlp.c_fc.weight"
-    assert not torch.equal(two[0][moved], start[moved])  # training moved the weights
+    # training moved the weights
+    assert not torch.equal(two[0][moved], start[moved])
 
     # kill-and-resume: the FSDP2 checkpoint of step 2, resumed by FSDP2, ends where the uninterrupted run did
     shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
@@ -235,8 +235,10 @@ def test_fsdp2_loads_the_best_checkpoint_as_one_process_does(setup_dir, tmp_path
     one = _run(setup_dir, tmp_path / "one", "sft_best", processes=1, accumulation=2)
     two = _run(setup_dir, tmp_path / "two", "sft_best", processes=2, accumulation=1, fsdp=True)
     losses = [row["eval_loss"] for row in two[1]]
-    assert losses.index(max(losses)) < 3, losses  # the "best" (greater_is_better) is not the last step
-    for rank in (0, 1):  # and it is the model each process ended with
+    # the "best" (greater_is_better) is not the last step
+    assert losses.index(max(losses)) < 3, losses
+    # and it is the model each process ended with
+    for rank in (0, 1):
         assert (
             abs(
                 json.loads((tmp_path / "two" / f"evaluated{rank}.json").read_text())["eval_loss"]
@@ -257,8 +259,10 @@ def test_fsdp2_refuses_a_bitsandbytes_optimizer_in_one_line(setup_dir, tmp_path,
     )
     assert (
         result.returncode != 0
-        and "ValueError: `optim`='adamw_8bit' is a bitsandbytes optimizer, whose step cannot update FSDP2's "
-        "sharded parameters"
+        and (
+            "ValueError: `optim`='adamw_8bit' is a bitsandbytes optimizer, whose step cannot update FSDP2's "
+            "sharded parameters"
+        )
         in result.stderr
     ), result.stderr[-3000:]
     assert not list((tmp_path / "eight").glob("checkpoint-*"))
@@ -297,7 +301,8 @@ def test_fsdp2_with_selective_checkpointing_equals_one_plain_process(algo, setup
 @pytest.mark.parametrize(
     "env, says",
     [
-        ({}, "no GPU"),  # a GPU FSDP config (use_cpu: false) on a CPU machine
+        # a GPU FSDP config (use_cpu: false) on a CPU machine
+        ({}, "no GPU"),
         ({"ACCELERATE_USE_CPU": "true", "FSDP_VERSION": "1"}, "FSDP2"),  # FSDP1 has no CPU path
     ],
 )
@@ -343,9 +348,8 @@ def test_deepspeed_launch_on_the_cpu_is_one_line():
     )
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    if (
-        importlib.util.find_spec("deepspeed") is None
-    ):  # Accelerate's own one line (the project does not install DeepSpeed)
+    # Accelerate's own one line (the project does not install DeepSpeed)
+    if importlib.util.find_spec("deepspeed") is None:
         assert last.startswith("ImportError: DeepSpeed is not installed"), last
     else:
         assert (
@@ -403,13 +407,15 @@ def test_accelerate_launch_fsdp2_config_runs_goose_grpo(policy_dir, tmp_path):
         env={**env, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")},
     )
     assert result.returncode == 0, result.stderr[-6000:]
-    assert (out / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()  # sharded: one shard per rank
+    # sharded: one shard per rank
+    assert (out / "checkpoint-2" / "pytorch_model_fsdp_0").is_dir()
     assert {p.name for p in (out / "checkpoint-2").glob("random_states_*.pkl")} == {
         "random_states_0.pkl",
         "random_states_1.pkl",
     }
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["episode"] for row in rows] == [8, 16]  # 2 processes × 4 completions a step
+    # 2 processes × 4 completions a step
+    assert [row["episode"] for row in rows] == [8, 16]
     trained, start = _saved(out, "grpo"), _saved(policy_dir)
     assert not torch.equal(
         trained["transformer.h.0.mlp.c_fc.weight"], start["transformer.h.0.mlp.c_fc.weight"]

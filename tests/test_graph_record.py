@@ -94,10 +94,10 @@ def test_record_keeps_the_cache_when_there_is_room(fake_cuda):
         "off side",
     ]
     collector = dict(fake.log[6:])
-    assert (
-        not collector["capture_begin"] and not collector["step"] and not collector["capture_end"]
-    )  # off while it records
-    assert fake.log[2] == ("step", True) and gc.isenabled()  # on for the warm-up, and after
+    # off while it records
+    assert not collector["capture_begin"] and not collector["step"] and not collector["capture_end"]
+    # on for the warm-up, and after
+    assert fake.log[2] == ("step", True) and gc.isenabled()
     assert torch.equal(out, torch.ones(1)) and graph is not None
 
 

@@ -120,16 +120,19 @@ def test_two_processes_equal_one(setup_dir, tmp_path):
     for name, value in two[0].items():
         assert torch.equal(rank1[name], value), name  # the processes agree
     assert {"kl", "reward", "reward_std", "clip_ratio/region_mean", "grad_norm"} <= one[1][0].keys()
-    assert one[1][-1]["kl"] > 0  # the k3 term was live
+    # the k3 term was live
+    assert one[1][-1]["kl"] > 0
     _assert_same(one, two, "1 process x 2 micro-batches vs 2 processes")
     start = AutoModelForCausalLM.from_pretrained(setup_dir).state_dict()
-    assert not torch.equal(one[0]["lm_head.weight"], start["lm_head.weight"])  # and training did move them
+    # and training did move them
+    assert not torch.equal(one[0]["lm_head.weight"], start["lm_head.weight"])
 
 
 def test_killed_run_resumes_to_the_same_result(setup_dir, tmp_path):
     env = dict(STEPS=4, SAVE_STEPS=1)
     straight = _run_here(setup_dir, tmp_path / "straight", **env)
-    killed = _run(setup_dir, tmp_path / "killed", check=False, CRASH_AT_CALL=3, **env)  # dies sampling step 3
+    # dies sampling step 3
+    killed = _run(setup_dir, tmp_path / "killed", check=False, CRASH_AT_CALL=3, **env)
     assert killed.returncode == 3, killed.stderr[-4000:]
     assert sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*")) == [
         "checkpoint-1",
@@ -173,7 +176,8 @@ def test_first_iteration_ratio_is_one(policy_dir, tmp_path, monkeypatch):
     trainer = _tiny_trainer(
         policy_dir, tmp_path, length, num_iterations=2, loss_type="dapo", learning_rate=1e-6
     )
-    assert not trainer.reuses_current_logprobs  # μ = 2: old log-probabilities are computed at rollout time
+    # μ = 2: old log-probabilities are computed at rollout time
+    assert not trainer.reuses_current_logprobs
     seen = []  # (micro-batch, its loss terms, the ratio) in order
     token_loss = grpo.grpo_token_loss
 
@@ -206,7 +210,8 @@ def test_first_iteration_ratio_is_one(policy_dir, tmp_path, monkeypatch):
     expected = -(n * part.advantages).sum() / n.sum()  # −Σ n_i A_i / N
     assert part.advantages.abs().sum() > 0  # a non-trivial check: not every group was tied
     torch.testing.assert_close(first_pass[0]["loss"], expected, atol=1e-6, rtol=0)
-    row = trainer.loop.state.history[0]  # logged: the mean over both passes (lr 1e-6: pass 2 stays inside ±ε)
+    # logged: the mean over both passes (lr 1e-6: pass 2 stays inside ±ε)
+    row = trainer.loop.state.history[0]
     assert row["clip_ratio/region_mean"] == row["clip_ratio/low_mean"] == row["clip_ratio/high_mean"] == 0
 
 
@@ -245,9 +250,8 @@ def test_all_truncated_minibatch_does_not_stop_training(policy_dir, tmp_path):
     )
     trainer.train()
     rows = trainer.loop.state.history
-    assert (
-        len(rows) == 2 and rows[0]["completions/clipped_ratio"] == 1
-    )  # every completion truncated: nothing to learn
+    # every completion truncated: nothing to learn
+    assert len(rows) == 2 and rows[0]["completions/clipped_ratio"] == 1
     assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in rows)
 
 
@@ -274,9 +278,8 @@ def test_logged_loss_is_the_minibatch_mean_whatever_the_cut(cut, policy_dir, tmp
 
     trainer.micro_batch_loss = recording_loss
     trainer.train()
-    assert (
-        len(seen) == 2 * cut["gradient_accumulation_steps"]
-    )  # 2 passes; the second's ratios and KL make the loss non-zero
+    # 2 passes; the second's ratios and KL make the loss non-zero
+    assert len(seen) == 2 * cut["gradient_accumulation_steps"]
     assert abs(seen[-1][0]) > 1e-5
     by_hand = sum(mean * tokens for mean, tokens in seen) / sum(tokens for _, tokens in seen)
     assert trainer.loop.state.history[0]["loss"] == pytest.approx(by_hand, rel=1e-5, abs=1e-7)
@@ -306,6 +309,7 @@ def test_cast_lm_head_to_fp32_samples_and_scores_in_float32(policy_dir, tmp_path
     sampling = [c for c in calls if not c[2]]
     assert len(sampling) >= 8 and all(c[:2] == (torch.float32, torch.float32) for c in sampling), sampling[:3]
     row = trainer.loop.state.history[0]
-    assert row["kl"] == 0.0, row  # one pass: the KL before any update
+    # one pass: the KL before any update
+    assert row["kl"] == 0.0, row
     plain = _tiny_trainer(policy_dir, tmp_path / "plain", length, beta=0.1)
     assert type(plain.model.get_output_embeddings()) is torch.nn.Linear  # off by default, as TRL's

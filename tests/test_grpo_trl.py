@@ -41,9 +41,8 @@ def _rollout():
     g = torch.Generator().manual_seed(0)
     mask = torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]
     logprobs = -torch.rand(4, T, generator=g) * 2 - 0.1
-    old = logprobs - (
-        torch.rand(4, T, generator=g) * 1.18 - 0.48
-    )  # log-ratios in [-0.48, 0.70]: ρ from 0.62 to 2.01
+    # log-ratios in [-0.48, 0.70]: ρ from 0.62 to 2.01
+    old = logprobs - (torch.rand(4, T, generator=g) * 1.18 - 0.48)
     ref = logprobs + torch.randn(4, T, generator=g) * 0.3
     advantages = torch.tensor([1.3, -0.7, 0.4, -1.1])
     return mask, logprobs, old, ref, advantages
@@ -205,7 +204,8 @@ def test_clip_statistics_equal_trl(loss_type, level):
     assert set(ours) == set(theirs), (sorted(ours), sorted(theirs))
     for name, value in theirs.items():
         assert ours[name].item() == pytest.approx(value, abs=1e-6), (name, ours[name].item(), value)
-    assert any(v > 0 for v in theirs.values()), theirs  # something was clipped: the numbers can differ
+    # something was clipped: the numbers can differ
+    assert any(v > 0 for v in theirs.values()), theirs
 
 
 def test_rollout_is_off_policy_as_described():
@@ -251,17 +251,15 @@ def test_every_trl_field_is_taken_or_refused(trl_config, ours, counts):
         [name for name in added if name in _TRL_REFUSED],
         {f.name: f.default for f in dataclasses.fields(ours)},
     )
-    for (
-        name
-    ) in refused:  # declared at TRL's default (but `disable_dropout`: always on here), refused away from it
+    # declared at TRL's default (but `disable_dropout`: always on here), refused away from it
+    for name in refused:
         assert declared[name] == added[name] or name == "disable_dropout", name
         with pytest.raises(ValueError) as error:
             ours(per_device_train_batch_size=8, **{name: _other(declared[name])})
         message = str(error.value)
         assert message.startswith(f"`{name}`=") and "\n" not in message, message
-        assert ("set `temperature`, `max_completion_length`" in message) == ("vllm" in name), (
-            message
-        )  # vLLM: the built-in settings instead
+        # vLLM: the built-in settings instead
+        assert ("set `temperature`, `max_completion_length`" in message) == ("vllm" in name), message
     taken = [name for name in added if name not in _TRL_REFUSED]
     for name in taken:
         config = ours(per_device_train_batch_size=8, **{name: added[name]})
@@ -374,7 +372,8 @@ def test_adaptive_entropy_equal_trl():
     one after each step are TRL's."""
     mask, _, _, ref, advantages = _rollout()
     logits, ids, old, logprobs_and_entropy = _logits_rollout()
-    scales = (1.0, 3.0, 3.0, 0.5, 3.0)  # sharper logits: lower entropy, so the target is crossed both ways
+    # sharper logits: lower entropy, so the target is crossed both ways
+    scales = (1.0, 3.0, 3.0, 0.5, 3.0)
     target = masked_mean(entropy_from_logits(logits * 2.0, 1.0), mask).item()
     t = _trl_trainer(
         loss_type="dapo",
@@ -397,6 +396,5 @@ def test_adaptive_entropy_equal_trl():
         ours_ctl.update(masked_mean(entropy, mask))
         assert abs(ours.item() - theirs.item()) <= 1e-6, (s, ours.item(), theirs.item())
         assert abs(ours_ctl.coef - t.entropy_coef) <= 1e-12, (ours_ctl.coef, t.entropy_coef)
-    assert applied[0] == 0.0 and len({round(a, 6) for a in applied}) >= 3, (
-        applied
-    )  # off at first, then on, up and down
+    # off at first, then on, up and down
+    assert applied[0] == 0.0 and len({round(a, 6) for a in applied}) >= 3, applied

@@ -20,9 +20,8 @@ def plain_logprobs(h, W, b, labels, T):
     return z.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
 
 
-@pytest.mark.parametrize(
-    "chunk", [None, 37]
-)  # one chunk (its log p kept); three (recomputed in the backward)
+# one chunk (its log p kept); three (recomputed in the backward)
+@pytest.mark.parametrize("chunk", [None, 37])
 def test_head_gradients_under_cuda_autocast(chunk):
     g = torch.Generator().manual_seed(0)
     h0, W0, b0 = (

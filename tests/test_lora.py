@@ -87,7 +87,8 @@ def test_lora_ppo_trains_adapters_and_value_head_only(base_dir, tmp_path):
     )
     trainer.train()
     adapters_after, base_after = split(list(trainer.model.model.named_parameters()))
-    assert changed(adapters, adapters_after) == set(adapters)  # every adapter moved (B starts at 0)
+    # every adapter moved (B starts at 0)
+    assert changed(adapters, adapters_after) == set(adapters)
     assert changed(base, base_after) == set()  # the base did not
     assert not torch.equal(head, trainer.model.value_head.weight)  # the value head trained
 
@@ -128,9 +129,8 @@ def test_lora_rloo_trains_adapters_only(base_dir, tmp_path):
     adapters_after, base_after = split(list(trainer.model.named_parameters()))
     assert changed(adapters, adapters_after) == set(adapters) and changed(base, base_after) == set()
     kl = [row["objective/kl"] for row in trainer.loop.state.history]
-    assert (
-        kl[0] == pytest.approx(0.0, abs=1e-5) and kl[-1] > 1e-4
-    )  # KL to the adapter-off base: 0, then grows
+    # KL to the adapter-off base: 0, then grows
+    assert kl[0] == pytest.approx(0.0, abs=1e-5) and kl[-1] > 1e-4
 
 
 def test_goose_rloo_with_lora(base_dir, tmp_path, goose_here):
@@ -163,7 +163,8 @@ def test_goose_rloo_with_lora(base_dir, tmp_path, goose_here):
     assert result.returncode == 0, result.stderr[-4000:]
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["c_attn", "c_fc"]
-    assert AutoModelForCausalLM.from_pretrained(out) is not None  # 🤗 loads base + adapter on its own
+    # 🤗 loads base + adapter on its own
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
 
 
 def test_decode_samples_through_the_adapters(base_dir):
@@ -175,21 +176,28 @@ def test_decode_samples_through_the_adapters(base_dir):
     torch.manual_seed(0)
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(base_dir),
-        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
-    )  # adapters that change the output
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules="all-linear",
+            # adapters that
+            # change the output
+            init_lora_weights=False,
+        ),
+    )
     assert decoding.decoding_refusal(model) is None
     q, m = encode_prompts(tok, ["Review: The editing in this western", "Review: a"])
     drawn, inverse_cdf = [], decoding._draw
     with drawing_with(lambda p: drawn.append(p) or inverse_cdf(p)):
-        r, rm = generate_responses(
-            model, q, m, 8, len(tok) + 1, tok.pad_token_id
-        )  # a stop id never drawn: 8 steps each
+        # a stop id never drawn: 8 steps each
+        r, rm = generate_responses(model, q, m, 8, len(tok) + 1, tok.pad_token_id)
     sampled = torch.stack(drawn, 1).gather(-1, r[..., None]).squeeze(-1).log()
     scored = Agent(model).response_stats(q, m, r, rm, entropy="skip").logprobs
     assert (sampled - scored).abs().max().item() <= 1e-5
     with model.disable_adapter():
         base = Agent(model).response_stats(q, m, r, rm, entropy="skip").logprobs
-    assert (sampled - base).abs().max().item() > 1e-2  # the adapters do change the distribution
+    # the adapters do change the distribution
+    assert (sampled - base).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -239,9 +247,8 @@ def test_compiled_decode_samples_through_the_adapters_a_layer_at_a_time(arch):
             )
         assert torch.equal(compiled, eager), (arch, n_layer)
         graphs.append(len(noted))
-    assert graphs == ([3, 3] if arch == "llama" else [1, 1]), (
-        graphs
-    )  # Llama: the rotary table, a layer, the output layer; GPT-2: a layer
+    # Llama: the rotary table, a layer, the output layer; GPT-2: a layer
+    assert graphs == ([3, 3] if arch == "llama" else [1, 1]), graphs
 
 
 def _saved_base(tmp_path):
@@ -282,7 +289,8 @@ def test_lora_sft_saves_the_adapter_as_trl(tmp_path):
         merged = trained.merge_and_unload()(input_ids=ids).logits
     torch.testing.assert_close(loaded, ours, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged, ours, atol=1e-5, rtol=1e-5)
-    assert (plain - ours).abs().max() > 1e-3  # the adapter trained: the test can tell
+    # the adapter trained: the test can tell
+    assert (plain - ours).abs().max() > 1e-3
 
 
 def test_lora_reward_saves_the_adapter_and_score_head(tmp_path):
@@ -303,7 +311,8 @@ def test_lora_reward_saves_the_adapter_and_score_head(tmp_path):
     trained = RewardTrainer(
         str(base), config, load_task("preferences").select(range(8)), processing_class=tok, peft_config=lora
     ).train()
-    assert lora.task_type is None and lora.modules_to_save is None  # the caller's config is left as it was
+    # the caller's config is left as it was
+    assert lora.task_type is None and lora.modules_to_save is None
     saved = {p.name for p in out.iterdir()}
     assert {
         "adapter_config.json",
@@ -326,7 +335,8 @@ def test_lora_reward_saves_the_adapter_and_score_head(tmp_path):
             AutoPeftModelForSequenceClassification.from_pretrained(out, num_labels=1),
             AutoModelForSequenceClassification.from_pretrained(out, num_labels=1),
         ):
-            loaded.config.pad_token_id = tok.pad_token_id  # the base LM's config names none
+            # the base LM's config names none
+            loaded.config.pad_token_id = tok.pad_token_id
             torch.testing.assert_close(
                 loaded.eval()(input_ids=ids, attention_mask=mask).logits.squeeze(-1),
                 ours,

@@ -81,7 +81,8 @@ def test_gradient_checkpointing_gives_the_same_run(tokenizer, tmp_path):
         and not plain.model.model.is_activation_checkpointing
     )
     assert max_difference(plain.model, checkpointed.model) <= 1e-6
-    assert max_difference(plain.model, Agent(tiny_causal_lm(tokenizer, seed=0))) > 1e-4  # training moved it
+    # training moved it
+    assert max_difference(plain.model, Agent(tiny_causal_lm(tokenizer, seed=0))) > 1e-4
 
 
 def grpo(tokenizer, tmp_path, peft_config=None, **config):
@@ -130,9 +131,8 @@ def test_selective_checkpointing_gives_the_same_run(tokenizer, tmp_path):
         )
     assert not plain.model.model.layers[0].gradient_checkpointing
     assert max_difference(plain.model, checkpointed.model) == 0.0
-    assert (
-        max_difference(plain.model, tiny_causal_lm(tokenizer, arch="llama", seed=0)) > 1e-4
-    )  # training moved it
+    # training moved it
+    assert max_difference(plain.model, tiny_causal_lm(tokenizer, arch="llama", seed=0)) > 1e-4
     from peft import LoraConfig  # LoRA's adapter matmuls are kept too
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
@@ -214,14 +214,14 @@ def test_on_device_moves_only_when_offloading(offload, tokenizer):
         with trainer.on_device(model, "cuda:7"):
             raise RuntimeError("boom")
     assert model.moves[-1:] == (["cpu"] if offload else [])
+    # a reward function is not a module: left alone
     with trainer.on_device(reward, "cuda:7") as same:
-        assert same is reward  # a reward function is not a module: left alone
+        assert same is reward
 
 
 def test_rollout_chunking_does_not_change_the_rollout(tokenizer, tmp_path):
-    trainer = ppo(
-        tokenizer, tmp_path / "run", total_episodes=4
-    )  # one short step, to have a trained value head
+    # one short step, to have a trained value head
+    trainer = ppo(tokenizer, tmp_path / "run", total_episodes=4)
     prompts = load_task("prompts")["prompt"][:6]
     torch.manual_seed(0)
     samples = trainer.sample_and_score(trainer.model.model, prompts)
@@ -287,9 +287,8 @@ def test_bf16_reference_copy_in_half_precision_gives_the_same_run(arch, tokenize
             train_dataset=load_task("prompts"),
         )
         trainer.train()
-        return trainer, [
-            {k: v for k, v in row.items() if k != "eps"} for row in trainer.loop.state.history
-        ]  # eps: wall-clock
+        # eps: wall-clock
+        return trainer, [{k: v for k, v in row.items() if k != "eps"} for row in trainer.loop.state.history]
 
     half, half_rows = run(tmp_path / "half")
     linear = nn.Linear if arch == "llama" else type(half.ref_model.transformer.h[0].attn.c_attn)
@@ -307,4 +306,5 @@ def test_bf16_reference_copy_in_half_precision_gives_the_same_run(arch, tokenize
         p.dtype for p in full.reward_model.models[0].parameters()
     } == {torch.float32}
     assert half_rows == full_rows and len(half_rows) == 2
-    assert half_rows[0]["objective/kl"] == 0.0, half_rows[0]  # π_θ = π_ref at the first rollout, to the bit
+    # π_θ = π_ref at the first rollout, to the bit
+    assert half_rows[0]["objective/kl"] == 0.0, half_rows[0]

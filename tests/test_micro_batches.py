@@ -33,18 +33,16 @@ def run(algo, family, tokenizer, tmp_path, dealt, monkeypatch, **more):
     """Train; return the parameters, the logged rows and the positions the policy's passes read, (with gradients,
     without), the sampler's aside."""
     with monkeypatch.context() as m:
+        # as drawn, as they are
         if not dealt:
-            m.setattr(
-                rollout, "cheapest_order", lambda P, *args: torch.arange(len(P))
-            )  # as drawn, as they are
+            m.setattr(rollout, "cheapest_order", lambda P, *args: torch.arange(len(P)))
         trainer = make(algo, family, tokenizer, tmp_path / f"dealt{dealt}", False, **more)
         positions = []
 
         def hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            if (
-                ids is not None and ids.shape[1] > 1 and kwargs.get("past_key_values") is None
-            ):  # (🤗 generate's prefill has its cache)
+            # (🤗 generate's prefill has its cache)
+            if ids is not None and ids.shape[1] > 1 and kwargs.get("past_key_values") is None:
                 positions.append((torch.is_grad_enabled(), ids.numel()))
 
         policy = trainer.model.model if isinstance(trainer.model, Agent) else trainer.model
@@ -64,19 +62,19 @@ def assert_same_run(algo, family, tokenizer, tmp_path, monkeypatch, **more):
         torch.testing.assert_close(
             dealt[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{algo}/{family}/{more} {name}: {m}"
         )
-    for row_dealt, row_drawn in zip(
-        hist_dealt, hist_drawn, strict=True
-    ):  # the sums in another order: float rounding only
+    # the sums in another order: float rounding only
+    for row_dealt, row_drawn in zip(hist_dealt, hist_drawn, strict=True):
         for key, value in row_drawn.items():
             # kept per micro-batch, so taken over other groups of rows: PPO's val/ratio_var (the token ratios'
             # variance in each) and
             # RLOO's policy/approxkl_avg (a mean per token in each, weighted by sequences like RLOO's loss)
+            # (clipfrac: test_padding_free)
             if isinstance(value, float) and key not in (
                 "eps",
                 "val/clipfrac_avg",
                 "val/ratio_var",
                 "policy/approxkl_avg",
-            ):  # (clipfrac: test_padding_free)
+            ):
                 assert row_dealt[key] == pytest.approx(value, rel=1e-4, abs=5e-6), (algo, family, more, key)
     assert len(pos_dealt) == len(pos_drawn) > 0
     return [
@@ -85,12 +83,12 @@ def assert_same_run(algo, family, tokenizer, tmp_path, monkeypatch, **more):
     ]
 
 
+# one minibatch of four micro-batches
 CUTS = [
-    dict(
-        per_device_train_batch_size=2, gradient_accumulation_steps=4, local_rollout_forward_batch_size=2
-    ),  # one minibatch of four micro-batches
+    dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, local_rollout_forward_batch_size=2),
+    # two minibatches (shuffled) of two
     dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2),
-]  # two minibatches (shuffled) of two
+]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
@@ -110,11 +108,11 @@ def test_like_rows_train_as_drawn_rows(algo, loss_type, family, tokenizer, tmp_p
         )
         for i, cut in enumerate(CUTS)
     ]
-    for passes in zip(*read):  # the update's passes, then those before it
+    # the update's passes, then those before it
+    for passes in zip(*read):
         assert all(dealt <= drawn for dealt, drawn in passes), read
-        assert sum(dealt for dealt, _ in passes) < sum(drawn for _, drawn in passes), (
-            read
-        )  # the stop token is favoured: lengths differ
+        # the stop token is favoured: lengths differ
+        assert sum(dealt for dealt, _ in passes) < sum(drawn for _, drawn in passes), read
 
 
 @pytest.mark.parametrize("algo", ["rloo", "grpo"])

@@ -87,11 +87,9 @@ def one_step(algo, coef, per_device, accumulation, output_dir):
     seen, update = {}, trainer.update
 
     def spy(model, rollout, loop):
-        if (
-            accumulation > 1
-            # the first micro-batch's responses cut to 3 tokens: unequal token counts (GRPO's loss is a token
-            # mean)
-        ):
+        # the first micro-batch's responses cut to 3 tokens: unequal token counts (GRPO's loss is a token
+        # mean)
+        if accumulation > 1:
             for mask in (rollout.response_mask, rollout.loss_mask):
                 mask[:per_device, 3:] = False
         seen["rollout"], seen["kept"] = rollout, rollout.kept is not None
@@ -108,15 +106,15 @@ def test_the_step_adds_the_mean_load_balancing_loss(algo, per_device, accumulati
     with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as e:
         with_aux, seen, row = one_step(algo, 0.5, per_device, accumulation, d)
         without, seen_0, row_0 = one_step(algo, 0.0, per_device, accumulation, e)
-    assert seen["kept"] == (
-        accumulation == 1 and algo == "rloo"
-    )  # GRPO at num_iterations=1 scores π_old with the loss's own pass
+    # GRPO at num_iterations=1 scores π_old with the loss's own pass
+    assert seen["kept"] == (accumulation == 1 and algo == "rloo")
     assert "aux_loss" in row and "aux_loss" not in row_0
     rollout = seen["rollout"]
     assert torch.equal(rollout.response_ids, seen_0["rollout"].response_ids)  # c changes no sample
     start = tiny_moe()
     aux, tokens = [], []
-    for i in range(accumulation):  # the update's micro-batches: in order, one pass each
+    # the update's micro-batches: in order, one pass each
+    for i in range(accumulation):
         part = rollout[torch.arange(i * per_device, (i + 1) * per_device)]
         with router_aux_losses(start) as found:
             response_logprobs(
@@ -125,9 +123,8 @@ def test_the_step_adds_the_mean_load_balancing_loss(algo, per_device, accumulati
         aux, tokens = aux + found, tokens + [part.response_mask.sum()]
     assert len(aux) == accumulation
     torch.stack(aux).mean().backward()
-    step = [
-        -0.1 * 0.5 * (torch.zeros_like(p) if p.grad is None else p.grad) for p in start.parameters()
-    ]  # L_aux reaches no output layer
+    # L_aux reaches no output layer
+    step = [-0.1 * 0.5 * (torch.zeros_like(p) if p.grad is None else p.grad) for p in start.parameters()]
     worst = max(
         ((a - b) - s).abs().max().item() for a, b, s in zip(with_aux.parameters(), without.parameters(), step)
     )
@@ -137,11 +134,11 @@ def test_the_step_adds_the_mean_load_balancing_loss(algo, per_device, accumulati
         torch.stack(aux).mean().item(),
         (torch.stack(aux) * torch.stack(tokens)).sum().item() / sum(tokens).item(),
     )
-    assert row["aux_loss"] == pytest.approx(
-        plain, rel=1e-5
-    )  # logged as TRL logs it: the plain mean of the micro-batches'
+    # logged as TRL logs it: the plain mean of the micro-batches'
+    assert row["aux_loss"] == pytest.approx(plain, rel=1e-5)
+    # ... which a token-weighted mean is not, here
     if accumulation > 1:
-        assert abs(plain - by_tokens) > 1e-4 * plain  # ... which a token-weighted mean is not, here
+        assert abs(plain - by_tokens) > 1e-4 * plain
 
 
 @pytest.mark.parametrize("algo", ALGOS)

@@ -154,7 +154,8 @@ def test_two_processes_equal_one(algo, setup_dir, tmp_path):
     for name, value in two[0].items():
         assert torch.equal(rank1[name], value), name  # the processes agree
     saved = {p.name for p in (tmp_path / "two" / "checkpoint-4").iterdir()}
-    assert {"random_states_0.pkl", "random_states_1.pkl"} <= saved  # both processes' states saved
+    # both processes' states saved
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= saved
     assert sorted(p.name for p in (tmp_path / "two").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
 
     # 1 process deals its rows into its 2 micro-batches by length (`like_rows`), 2 processes each run their
@@ -164,8 +165,10 @@ def test_two_processes_equal_one(algo, setup_dir, tmp_path):
     _assert_same(one, two, "1 process x 2 micro-batches vs 2 processes", eps=1e-5)
     start = tiny_causal_lm(task_tokenizer(), seed=0).state_dict()
     trained = {name.removeprefix("model."): value for name, value in two[0].items()}
-    assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])  # and training did move them
-    assert one[1][-1]["lr"] == 0.0 and one[1][1]["lr"] == two[1][1]["lr"] > 0  # one schedule step per step
+    # and training did move them
+    assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
+    # one schedule step per step
+    assert one[1][-1]["lr"] == 0.0 and one[1][1]["lr"] == two[1][1]["lr"] > 0
 
     # the 2-process checkpoint of step 2, resumed by 1 process with 2 micro-batches, ends where the 2-process
     # run did
@@ -205,7 +208,8 @@ def test_two_processes_equal_one_when_responses_stop_early(setup_dir, tmp_path, 
     # together, other matrix shapes, other rounding, which Adam (lr 1e-3) makes up to ~1e-5 (1.01e-5 seen,
     # 2026-11-28)
     _assert_same(one, two, "responses that stop early: 1 process x 2 micro-batches vs 2 processes", eps=3e-5)
-    assert any(row["val/num_eos_tokens"] > 0 for row in one[1])  # some responses did stop
+    # some responses did stop
+    assert any(row["val/num_eos_tokens"] > 0 for row in one[1])
 
 
 @pytest.mark.slow

@@ -49,8 +49,9 @@ def tokenizer():
 @pytest.mark.parametrize("family", [f.name for f in CAUSAL])
 def test_packed_states_are_the_padded_states(family, tokenizer):
     model = build_causal(BY_NAME[family], tokenizer, seed=0).eval()
+    # shorter than the rows: the window bites
     if getattr(model.config, "sliding_window", None) is not None:
-        model.config.sliding_window = 4  # shorter than the rows: the window bites
+        model.config.sliding_window = 4
     torch.manual_seed(0)
     lengths = torch.tensor([24, 7, 15, 3])
     mask = (torch.arange(24) < lengths[:, None]).long()
@@ -106,13 +107,10 @@ def make(
             policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
         )
     model = Agent(policy, value_model=value) if algo.startswith("ppo") else policy
-    sgd = (
-        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2),
-        None,
-    )  # SGD: the parameters' change is the gradients'
-    reward = (
-        build_classifier(BY_NAME[family], tokenizer, seed=2) if reward_model else length_reward
-    )  # a 🤗 classifier: the trainer makes its RewardModel
+    # SGD: the parameters' change is the gradients'
+    sgd = (torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2), None)
+    # a 🤗 classifier: the trainer makes its RewardModel
+    reward = build_classifier(BY_NAME[family], tokenizer, seed=2) if reward_model else length_reward
     dataset = load_task("prompts") if dataset is None else dataset
     if algo.startswith("ppo"):
         return RLHFTrainer(
@@ -154,14 +152,12 @@ def run(algo, family, tokenizer, tmp_path, padding_free, **more):
     models = [trainer.model.model if isinstance(trainer.model, Agent) else trainer.model, trainer.ref_model]
     if isinstance(trainer.model, Agent) and trainer.model.value_model is not None:
         models.append(trainer.model.value_model)
-    models += [
-        m.backbone for m in trainer.reward_model.models
-    ]  # a reward model made by the trainer packs with it
+    # a reward model made by the trainer packs with it
+    models += [m.backbone for m in trainer.reward_model.models]
     positions = []
 
-    def hook(
-        module, args, kwargs
-    ):  # positions read by each pass over whole sequences (the sampler's one-token steps aside)
+    # positions read by each pass over whole sequences (the sampler's one-token steps aside)
+    def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if (
             ids is not None
@@ -169,9 +165,8 @@ def run(algo, family, tokenizer, tmp_path, padding_free, **more):
             and kwargs.get("past_key_values", kwargs.get("cache")) is None
         ):
             mask = kwargs.get("attention_mask")
-            positions.append(
-                (ids.numel(), isinstance(mask, dict) or (mask is not None and mask.ndim == 4))
-            )  # (positions, packed)
+            # (positions, packed)
+            positions.append((ids.numel(), isinstance(mask, dict) or (mask is not None and mask.ndim == 4)))
 
     for m in models:
         m.register_forward_pre_hook(hook, with_kwargs=True)
@@ -199,13 +194,12 @@ def assert_same_run(algo, family, tokenizer, tmp_path, **more):
         for key, value in row_padded.items():
             if isinstance(value, float) and key not in ("eps", "val/clipfrac_avg"):
                 assert row_packed[key] == pytest.approx(value, rel=1e-4, abs=5e-6), (algo, family, more, key)
-    assert len(pos_packed) == len(pos_padded), (pos_packed, pos_padded)  # the same passes ...
-    assert all(packed for _, packed in pos_packed) and not any(
-        packed for _, packed in pos_padded
-    )  # ... every one packed, or none
-    assert sum(n for n, _ in pos_packed) <= sum(
-        n for n, _ in pos_padded
-    )  # never more positions (bins of the longest row)
+    # the same passes ...
+    assert len(pos_packed) == len(pos_padded), (pos_packed, pos_padded)
+    # ... every one packed, or none
+    assert all(packed for _, packed in pos_packed) and not any(packed for _, packed in pos_padded)
+    # never more positions (bins of the longest row)
+    assert sum(n for n, _ in pos_packed) <= sum(n for n, _ in pos_padded)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
@@ -314,6 +308,7 @@ def test_a_load_balancing_loss_is_refused(tokenizer, tmp_path):
             processing_class=tokenizer,
             train_dataset=load_task(data),
         )
-    policy.config.output_router_logits = True  # a checkpoint's config with it on: the forward refuses too
+    # a checkpoint's config with it on: the forward refuses too
+    policy.config.output_router_logits = True
     with pytest.raises(ValueError, match="with the model's `output_router_logits` on"):
         packed_forward(policy, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))

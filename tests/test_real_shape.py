@@ -157,7 +157,8 @@ def test_gradient_checkpointing_at_05b(model, tokenizer, tmp_path):
 
     errors = {}
 
-    def compare(name):  # each gradient checked and dropped as it lands
+    # each gradient checked and dropped as it lands
+    def compare(name):
         def hook(p):
             errors[name] = (
                 (p.grad - reference[name]).abs().max() / reference[name].abs().max().clamp(min=1e-30)
@@ -199,7 +200,8 @@ def adapter_count() -> int:
     (896→896), gate and up (896→4864), down (4864→896)."""
     kv = KV_HEADS * HEAD_DIM
     shapes = [(H, H), (H, kv), (H, kv), (H, H), (H, I), (H, I), (I, H)]
-    per_layer = sum(LORA_R * (i + o) for i, o in shapes)  # 14,336 + 2·8,192 + 14,336 + 3·46,080 = 183,296
+    # 14,336 + 2·8,192 + 14,336 + 3·46,080 = 183,296
+    per_layer = sum(LORA_R * (i + o) for i, o in shapes)
     return LAYERS * per_layer  # 4,399,104
 
 
@@ -224,8 +226,9 @@ def live_storages() -> dict[int, int]:
             continue
         try:
             out[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        # "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"
         except RuntimeError:
-            continue  # "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"
+            continue
     return out
 
 
@@ -279,7 +282,8 @@ def lora_run(model, tokenizer, tmp_path_factory):
     from peft import LoraConfig
 
     before = digests(model.named_parameters())
-    existing = live_storages()  # the model's, and whatever earlier tests in this process left alive
+    # the model's, and whatever earlier tests in this process left alive
+    existing = live_storages()
     trainer = GRPOTrainer(
         model,
         processing_class=tokenizer,
@@ -322,9 +326,11 @@ def test_lora_step_at_05b(lora_run):
         for n, d in after.items()
         if n not in adapters
     }
-    assert base_after == before  # the base, bit for bit (and the same 290 names)
+    # the base, bit for bit (and the same 290 names)
+    assert base_after == before
     moved = {n for n, p in policy.named_parameters() if "lora_B" in n and p.abs().max() > 0}
-    assert moved == {n for n in adapters if "lora_B" in n}  # every B trained, through the checkpointed layers
+    # every B trained, through the checkpointed layers
+    assert moved == {n for n in adapters if "lora_B" in n}
 
     optimizer = trainer.loop.optimizer.optimizer  # AdamW under Accelerate's wrapper
     in_groups = [p for g in optimizer.param_groups for p in g["params"]]
@@ -340,10 +346,10 @@ def test_lora_step_at_05b(lora_run):
     assert embedding is base_model.get_output_embeddings().weight  # tied, as Qwen2.5-0.5B's
     assert embedding.untyped_storage().data_ptr() in existing  # built before the run
     new = {ptr: n for ptr, n in live_storages().items() if ptr not in existing}  # what the run left alive
-    assert [n for n in new.values() if n >= V * H * 4] == []  # no second tensor of the embedding's size
-    assert sum(new.values()) < 0.5 * N_PARAMS * 4, sum(
-        new.values()
-    )  # adapters and their moments, not a second model
+    # no second tensor of the embedding's size
+    assert [n for n in new.values() if n >= V * H * 4] == []
+    # adapters and their moments, not a second model
+    assert sum(new.values()) < 0.5 * N_PARAMS * 4, sum(new.values())
     print(
         f"\nadapter parameters in the optimizer: {sum(p.numel() for p in in_groups):,}; tensor bytes the run "
         f"left alive {sum(new.values()):,}"
@@ -363,9 +369,8 @@ def test_no_logits_kept_at_05b_512_tokens(lora_run, tokenizer):
     part = rollout(tokenizer, 2, 8, 512)
     kept, (losses, _) = saved_storages(lambda: trainer.micro_batch_loss(policy, part, 0))
     params = {p.untyped_storage().data_ptr() for p in policy.parameters()}
-    elements = {
-        ptr: n // 4 for ptr, n in kept.items()
-    }  # float32 (ids and masks are counted at 4 bytes too: an over-count)
+    # float32 (ids and masks are counted at 4 bytes too: an over-count)
+    elements = {ptr: n // 4 for ptr, n in kept.items()}
     largest = max(elements.values())
     largest_activation = max(n for ptr, n in elements.items() if ptr not in params)
     print(

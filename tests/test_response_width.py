@@ -61,16 +61,11 @@ def make(algo, family, tokenizer, tmp_path, trims, loss_type="grpo", **more):
         **more,
     }
     value = build_classifier(BY_NAME[family], tokenizer, seed=1) if algo == "ppo_separate" else None
-    model = (
-        Agent(policy, value_model=value) if algo.startswith("ppo") else policy
-    )  # PPO: the critic built here, so the optimizer can hold it
-    sgd = (
-        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2),
-        None,
-        # SGD: the parameters' change is the gradients' (Adam would make a near-zero gradient's rounding a
-        # whole
-        # step)
-    )
+    # PPO: the critic built here, so the optimizer can hold it
+    model = Agent(policy, value_model=value) if algo.startswith("ppo") else policy
+    # SGD: the parameters' change is the gradients' (Adam would make a near-zero gradient's rounding a whole
+    # step)
+    sgd = (torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2), None)
     if algo.startswith("ppo"):
         trainer = RLHFTrainer(
             model,
@@ -114,9 +109,8 @@ def run(algo, family, tokenizer, tmp_path, trims, **more):
     lm = trainer.model.model if isinstance(trainer.model, Agent) else trainer.model
     widths, prompt = [], []
 
-    def hook(
-        module, args, kwargs
-    ):  # the widths of the policy's passes over whole prompt + response sequences
+    # the widths of the policy's passes over whole prompt + response sequences
+    def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None and ids.shape[1] > 1:
             widths.append(ids.shape[1])
@@ -157,21 +151,18 @@ def test_cut_columns_train_as_the_whole_width(algo, loss_type, family, tokenizer
         )
     for row_cut, row_whole in zip(hist_cut, hist_whole, strict=True):
         for key, value in row_whole.items():
-            if isinstance(value, float) and key != "eps":  # eps: episodes per second, a timing
+            # eps: episodes per second, a timing
+            if isinstance(value, float) and key != "eps":
                 assert row_cut[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (
                     algo,
                     loss_type,
                     family,
                     key,
                 )
-    assert max(widths_whole) == max(prompts) + RESPONSE, (
-        widths_whole,
-        prompts,
-    )  # without the cut: the whole width
-    assert max(widths_cut) < max(prompts) + RESPONSE, (
-        widths_cut,
-        prompts,
-    )  # with it: fewer columns in every pass
+    # without the cut: the whole width
+    assert max(widths_whole) == max(prompts) + RESPONSE, (widths_whole, prompts)
+    # with it: fewer columns in every pass
+    assert max(widths_cut) < max(prompts) + RESPONSE, (widths_cut, prompts)
 
 
 @pytest.mark.parametrize("algo", ["ppo_separate", "grpo"])

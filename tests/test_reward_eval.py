@@ -81,13 +81,13 @@ def test_ensemble_rewards_a_short_rl_run(algo, tmp_path, tok, members):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 2 and all(math.isfinite(r["objective/scores"]) for r in rows)
     assert all(math.isfinite(r["rewards/ensemble_mean_minus_std/mean"]) for r in rows)
-    scores = ensemble.member_scores(
-        ["Review: it"] * 4, [" was good", " was bad", " was", " was great fun"]
-    )  # (members, completions)
+    # (members, completions)
+    scores = ensemble.member_scores(["Review: it"] * 4, [" was good", " was bad", " was", " was great fun"])
     assert scores.shape[0] == 2 and (scores[0] != scores[1]).any()  # two seeds, two opinions
     stats = ensemble.stats(scores)
     assert stats["rewards/ensemble/std"] > 0 and set(stats) >= {f"rewards/{n}/mean" for n in ensemble.names}
-    for row in rows:  # each member's mean and the spread, every step
+    # each member's mean and the spread, every step
+    for row in rows:
         assert all(math.isfinite(row[k]) for k in stats), set(stats) - set(row)
 
 
@@ -201,9 +201,8 @@ def test_ensemble_members_logged_over_two_processes_equal_one(policy_dir, tmp_pa
     for a, b in zip(one, two):
         for key in keys:
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key, a[key], b[key])
-    assert (
-        len({row["rewards/long/mean"] for row in one}) > 1 and one[0]["rewards/ensemble/std"] > 0
-    )  # the steps differ; the members disagree
+    # the steps differ; the members disagree
+    assert len({row["rewards/long/mean"] for row in one}) > 1 and one[0]["rewards/ensemble/std"] > 0
 
 
 def test_an_ensemble_of_one_has_the_report_of_its_member(members):
@@ -296,7 +295,6 @@ def test_a_saved_reward_model_is_read_from_its_path_with_its_tokenizer(tmp_path,
     members[0].save_pretrained(tmp_path / "rm")
     pairs = load_task("preferences", "eval").select(range(8))
     from_path, in_memory = pair_scores(str(tmp_path / "rm"), pairs), pair_scores(members[0], pairs)
-    torch.testing.assert_close(
-        from_path.chosen_length, in_memory.chosen_length, rtol=0, atol=0
-    )  # tokens, not characters
+    # tokens, not characters
+    torch.testing.assert_close(from_path.chosen_length, in_memory.chosen_length, rtol=0, atol=0)
     torch.testing.assert_close(from_path.chosen, in_memory.chosen, rtol=0, atol=1e-5)

@@ -21,8 +21,9 @@ from instruct_goose import GRPOConfig, GRPOTrainer, load_task, reward_from, scor
 from instruct_goose import rewards
 
 
+# TRL's helpers read messages only
 def as_chat(texts):
-    return [[{"role": "assistant", "content": t}] for t in texts]  # TRL's helpers read messages only
+    return [[{"role": "assistant", "content": t}] for t in texts]
 
 
 THINK_CASES = [
@@ -46,13 +47,10 @@ THINK_CASES = [
 def test_think_format_reward_matches_trl():
     ours = rewards.think_format_reward(as_chat(THINK_CASES))
     assert ours == trl_rewards.think_format_reward(as_chat(THINK_CASES))
-    assert ours == rewards.think_format_reward(THINK_CASES)  # plain-text completions read the same
-    assert [i for i, r in enumerate(ours) if r == 1.0] == [
-        0,
-        6,
-        11,
-        13,
-    ]  # by hand: starts with <think>, no second one, closed
+    # plain-text completions read the same
+    assert ours == rewards.think_format_reward(THINK_CASES)
+    # by hand: starts with <think>, no second one, closed
+    assert [i for i, r in enumerate(ours) if r == 1.0] == [0, 6, 11, 13]
 
 
 @pytest.mark.parametrize("max_len,cache", [(100, 20), (8, 4), (4, 0), (5, 5), (1, 1)])
@@ -244,10 +242,12 @@ def not_applicable(completions, answer, **kwargs):
 @pytest.mark.parametrize(
     "reward,expected",
     [
-        (tokens_only, [2.0, 5.0, 1.0]),  # TRL's overlong punishment reads only the token ids
+        # TRL's overlong punishment reads only the token ids
+        (tokens_only, [2.0, 5.0, 1.0]),
         (completions_only, [2.0, 6.0, 2.0]),
         (prompts_and_completions, [6.0, 10.0, 6.0]),
-        (everything, [3.0, 5.0, 2.0]),  # ids' lengths + 1 where the answer is right (rows 0 and 2)
+        # ids' lengths + 1 where the answer is right (rows 0 and 2)
+        (everything, [3.0, 5.0, 2.0]),
         (positional, [2.0, 6.0, 2.0]),
         (booleans, [1.0, 0.0, 1.0]),  # True/False scored 1/0, as TRL does
         (not_applicable, [1.0, 1.0, float("nan")]),  # None: not applicable (NaN, left out of the sum)
@@ -282,7 +282,8 @@ def test_a_name_the_call_lacks_is_refused_by_name():
     with pytest.raises(
         TypeError,
         match=r"reward function `tokens_named` needs 'completion_ids', which is neither `prompts`, "
-        r"`completions` nor a column",
+        r"`completions` "
+        r"nor a column",
     ):
 
         def tokens_named(completion_ids):
@@ -339,6 +340,5 @@ def test_grpo_trains_with_soft_overlong_punishment(policy_dir, tmp_path):
         mean = row["rewards/soft_overlong_punishment_reward/mean"]
         assert -1.0 <= mean <= 0.0
         assert row["reward"] == pytest.approx(mean + 0.1 * row["rewards/completions_only/mean"], abs=1e-5)
-    assert any(
-        row["rewards/soft_overlong_punishment_reward/mean"] < 0 for row in rows
-    )  # 6-token cap, 2 free: most are punished
+    # 6-token cap, 2 free: most are punished
+    assert any(row["rewards/soft_overlong_punishment_reward/mean"] < 0 for row in rows)

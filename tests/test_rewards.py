@@ -101,17 +101,18 @@ def test_completion_ids_reach_reward_functions(algo, tmp_path):
         row[mask].tolist() for row, mask in zip(samples.response_ids, samples.response_mask)
     ]
     assert [tok.decode(ids, skip_special_tokens=True) for ids in seen["ids"]] == seen["completions"]
-    assert (
-        samples.scores.tolist() == samples.response_mask.sum(1).float().tolist()
-    )  # the reward counted real tokens
-    assert all(isinstance(i, int) for ids in seen["ids"] for i in ids)  # plain lists, as TRL gives them
+    # the reward counted real tokens
+    assert samples.scores.tolist() == samples.response_mask.sum(1).float().tolist()
+    # plain lists, as TRL gives them
+    assert all(isinstance(i, int) for ids in seen["ids"] for i in ids)
 
 
 @pytest.mark.parametrize("algo,k", [("ppo", 1), ("rloo", 2), ("grpo", 2)])
 def test_answer_column_reaches_every_sample(algo, k, tmp_path):
     seen = []
 
-    def exact(prompts, completions, answer, **kwargs):  # TRL's signature, reads the `answer` column
+    # TRL's signature, reads the `answer` column
+    def exact(prompts, completions, answer, **kwargs):
         seen.extend(zip(prompts, answer, kwargs["level"]))
         return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
@@ -121,7 +122,8 @@ def test_answer_column_reaches_every_sample(algo, k, tmp_path):
     expected = [
         (p, a, lv) for p, a, lv in zip(rows["prompt"], rows["answer"], rows["level"]) for _ in range(k)
     ]
-    assert seen == expected  # sample i got its own prompt's answer, k times
+    # sample i got its own prompt's answer, k times
+    assert seen == expected
 
 
 def test_trl_style_function_gets_everything_by_keyword():
@@ -172,7 +174,8 @@ def test_per_function_metrics_are_logged(algo, tmp_path):
     for row in rows:
         for name in ("first_token_is_digit", "length"):
             assert math.isfinite(row[f"rewards/{name}/mean"]) and row[f"rewards/{name}/std"] >= 0
-        assert row["rewards/length/mean"] > 0  # 8 sampled tokens decode to some text
+        # 8 sampled tokens decode to some text
+        assert row["rewards/length/mean"] > 0
 
 
 # --- None, async, what functions may return
@@ -191,7 +194,8 @@ def test_none_is_left_out_of_the_sum():
         warnings.simplefilter("always")
         total = reward(["1+1=", "1+1=", "hi"], [" 2", " 3", " hello"], answer=["2", "2", None])
     torch.testing.assert_close(total, torch.tensor([3.0, 0.0, 1.0]))  # 3·1; 3·0; 2·0.5
-    assert caught == []  # every completion had a reward that applied
+    # every completion had a reward that applied
+    assert caught == []
     nothing = reward_from(lambda p, c: [None] * len(c))
     with pytest.warns(UserWarning, match="every reward function returned None"):
         torch.testing.assert_close(nothing(["a", "b"], ["c", "d"]), torch.zeros(2))
@@ -214,12 +218,8 @@ def test_async_functions_run_concurrently():
 
     total = reward_from([slow, fast])(["a"], ["b"])
     torch.testing.assert_close(total, torch.tensor([3.0]))
-    assert order == [
-        "slow starts",
-        "fast starts",
-        "fast ends",
-        "slow ends",
-    ]  # gathered, not one after the other
+    # gathered, not one after the other
+    assert order == ["slow starts", "fast starts", "fast ends", "slow ends"]
 
 
 @pytest.mark.parametrize(
@@ -261,9 +261,8 @@ def test_chat_prompts_reach_functions_as_messages_and_samples_show_text(tmp_path
     tok = chat_task_tokenizer()
     t = trainer("rloo", tmp_path, f, data=chat, tokenizer=tok)
     _, samples = t.sample_rollout(t.model, chat[:2], seed=0)
-    assert got["prompts"] == [
-        p for p in chat[:2]["prompt"] for _ in range(2)
-    ]  # the conversations, each k times
+    # the conversations, each k times
+    assert got["prompts"] == [p for p in chat[:2]["prompt"] for _ in range(2)]
     assert all(
         c == [{"role": "assistant", "content": text}]
         for c, text in zip(got["completions"], samples.completions)
@@ -289,12 +288,12 @@ def test_eval_metrics_at_the_right_steps(algo, tmp_path):
     t = trainer(algo, tmp_path, length, eval_dataset=ARITHMETIC.select(range(5)), max_steps=3, eval_steps=2)
     t.train()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    e = "eval_" if algo == "grpo" else "eval/"  # GRPO: TRL 1.16's names (RLOO logs both)
+    # GRPO: TRL 1.16's names (RLOO logs both)
+    e = "eval_" if algo == "grpo" else "eval/"
     assert [r["step"] for r in rows if f"{e}score" in r] == [2, 3]
     with_ref = {f"{e}score_ref", f"{e}win_rate", f"{e}kl"}
-    assert (
-        with_ref <= set(rows[1]) if algo != "grpo" else not with_ref & set(rows[1])
-    )  # GRPO, beta 0: no reference
+    # GRPO, beta 0: no reference
+    assert with_ref <= set(rows[1]) if algo != "grpo" else not with_ref & set(rows[1])
     assert all(math.isfinite(r[f"{e}score"]) for r in rows if f"{e}score" in r)
 
 

@@ -59,12 +59,13 @@ def test_top_k_1_rollout_is_greedy_and_scores_the_full_softmax(policy_dir, tmp_p
     ids, mask = rollout.response_ids, rollout.response_mask
     with torch.no_grad():
         logits = response_logits(trainer.model, rollout.query_ids, rollout.query_attention_mask, ids, mask)[0]
-    assert torch.equal(ids[mask], logits.argmax(-1)[mask])  # greedy at every real step
-    by_hand = (
-        (logits / T).log_softmax(-1).gather(-1, ids[..., None])[..., 0]
-    )  # log p(token) under the full softmax at T
+    # greedy at every real step
+    assert torch.equal(ids[mask], logits.argmax(-1)[mask])
+    # log p(token) under the full softmax at T
+    by_hand = (logits / T).log_softmax(-1).gather(-1, ids[..., None])[..., 0]
     torch.testing.assert_close(rollout.logprobs[mask], by_hand[mask], atol=1e-5, rtol=0)
-    assert (rollout.logprobs[mask] < -0.1).all()  # the truncated distribution would give 0
+    # the truncated distribution would give 0
+    assert (rollout.logprobs[mask] < -0.1).all()
 
 
 CUTS = {
@@ -77,12 +78,13 @@ CUTS = {
 def test_each_step_gradient_is_its_rows_as_one_batch(policy_dir, tmp_path, monkeypatch, algo, loss_type):
     eos = AutoTokenizer.from_pretrained(policy_dir).eos_token_id
     extra = dict(loss_type=loss_type, beta=0.04) if algo == "grpo" else {}
+    # EOS likely: lengths differ
     trainer = _trainer(
         policy_dir,
         tmp_path,
         algo,
         num_iterations=2,
-        generation_kwargs={"sequence_bias": [[[eos], 5.0]]},  # EOS likely: lengths differ
+        generation_kwargs={"sequence_bias": [[[eos], 5.0]]},
         **CUTS[algo],
         **extra,
     )
@@ -98,13 +100,16 @@ def test_each_step_gradient_is_its_rows_as_one_batch(policy_dir, tmp_path, monke
 
     def checked_step(loop, model, stats=None):
         k = len(diffs)
-        rows = torch.cat(cuts[k // 2][k % 2])  # this optimizer step's rows
+        # this optimizer step's rows
+        rows = torch.cat(cuts[k // 2][k % 2])
         part = rollouts[0][rows]
         lengths = part.loss_mask.sum(1)
-        assert len(set(lengths.tolist())) > 1, lengths  # a token mean differs from a mean of means
+        # a token mean differs from a mean of means
+        assert len(set(lengths.tolist())) > 1, lengths
         engine = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        losses, _ = trainer.micro_batch_loss(model, part, 0)  # the step's rows as one micro-batch
+        # the step's rows as one micro-batch
+        losses, _ = trainer.micro_batch_loss(model, part, 0)
         sum(losses.values()).backward()
         diffs.append(
             max(
@@ -118,7 +123,8 @@ def test_each_step_gradient_is_its_rows_as_one_batch(policy_dir, tmp_path, monke
 
     monkeypatch.setattr(TrainLoop, "optimizer_step", checked_step)
     trainer.train()
-    assert len(diffs) == 4  # 2 passes × 2 optimizer steps per generation
+    # 2 passes × 2 optimizer steps per generation
+    assert len(diffs) == 4
     assert max(diffs) < 1e-5, diffs
 
 
@@ -147,7 +153,8 @@ def test_num_generations_eval(policy_dir, tmp_path, n_eval, expected):
     trainer = _trainer(policy_dir, tmp_path, reward=recording, num_generations_eval=n_eval)
     trainer.eval_dataset = load_task("prompts").select(range(16, 18))
     trainer.train()
-    evaluated = seen[-1]  # the evaluation at the last step
+    # the evaluation at the last step
+    evaluated = seen[-1]
     assert len(evaluated) == 2 * expected and evaluated == [
         p for p in trainer.eval_dataset["prompt"] for _ in range(expected)
     ]
@@ -271,24 +278,23 @@ def test_compile_generation_samples_through_the_compiled_step(policy_dir, tmp_pa
     for on in (False, True):
         trainer = _trainer(policy_dir, tmp_path, compile_generation=on)
         ids[on] = trainer.sample_rollout(trainer.model, trainer.train_dataset[:2], seed=0)[0].response_ids
-    assert handed == [True], handed  # asked once, by the compiled run only
+    # asked once, by the compiled run only
+    assert handed == [True], handed
     assert torch.equal(ids[True], ids[False])
 
 
 def test_num_tokens_counts_prompts_and_completions(policy_dir, tmp_path):
     "GRPO logs TRL's `num_tokens`: the running count of every rollout's real prompt and completion tokens."
     eos = AutoTokenizer.from_pretrained(policy_dir).eos_token_id
-    trainer = _trainer(
-        policy_dir, tmp_path, max_steps=2, generation_kwargs={"sequence_bias": [[[eos], 5.0]]}
-    )  # completions of several lengths
+    # completions of several lengths
+    trainer = _trainer(policy_dir, tmp_path, max_steps=2, generation_kwargs={"sequence_bias": [[[eos], 5.0]]})
     seen, sample = [], trainer.sample_rollout
 
     def recording(*args, **kwargs):
         rollout, samples = sample(*args, **kwargs)
         seen.append(int(samples.query_attention_mask.sum() + samples.response_mask.sum()))
-        assert (
-            samples.response_mask.sum() < samples.response_mask.numel()
-        )  # some completions stopped early: padding is not counted
+        # some completions stopped early: padding is not counted
+        assert samples.response_mask.sum() < samples.response_mask.numel()
         return rollout, samples
 
     trainer.sample_rollout = recording
@@ -311,8 +317,9 @@ def test_continuous_batching_samples_every_rollout(
     calls, wrappers, engine = [], [], generation._cb_generate
 
     def noting(model, *args):
+        # accelerate's mixed-precision forward, if any
         calls.append(args[-1])
-        wrappers.append(vars(model).get("forward"))  # accelerate's mixed-precision forward, if any
+        wrappers.append(vars(model).get("forward"))
         return engine(model, *args)
 
     monkeypatch.setattr(generation, "_cb_generate", noting)
@@ -332,16 +339,17 @@ def test_continuous_batching_samples_every_rollout(
     assert set(engine_dtypes) == {torch.bfloat16 if precision == "bf16" else torch.float32}, set(
         engine_dtypes
     )
-    assert calls == [True, True], calls  # one generation a step, TRL's default options
+    # one generation a step, TRL's default options
+    assert calls == [True, True], calls
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    # accelerate's wrapper given back
     assert vars(trainer.model).get("forward") is wrappers[0] and (wrappers[0] is not None) == (
         precision == "bf16"
-    )  # accelerate's wrapper given back
+    )
     rollout, _ = trainer.sample_rollout(trainer.model, trainer.train_dataset[:2], seed=0)
     ids, real = rollout.response_ids, rollout.response_mask
     eos = trainer.stop_token_id
-    for row, n in zip(
-        ids.tolist(), real.sum(1).tolist()
-    ):  # real up to and including the first stop, padding after
+    # real up to and including the first stop, padding after
+    for row, n in zip(ids.tolist(), real.sum(1).tolist()):
         assert eos not in row[: n - 1] and (n == 8 or row[n - 1] == eos), row
     assert ids.shape[1] == int(real.sum(1).max())  # the rollout ends at its longest response

@@ -75,18 +75,16 @@ def test_seed_parameters_keep_their_names_order_and_defaults(name):
     f, seed = SEEDS[name]
     parameters = _parameters(f)
     assert [(p.name, p.default) for p in parameters[: len(seed)]] == seed
-    for p in parameters[len(seed) :]:  # what was added after them: optional, so seed calls still run
+    # what was added after them: optional, so seed calls still run
+    for p in parameters[len(seed) :]:
         assert p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not REQUIRED, (
             f"{name}: {p.name} is required"
         )
 
 
 def test_rlhf_trainer_takes_the_seeds_model_ref_model_config():
-    assert [p.name for p in _parameters(RLHFTrainer)[:3]] == [
-        "model",
-        "ref_model",
-        "args",
-    ]  # TRL's `args` third
+    # TRL's `args` third
+    assert [p.name for p in _parameters(RLHFTrainer)[:3]] == ["model", "ref_model", "args"]
     config = RLHFConfig(output_dir="unused", response_length=6, disable_tqdm=True)
     by_position = RLHFTrainer(
         tiny_causal_lm(task_tokenizer(), seed=0), None, config, processing_class=task_tokenizer()
@@ -107,9 +105,8 @@ def test_rloo_seed_fields_keep_their_names_and_defaults():
         rloo_k=4, normalize_reward=True, reward_clip_range=3.0, normalize_advantage=True, token_level_kl=True
     )
     config = RLOOConfig(output_dir="unused", per_device_train_batch_size=4, **given)
-    assert {name: getattr(config, name) for name in given} == given | {
-        "reward_clip_range": (-3.0, 3.0)
-    }  # [−c, c]
+    # [−c, c]
+    assert {name: getattr(config, name) for name in given} == given | {"reward_clip_range": (-3.0, 3.0)}
 
 
 def test_ppo_loss_takes_torchtunes_names_and_trls():

@@ -93,9 +93,8 @@ def test_loss_and_gradient_equal_trl(tmp_path, options):
     theirs, ours, inputs, batch, n_tokens = _sides(tmp_path, **options)
     ids, mask, loss_mask = batch
     assert torch.equal(inputs["input_ids"], ids) and torch.equal(inputs["attention_mask"], mask)
-    assert (
-        torch.equal(inputs["labels"][:, 1:] != -100, loss_mask[:, 1:]) and not loss_mask[:, 0].any()
-    )  # the tokens predicted (none predicts the first)
+    # the tokens predicted (none predicts the first)
+    assert torch.equal(inputs["labels"][:, 1:] != -100, loss_mask[:, 1:]) and not loss_mask[:, 0].any()
     theirs.model.zero_grad()
     trl_loss = theirs.compute_loss(theirs.model, inputs)
     trl_loss.backward()
@@ -120,13 +119,15 @@ def test_entropy_and_token_accuracy_equal_trl(tmp_path, padding_free):
     _, ours, _, batch, n_tokens = _sides(tmp_path)
     model = ours.model
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(15):  # fit the rows: a share of the argmaxes become the labels
+    # fit the rows: a share of the argmaxes become the labels
+    for _ in range(15):
         opt.zero_grad()
         (ours.nll_sum(model, batch) / n_tokens).backward()
         opt.step()
     theirs, ours, inputs, batch, n_tokens = _sides(tmp_path, copy.deepcopy(model))
     _, stats = ours.nll_sum(ours.model, batch, padding_free, stats=True)
-    assert 0.2 < stats["mean_token_accuracy"].item() < 1.0, stats  # neither none nor all: the test can tell
+    # neither none nor all: the test can tell
+    assert 0.2 < stats["mean_token_accuracy"].item() < 1.0, stats
     for mode in ("train", "eval"):
         getattr(theirs.model, mode)()
         with torch.no_grad():
@@ -136,11 +137,11 @@ def test_entropy_and_token_accuracy_equal_trl(tmp_path, padding_free):
                 mode,
                 name,
             )
-    assert theirs._metrics["train"]["num_tokens"][-1] == int(
-        inputs["attention_mask"].sum()
-    )  # TRL's running count after one batch
+    # TRL's running count after one batch
+    assert theirs._metrics["train"]["num_tokens"][-1] == int(inputs["attention_mask"].sum())
     ours.eval_dataset = ours.train_dataset
-    evaluated = ours.evaluate(batch_size=len(ROWS))  # one batch: TRL's eval metric is that batch's mean
+    # one batch: TRL's eval metric is that batch's mean
+    evaluated = ours.evaluate(batch_size=len(ROWS))
     for name in ("entropy", "mean_token_accuracy"):
         assert evaluated[f"eval_{name}"] == pytest.approx(theirs._metrics["eval"][name][-1], rel=1e-5), name
 
@@ -212,12 +213,8 @@ def test_best_fit_bins_are_trls(seed):
     """`best_fit_bins` groups sequences as TRL 1.16's `pack_dataset(strategy='bfd')` does: the same bins, in the
     same order."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 48, (300,), generator=g).tolist() + [
-        48,
-        48,
-        1,
-        1,
-    ]  # ties, full bins and the smallest
+    # ties, full bins and the smallest
+    lengths = torch.randint(1, 48, (300,), generator=g).tolist() + [48, 48, 1, 1]
     data = Dataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(lengths)]})
     packed = pack_dataset(data, seq_length=48, strategy="bfd", map_kwargs={"batch_size": len(lengths)})
     theirs = [
@@ -391,9 +388,8 @@ def test_shuffled_packing_is_trls(tmp_path):
             seed
         )
     assert _our_packed_bins(tmp_path, rows, max_length=24) == _trl_packed_bins(tmp_path, rows, max_length=24)
-    assert (
-        _our_packed_bins(tmp_path, rows, max_length=24) != theirs
-    )  # the test can tell: unshuffled rows fall otherwise
+    # the test can tell: unshuffled rows fall otherwise
+    assert _our_packed_bins(tmp_path, rows, max_length=24) != theirs
 
 
 def _reward_sides(tmp_path, pairs, tok, max_length):
@@ -427,8 +423,10 @@ def test_reward_pairs_kept_are_trls_text(tmp_path, prompt):
     tok = task_tokenizer()
     n = lambda text: len(tok(text + tok.eos_token).input_ids)
     base = "Review: it was a fine film"
-    texts = [base + "." + " film" * k for k in range(6)]  # " film" is one token: lengths rise one at a time
-    limit = n(texts[3])  # texts[3] fits exactly, texts[4] only without TRL's EOS
+    # " film" is one token: lengths rise one at a time
+    texts = [base + "." + " film" * k for k in range(6)]
+    # texts[3] fits exactly, texts[4] only without TRL's EOS
+    limit = n(texts[3])
     assert [n(t) - limit for t in texts] == [-3, -2, -1, 0, 1, 2]
     pairs = [
         {"chosen": texts[i], "rejected": texts[j]}
@@ -482,9 +480,8 @@ def test_trl_defaults_pad_auto_and_max_length_none_are_taken(tmp_path, name):
     theirs = getattr(trl, name)(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, max_length=None
     )
-    assert {f.name: f.default for f in dataclasses.fields(getattr(trl, name))}[
-        "pad_to_multiple_of"
-    ] == "auto"  # TRL's default
+    # TRL's default
+    assert {f.name: f.default for f in dataclasses.fields(getattr(trl, name))}["pad_to_multiple_of"] == "auto"
     ours = ours_class(output_dir=str(tmp_path), pad_to_multiple_of="auto", max_length=None)
     assert (
         (ours.pad_to_multiple_of, ours.max_length)
@@ -568,7 +565,8 @@ def test_loss_tokens_are_trls(tmp_path, form, completion_only, assistant_only):
         rows,
         processing_class=tok,
     )
-    if options.get("assistant_only_loss") and not chat:  # TRL: "the dataset is not conversational"
+    # TRL: "the dataset is not conversational"
+    if options.get("assistant_only_loss") and not chat:
         with pytest.raises(ValueError, match="not conversational"):
             TRLSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
         with pytest.raises(ValueError, match="`assistant_only_loss=True` needs conversations"):
@@ -581,7 +579,8 @@ def test_loss_tokens_are_trls(tmp_path, form, completion_only, assistant_only):
     ours = make_ours()
     (ids, mask, loss_mask), n_tokens = ours.encode(ours.train_dataset[:])
     assert torch.equal(ids, inputs["input_ids"]) and torch.equal(mask, inputs["attention_mask"])
-    trl_tokens = inputs["labels"][:, 1:] != -100  # the tokens TRL's shifted loss predicts
+    # the tokens TRL's shifted loss predicts
+    trl_tokens = inputs["labels"][:, 1:] != -100
     assert torch.equal(loss_mask[:, 1:], trl_tokens) and not loss_mask[:, 0].any(), (
         form,
         options,
@@ -626,9 +625,8 @@ def test_reward_margin_is_trls(tmp_path, chat):
     theirs.model.eval()
     with torch.no_grad():
         trl_loss, out = theirs.compute_loss(theirs.model, inputs, return_outputs=True)
-    assert trl_loss.item() == pytest.approx(
-        by_hand(*out.logits.squeeze(-1).chunk(2)), rel=1e-6
-    )  # TRL's formula
+    # TRL's formula
+    assert trl_loss.item() == pytest.approx(by_hand(*out.logits.squeeze(-1).chunk(2)), rel=1e-6)
     config = RewardConfig(
         output_dir=str(tmp_path / "ours"),
         per_device_train_batch_size=4,
@@ -639,7 +637,8 @@ def test_reward_margin_is_trls(tmp_path, chat):
         normalize=False,
     )
     ours = RewardTrainer(tiny_causal_lm(tok, seed=0), config, pairs, processing_class=tok)
-    assert ours.train_dataset["margin"] == margins  # kept through `preference_dataset`
+    # kept through `preference_dataset`
+    assert ours.train_dataset["margin"] == margins
     with torch.no_grad():
         r_c, r_r = ours.pair_scores(ours.reward_model.eval(), ours.train_dataset[:])
     ours.train()
@@ -647,7 +646,5 @@ def test_reward_margin_is_trls(tmp_path, chat):
     assert logged["loss"] == pytest.approx(by_hand(r_c, r_r), rel=1e-5), (logged["loss"], by_hand(r_c, r_r))
     assert logged["margin"] == pytest.approx((r_c - r_r).mean().item(), rel=1e-5)
     without = (-torch.nn.functional.logsigmoid(r_c - r_r).mean() + c * ((r_c + r_r) ** 2).mean()).item()
-    assert abs(logged["loss"] - without) > 0.1, (
-        logged["loss"],
-        without,
-    )  # the test can tell: m moves the loss
+    # the test can tell: m moves the loss
+    assert abs(logged["loss"] - without) > 0.1, (logged["loss"], without)

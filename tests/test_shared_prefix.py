@@ -54,8 +54,9 @@ def rows(tokenizer, P=9, R=7):
 @pytest.mark.parametrize("family", [f.name for f in CAUSAL])
 def test_shared_prompts_give_the_padded_numbers(family, tokenizer):
     model = disable_dropout(build_causal(BY_NAME[family], tokenizer, seed=0)).train()
+    # shorter than the prompts: the window bites
     if getattr(model.config, "sliding_window", None) is not None:
-        model.config.sliding_window = 4  # shorter than the prompts: the window bites
+        model.config.sliding_window = 4
     q, qm, r, rm = rows(tokenizer)
     real = rm.bool()
     padded = response_logprobs(model, q, qm, r, rm, 0.7, "grad")
@@ -67,9 +68,8 @@ def test_shared_prompts_give_the_padded_numbers(family, tokenizer):
         torch.cat([g.flatten() for g in torch.autograd.grad((x[0] + 0.1 * x[1])[real].sum(), params)])
         for x in (padded, shared)
     ]
-    torch.testing.assert_close(
-        grads[1], grads[0], rtol=0, atol=1e-5 * float(grads[0].abs().max())
-    )  # (OPT's key biases: 0 but for rounding)
+    # (OPT's key biases: 0 but for rounding)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-5 * float(grads[0].abs().max()))
 
 
 def test_checkpointing_and_its_refusal(tokenizer):
@@ -98,9 +98,8 @@ def run(algo, family, tokenizer, tmp_path, shared, **more):
     """Train; the positions each pass over whole sequences read (the sampler's steps aside), and whether it
     shared its prompts."""
     ppo = algo.startswith("ppo")
-    extra = (
-        dict(dataset=repeated_prompts(), shuffle_dataset=False) if ppo else {}
-    )  # PPO samples once per prompt: a dataset with each twice
+    # PPO samples once per prompt: a dataset with each twice
+    extra = dict(dataset=repeated_prompts(), shuffle_dataset=False) if ppo else {}
     trainer = make(
         algo,
         family,
@@ -114,9 +113,8 @@ def run(algo, family, tokenizer, tmp_path, shared, **more):
     models = [trainer.model.model if isinstance(trainer.model, Agent) else trainer.model, trainer.ref_model]
     if isinstance(trainer.model, Agent) and trainer.model.value_model is not None:
         models.append(trainer.model.value_model)
-    models += [
-        m.backbone for m in trainer.reward_model.models
-    ]  # a reward model made by the trainer shares with it
+    # a reward model made by the trainer shares with it
+    models += [m.backbone for m in trainer.reward_model.models]
     passes = []
 
     def hook(module, args, kwargs):
@@ -125,8 +123,9 @@ def run(algo, family, tokenizer, tmp_path, shared, **more):
         kind = type(cache.layers[0]) if cache is not None and getattr(cache, "layers", None) else None
         if kind in (_PromptWrite, _PromptRead):
             passes.append((ids.numel(), kind))
+        # a padded (or packed) pass
         elif cache is None and ids is not None and ids.shape[1] > 1:
-            passes.append((ids.numel(), None))  # a padded (or packed) pass
+            passes.append((ids.numel(), None))
 
     for m in models:
         if m is not None:
@@ -138,9 +137,8 @@ def run(algo, family, tokenizer, tmp_path, shared, **more):
         lambda *args, **kwargs: shares.append(kwargs["share_prompts"]) or sample(*args, **kwargs),
     ):
         trainer.train()
-    assert shares and all(s == shared for s in shares), (
-        shares
-    )  # the sampler was asked to run each prompt once too (or not)
+    # the sampler was asked to run each prompt once too (or not)
+    assert shares and all(s == shared for s in shares), shares
     return (
         {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
         trainer.loop.state.history,
@@ -155,24 +153,20 @@ def assert_same_run(algo, family, tokenizer, tmp_path, all_shared=True, **more):
         torch.testing.assert_close(
             shared[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{algo}/{family}/{more} {name}: {m}"
         )
-    for row_shared, row_padded in zip(
-        hist_shared, hist_padded, strict=True
-    ):  # tolerances as in test_padding_free
+    # tolerances as in test_padding_free
+    for row_shared, row_padded in zip(hist_shared, hist_padded, strict=True):
         for key, value in row_padded.items():
             if isinstance(value, float) and key not in ("eps", "val/clipfrac_avg"):
                 assert row_shared[key] == pytest.approx(value, rel=1e-4, abs=5e-6), (algo, family, more, key)
     writes = [n for n, kind in pos_shared if kind is _PromptWrite]
-    assert (
-        len(writes) == sum(kind is _PromptRead for _, kind in pos_shared) > 0
-    )  # each shared pass: the prompts, then the responses
+    # each shared pass: the prompts, then the responses
+    assert len(writes) == sum(kind is _PromptRead for _, kind in pos_shared) > 0
+    # every pass shared its prompts
     if all_shared:
-        assert len(writes) == len(pos_padded) and all(
-            kind is not None for _, kind in pos_shared
-        )  # every pass shared its prompts
+        assert len(writes) == len(pos_padded) and all(kind is not None for _, kind in pos_shared)
+    # and read fewer positions than padded
     if not more.get("padding_free"):
-        assert sum(n for n, _ in pos_shared) < sum(
-            n for n, _ in pos_padded
-        )  # and read fewer positions than padded
+        assert sum(n for n, _ in pos_shared) < sum(n for n, _ in pos_padded)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])

@@ -170,7 +170,8 @@ def test_every_error_path_reaches_the_model_and_the_run_goes_on(tok):
     }
     start = time.perf_counter()
     out, _, _ = scripted(tok, turns, [calculator, boom, sleepy], tool_timeout=0.2)
-    assert time.perf_counter() - start < 20  # the sleeping tool did not hold the rollout
+    # the sleeping tool did not hold the rollout
+    assert time.perf_counter() - start < 20
     results = [c[1]["content"] for c in out.conversations]
     assert results[0] == "{'error': 'boom'}"
     assert results[1] == "{'error': 'Tool sleepy ran past its time limit of 0.2 s.'}"
@@ -232,25 +233,24 @@ def test_tool_tokens_change_neither_loss_nor_gradient(kind, tok, tmp_path):
         torch.tensor([[1.0, 0.0] * n]),
         out.tool_mask.repeat(2, 1),
     )
-    trainer.sample_and_score = lambda *a, **k: samples  # the scripted rollout in place of sampling
+    # the scripted rollout in place of sampling
+    trainer.sample_and_score = lambda *a, **k: samples
     rollout, _ = trainer.sample_rollout(
         trainer.model, {"prompt": [[{"role": "user", "content": "12*34="}]]}, seed=0
     )
     tool = samples.response_mask & ~samples.tool_mask
     assert tool.sum() > 10 and torch.equal(rollout.loss_mask, samples.response_mask & samples.tool_mask)
     policy = trainer.model.train()
-    base = [
-        x.detach() for x in trainer.policy_pass(policy, rollout)[:2]
-    ]  # (log π, entropy) of the sampled tokens
+    # (log π, entropy) of the sampled tokens
+    base = [x.detach() for x in trainer.policy_pass(policy, rollout)[:2]]
 
     def loss_and_grad(kept, part):
         kept = [x.clone().requires_grad_(True) for x in kept]
         losses, _ = trainer.micro_batch_loss(policy, part, 0, kept=PolicyPass(*kept))
         total = sum(losses.values())
         total.backward()
-        return total.detach(), torch.stack(
-            [torch.zeros_like(x) if x.grad is None else x.grad for x in kept]
-        )  # RLOO: no entropy term
+        # RLOO: no entropy term
+        return total.detach(), torch.stack([torch.zeros_like(x) if x.grad is None else x.grad for x in kept])
 
     loss, grad = loss_and_grad(base, rollout)
     noisy = [x + torch.randn_like(x) * 5 * tool for x in base]
@@ -262,8 +262,9 @@ def test_tool_tokens_change_neither_loss_nor_gradient(kind, tok, tmp_path):
     assert torch.allclose(loss, loss2, atol=1e-6), (loss, loss2)
     assert torch.allclose(grad, grad2, atol=1e-7)
     assert grad[:, tool].abs().max() == 0 and grad[0][~tool & samples.response_mask].abs().max() > 0
+    # the entropy bonus reaches the entropy
     if kind == "grpo":
-        assert grad[1][~tool & samples.response_mask].abs().max() > 0  # the entropy bonus reaches the entropy
+        assert grad[1][~tool & samples.response_mask].abs().max() > 0
 
 
 def test_prompt_length_check_counts_the_tool_schemas(tok, tmp_path):
@@ -278,9 +279,8 @@ def test_prompt_length_check_counts_the_tool_schemas(tok, tmp_path):
         for text in (trainer.prompt_texts([prompt])[0], prompt_text(tok, prompt))
     )
     assert with_schemas > plain + 10 and "calculator" in trainer.prompt_texts([prompt])[0]
-    trainer.args.response_length = (
-        320 - (with_schemas + plain) // 2
-    )  # room for the plain prompt, not for the one sampling reads
+    # room for the plain prompt, not for the one sampling reads
+    trainer.args.response_length = 320 - (with_schemas + plain) // 2
     with pytest.raises(ValueError, match=f"the longest prompt has {with_schemas} tokens"):
         trainer.check_prompt_lengths()
 
@@ -368,14 +368,14 @@ def caller_dir(tmp_path_factory):
             output_dir=str(where / "sft"),
             learning_rate=3e-3,
             per_device_train_batch_size=16,
+            # 240 steps: ~80 % of its answers are well-formed calls (80 steps: ~8 %, so a 4-step
+            # run could see none)
             max_steps=240,
             logging_steps=10**6,
             disable_tqdm=True,
         ),
         train_dataset=rows,
         processing_class=tok,
-        # 240 steps: ~80 % of its answers are well-formed calls (80 steps: ~8 %, so a 4-step run could see
-        # none)
     ).train()
     model.save_pretrained(where / "model")
     tok.save_pretrained(where / "model")
@@ -484,9 +484,8 @@ def test_padding_free_reads_tool_turns_as_padded(kind, flag, tok, tmp_path):
         torch.tensor([[1.0, 0.0]]),
         out.tool_mask.repeat(2, 1),
     )
-    assert (samples.response_mask & ~samples.tool_mask).sum() > 10 and (
-        ~samples.response_mask
-    ).any()  # tool tokens, and padding
+    # tool tokens, and padding
+    assert (samples.response_mask & ~samples.tool_mask).sum() > 10 and (~samples.response_mask).any()
     trainer.sample_and_score = lambda *a, **k: samples
     policy, real, results = trainer.model.train(), samples.response_mask, []
     import instruct_goose.agent as agent
@@ -505,9 +504,10 @@ def test_padding_free_reads_tool_turns_as_padded(kind, flag, tok, tmp_path):
             current = trainer.policy_pass(policy, rollout)
             losses, _ = trainer.micro_batch_loss(policy, rollout, 0)
         results.append(([x[real].detach() for x in current[:2]], {k: v.detach() for k, v in losses.items()}))
+    # the prompt ran once in each pass
     assert shared == ([True] * len(shared) if flag == "shared_prefix" else []) and (
         shared or flag == "padding_free"
-    )  # the prompt ran once in each pass
+    )
     (padded, padded_losses), (packed, packed_losses) = results
     for a, b in zip(padded, packed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

@@ -104,7 +104,8 @@ def test_old_argument_orders_fail_in_one_line(tmp_path):
         (
             lambda: RLOOTrainer(config("rloo", tmp_path), tok, model, None, length, PROMPTS),
             r"RLOOTrainer\(model, ref_model=None, args=None, processing_class=None, train_dataset=None, "
-            r".*the config goes in `args=`",
+            r".*the "
+            r"config goes in `args=`",
         ),
         (
             lambda: GRPOTrainer(model, length),
@@ -129,20 +130,22 @@ def test_model_as_path_causal_lm_or_agent(policy_dir, tmp_path):
         from_path = trainer_class(
             str(policy_dir), args=config(algo, tmp_path / "path"), reward_funcs=length, train_dataset=PROMPTS
         )
-        assert from_path.tokenizer is not None  # loaded from the path: processing_class=None
+        # loaded from the path: processing_class=None
+        assert from_path.tokenizer is not None
         lm = from_path.model.model if algo == "ppo" else from_path.model
         assert type(lm).__name__ == "GPT2LMHeadModel"
-        from_path.train()  # a path-loaded tokenizer samples (prompts padded left)
+        # a path-loaded tokenizer samples (prompts padded left)
+        from_path.train()
         agent = Agent(tiny_causal_lm(task_tokenizer(), seed=0))
         from_agent = trainer_class(
             agent, args=config(algo, tmp_path / "agent"), processing_class=task_tokenizer()
         )
         assert (from_agent.model is agent) if algo == "ppo" else (from_agent.model is agent.model)
     ppo = RLHFTrainer(AutoModelForCausalLM.from_pretrained(policy_dir), args=config("ppo", tmp_path / "lm"))
-    assert isinstance(ppo.model, Agent)  # a value head is added to a causal LM
-    assert (
-        GRPOTrainer(str(policy_dir), args=config("grpo", tmp_path / "g")).ref_model is None
-    )  # beta = 0: no reference
+    # a value head is added to a causal LM
+    assert isinstance(ppo.model, Agent)
+    # beta = 0: no reference
+    assert GRPOTrainer(str(policy_dir), args=config("grpo", tmp_path / "g")).ref_model is None
 
 
 def lora_parameters(model):
@@ -166,9 +169,8 @@ def test_peft_config_trains_adapters_only_against_the_adapter_off_base(algo, tmp
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad(), lm.disable_adapter():
         base = lm(input_ids=ids).logits
-    torch.testing.assert_close(
-        trainer.ref_model(input_ids=ids).logits, base
-    )  # π_ref: the adapters off, no second copy
+    # π_ref: the adapters off, no second copy
+    torch.testing.assert_close(trainer.ref_model(input_ids=ids).logits, base)
 
 
 class Steps(TrainerCallback):
@@ -183,9 +185,8 @@ class Steps(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self.events.append(("step_begin", state.global_step))
 
-    def on_pre_optimizer_step(
-        self, args, state, control, optimizer=None, **kwargs
-    ):  # the gradients are there to read
+    # the gradients are there to read
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         self.events.append(
             (
                 "pre_optimizer",
@@ -223,11 +224,10 @@ def test_callbacks_see_each_step_and_can_stop_the_run(algo, tmp_path):
         reward_funcs=length,
         callbacks=[steps],
     )
-    trainer.train()  # returns normally: no TrainingInterrupted
-    optimizer_steps = [
-        ("pre_optimizer", True),
-        ("optimizer", 0),
-    ] * 2  # 2 minibatches: 2 optimizer steps in step 1
+    # returns normally: no TrainingInterrupted
+    trainer.train()
+    # 2 minibatches: 2 optimizer steps in step 1
+    optimizer_steps = [("pre_optimizer", True), ("optimizer", 0)] * 2
     assert steps.events == [
         ("begin", 0, 3),
         ("step_begin", 0),
@@ -238,7 +238,8 @@ def test_callbacks_see_each_step_and_can_stop_the_run(algo, tmp_path):
         ("end", 1, 1),
     ]
     assert sorted(p.name for p in (tmp_path / algo).glob("checkpoint-*")) == ["checkpoint-1"]
-    assert (tmp_path / algo / "model.safetensors").is_file()  # the model is saved as at the end of a run
+    # the model is saved as at the end of a run
+    assert (tmp_path / algo / "model.safetensors").is_file()
 
 
 def test_cli_and_yaml_take_either_name(tmp_path, capsys):
@@ -247,13 +248,13 @@ def test_cli_and_yaml_take_either_name(tmp_path, capsys):
     flags = parse_config(RLOOCommand, ["--rloo_k", "2", "--beta", "0.1"], "goose rloo")
     assert (flags.num_generations, flags.rloo_k, flags.kl_coef, flags.beta) == (2, 2, 0.1, 0.1)
     settings = tmp_path / "rloo.yaml"
-    settings.write_text(
-        "num_generations: 2\nmax_completion_length: '8'\nkl_coef: 1e-2\n"
-    )  # YAML 1.1 reads 1e-2 as text
+    # YAML 1.1 reads 1e-2 as text
+    settings.write_text("num_generations: 2\nmax_completion_length: '8'\nkl_coef: 1e-2\n")
     yaml = parse_config(RLOOCommand, ["--config", str(settings)], "goose rloo")
     assert (yaml.rloo_k, yaml.response_length, yaml.beta) == (2, 8, 0.01)
     grpo = parse_config(GRPOCommand, ["--num_ppo_epochs", "2"], "goose grpo")
-    assert (grpo.num_iterations, grpo.beta, grpo.kl_coef) == (2, 0.0, 0.0)  # GRPO's defaults: no KL term
+    # GRPO's defaults: no KL term
+    assert (grpo.num_iterations, grpo.beta, grpo.kl_coef) == (2, 0.0, 0.0)
     with pytest.raises(SystemExit):
         parse_config(RLOOCommand, ["--num_generations", "2", "--rloo_k", "8"], "goose rloo")
     assert "`num_generations`=2 and `rloo_k`=8 name one setting twice" in capsys.readouterr().err
@@ -267,7 +268,8 @@ def test_trl_ppo_names_value_model_and_token_id_prompts(tmp_path):
 
     tok = task_tokenizer()
     assert PPOConfig is RLHFConfig and PPOTrainer is RLHFTrainer
-    classifier = RewardModel(tiny_causal_lm(tok, seed=1)).model  # a 🤗 GPT2ForSequenceClassification
+    # a 🤗 GPT2ForSequenceClassification
+    classifier = RewardModel(tiny_causal_lm(tok, seed=1)).model
     value_model = AutoModelForSequenceClassification.from_config(GPT2Config(**classifier.config.to_dict()))
     ids = [{"input_ids": tok(row["prompt"]).input_ids} for row in PROMPTS]
     trainer = PPOTrainer(
@@ -278,10 +280,10 @@ def test_trl_ppo_names_value_model_and_token_id_prompts(tmp_path):
         value_model=value_model,
         train_dataset=ids,
     )
-    assert list(trainer.train_dataset["prompt"]) == [
-        row["prompt"] for row in PROMPTS
-    ]  # the text back, tokenized again by the trainer
-    assert trainer.model.value_model is not None  # values from the separate critic's trunk
+    # the text back, tokenized again by the trainer
+    assert list(trainer.train_dataset["prompt"]) == [row["prompt"] for row in PROMPTS]
+    # values from the separate critic's trunk
+    assert trainer.model.value_model is not None
     trainer.train()
     trainer.save_model(str(tmp_path / "saved"))
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")

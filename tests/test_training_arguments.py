@@ -93,9 +93,8 @@ def classify(config_class, name, value):
         return "refused" if f"`{name}`" in str(e) else f"refused without naming it: {e}"
     if name in HF_NOT_RUN and HF_NOT_RUN[name][0] == value:
         return "ours"
-    held = getattr(
-        config, HF_RENAMED.get(name, name), "<missing>"
-    )  # transformers 5's new names are held under TRL's
+    # transformers 5's new names are held under TRL's
+    held = getattr(config, HF_RENAMED.get(name, name), "<missing>")
     return "honoured" if held == SAME_AS.get(name, value) else f"accepted and ignored (holds {held!r})"
 
 
@@ -160,12 +159,15 @@ def test_honoured_fields_change_the_run(tmp_path):
     group = a.loop.optimizer.optimizer.param_groups[0]
     assert (group["betas"][0], group["eps"], bool(group.get("fused"))) == (0.5, 1e-6, False)
     assert math.isclose(a.loop.state.history[-1]["learning_rate"], 1e-4)  # the cosine ends at min_lr
-    assert not list((tmp_path / "a").glob("checkpoint-*"))  # save_strategy="no": no checkpoint
-    assert not any("eval_loss" in row for row in a.loop.state.history)  # eval_strategy="no": no evaluation
+    # save_strategy="no": no checkpoint
+    assert not list((tmp_path / "a").glob("checkpoint-*"))
+    # eval_strategy="no": no evaluation
+    assert not any("eval_loss" in row for row in a.loop.state.history)
     d = run(
         "d", optim="sgd", optim_args="momentum=0.9", weight_decay=0.1, save_strategy="no", eval_strategy="no"
     )
-    opt = d.loop.optimizer.optimizer  # 🤗's SGD, 🤗's two weight-decay groups
+    # 🤗's SGD, 🤗's two weight-decay groups
+    opt = d.loop.optimizer.optimizer
     assert type(opt).__name__ == "SGD" and [(g["momentum"], g["weight_decay"]) for g in opt.param_groups] == [
         (0.9, 0.1),
         (0.9, 0.0),
@@ -176,9 +178,8 @@ def test_honoured_fields_change_the_run(tmp_path):
         for n, p in d.loop.prepared.named_parameters()
     )
     b, c = run("b", data_seed=1), run("c", data_seed=2)
-    assert (
-        b.loop.state.history[0]["loss"] != c.loop.state.history[0]["loss"]
-    )  # another data order, same weights
+    # another data order, same weights
+    assert b.loop.state.history[0]["loss"] != c.loop.state.history[0]["loss"]
     assert "eval_loss" in b.loop.state.history[-1] and list((tmp_path / "b").glob("checkpoint-*"))
 
 
@@ -281,7 +282,8 @@ def test_every_trainer_steps_the_optimizer_it_is_given(tmp_path):
         optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     )
     trainer.train()
-    sgd = trainer.loop.optimizer.optimizer  # the given class and arguments over 🤗's weight-decay groups
+    # the given class and arguments over 🤗's weight-decay groups
+    sgd = trainer.loop.optimizer.optimizer
     assert type(sgd) is torch.optim.SGD and [
         (g["momentum"], g["weight_decay"]) for g in sgd.param_groups
     ] == [(0.9, 0.1), (0.9, 0.0)]
@@ -294,7 +296,8 @@ def test_every_trainer_steps_the_optimizer_it_is_given(tmp_path):
         optimizer_cls_and_kwargs=(torch.optim.RMSprop, {"lr": 1e-3}),
     )
     trainer.train()
-    rms = trainer.loop.optimizer.optimizer  # the given class, over every trainable parameter, stepped twice
+    # the given class, over every trainable parameter, stepped twice
+    rms = trainer.loop.optimizer.optimizer
     assert type(rms) is torch.optim.RMSprop and all(
         rms.state[p]["step"] == 2 for p in trainer.loop.prepared.parameters() if p.requires_grad
     )
@@ -343,9 +346,8 @@ def test_every_trainer_steps_the_optimizer_it_is_given(tmp_path):
     )
     trainer.train()
     _steps_given(trainer, optimizer, trainer.loop.state.step)
-    policy = tiny_causal_lm(
-        tok, seed=0
-    )  # a causal LM: the trainer makes the value head, which the optimizer cannot hold
+    # a causal LM: the trainer makes the value head, which the optimizer cannot hold
+    policy = tiny_causal_lm(tok, seed=0)
     trainer = RLHFTrainer(
         policy,
         args=RLHFConfig(output_dir=str(tmp_path / "ppo2"), **rl),
@@ -357,7 +359,8 @@ def test_every_trainer_steps_the_optimizer_it_is_given(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"leaves out 2 of the model's \d+ trainable parameters \(value_head.weight, ...\).*PPO: build "
-        r"the `Agent`",
+        r"the "
+        r"`Agent`",
     ):
         trainer.train()
 
@@ -424,7 +427,8 @@ def test_eval_on_start_in_an_on_policy_run(tmp_path):
     run.train()
     history = run.loop.state.history
     assert [row["step"] for row in history] == [0, 1, 2] and any(k.startswith("eval/") for k in history[0])
-    assert not any(k.startswith("eval/") for k in history[2])  # eval_strategy="no": the start only
+    # eval_strategy="no": the start only
+    assert not any(k.startswith("eval/") for k in history[2])
     with pytest.raises(ValueError, match=r"`eval_on_start`=True needs an `eval_dataset`"):
         trainer("b", None).train()
 
@@ -459,9 +463,10 @@ def test_the_best_model_is_the_one_saved(tmp_path):
     model = sft.train()
     evals = [row["eval_loss"] for row in sft.loop.state.history]
     best = sft.loop.state.best
+    # the best is not the last here
     assert (best["value"], best["step"]) == (min(evals), 1 + evals.index(min(evals))) and best["step"] < 6, (
         evals
-    )  # the best is not the last here
+    )
     assert math.isclose(sft.evaluate()["eval_loss"], best["value"], rel_tol=1e-6)
     assert [p.name for p in (tmp_path / "sft").glob("checkpoint-*")] == [f"checkpoint-{best['step']}"]
     saved = load_file(tmp_path / "sft" / "model.safetensors")
@@ -507,7 +512,8 @@ def test_auto_find_batch_size_keeps_the_step(tmp_path):
 
     def policy(most_rows):
         model = tiny_causal_lm(tok, seed=0)
-        for m in model.modules():  # dropout draws other masks for other micro-batch shapes: off, to compare
+        # dropout draws other masks for other micro-batch shapes: off, to compare
+        for m in model.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
 
@@ -525,11 +531,13 @@ def test_auto_find_batch_size_keeps_the_step(tmp_path):
         gradient_accumulation_steps=2,
         max_length=64,
         disable_tqdm=True,
+        # SGD: a step linear in the gradient (AdamW divides float noise by itself where a gradient is
+        # ~0)
         learning_rate=0.1,
         optim="sgd",
         save_strategy="no",
         auto_find_batch_size=True,
-    )  # SGD: a step linear in the gradient (AdamW divides float noise by itself where a gradient is ~0)
+    )
     runs = {}
     for name, most_rows in (("fits", None), ("tight", 2)):
         sft = SFTTrainer(
@@ -538,9 +546,10 @@ def test_auto_find_batch_size_keeps_the_step(tmp_path):
             load_task("sft").select(range(24)),
             processing_class=tok,
         )
+        # a pair is 2 rows
         dpo = DPOTrainer(
             policy(most_rows and 2 * most_rows),
-            args=DPOConfig(output_dir=str(tmp_path / f"dpo-{name}"), **small),  # a pair is 2 rows
+            args=DPOConfig(output_dir=str(tmp_path / f"dpo-{name}"), **small),
             processing_class=tok,
             train_dataset=load_task("preferences").select(range(24)),
         )
@@ -607,9 +616,8 @@ def test_eval_steps_unset_is_every_logging_step(tmp_path):
         f"checkpoint-{s}" for s in (1, 2, 3, 4)
     ]
     assert evaluated_at("zero", logging_steps=2, eval_steps=0, save_strategy="no") == [2, 4]
-    assert evaluated_at("unset", logging_steps=1, save_strategy="no", eval_strategy=None) == [
-        4
-    ]  # not asked for: once, at the end
+    # not asked for: once, at the end
+    assert evaluated_at("unset", logging_steps=1, save_strategy="no", eval_strategy=None) == [4]
 
 
 def test_none_of_hf_and_trl_is_honoured_or_refused_by_name():
@@ -621,9 +629,8 @@ def test_none_of_hf_and_trl_is_honoured_or_refused_by_name():
             **base, eval_strategy="steps", eval_steps=None, save_total_limit=None, logging_steps=3
         )
         assert (c.eval_steps, c.save_total_limit) == (3, None), config_class
-        c = config_class(
-            **base, eval_steps=None, logging_steps=3
-        )  # `eval_strategy` unset: ours, once at the end
+        # `eval_strategy` unset: ours, once at the end
+        c = config_class(**base, eval_steps=None, logging_steps=3)
         assert (c.eval_strategy, c.eval_steps) == (None, 0), config_class
     for config_class in (RLOOConfig, GRPOConfig):
         for name in ("max_completion_length", "num_generations"):
@@ -663,7 +670,8 @@ def test_dict_fields_given_as_json(tmp_path):
         "skip_prepare_dataset": True
     }
     with pytest.raises(ValueError, match=r"`dataset_kwargs` takes only TRL's 'skip_prepare_dataset'"):
-        SFTConfig(dataset_kwargs='{"num_proc": 2}')  # parsed, then checked by key
+        # parsed, then checked by key
+        SFTConfig(dataset_kwargs='{"num_proc": 2}')
     args = SFTConfig(
         output_dir=str(tmp_path / "cosine"),
         max_steps=2,
@@ -717,7 +725,8 @@ def test_run_name_reaches_every_tracker_that_names_runs(tmp_path, monkeypatch):
 
     calls = []
     plain_init = accelerate.Accelerator.__init__
-    monkeypatch.setattr(loop_module, "check_tracker", lambda name: name)  # none is installed here
+    # none is installed here
+    monkeypatch.setattr(loop_module, "check_tracker", lambda name: name)
     monkeypatch.setattr(
         accelerate.Accelerator, "__init__", lambda self, *a, log_with=None, **k: plain_init(self, *a, **k)
     )

@@ -14,9 +14,8 @@ from conftest import run_example
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "examples" / "trl_style"
-_spec = importlib.util.spec_from_file_location(
-    "make_tiny", SCRIPTS / "make_tiny.py"
-)  # not on sys.path: sft.py, reward.py... stay unimportable
+# not on sys.path: sft.py, reward.py... stay unimportable
+_spec = importlib.util.spec_from_file_location("make_tiny", SCRIPTS / "make_tiny.py")
 _make_tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_make_tiny)
 make_tiny = _make_tiny.make_tiny
@@ -29,7 +28,8 @@ def tiny(tmp_path_factory):
     from instruct_goose import RewardModel
 
     root = make_tiny(tmp_path_factory.mktemp("tiny"))
-    RewardModel.from_pretrained(root / "model").save_pretrained(root / "reward_model")  # a fresh 1-label head
+    # a fresh 1-label head
+    RewardModel.from_pretrained(root / "model").save_pretrained(root / "reward_model")
     return root
 
 
@@ -103,12 +103,10 @@ def test_rloo(tiny, tmp_path):
     rows = logged(out)
     assert len([r for r in rows if "objective/scores" in r]) == 2
     assert {"rewards/brevity/mean", "rewards/brevity/std"} <= set(rows[0])
-    assert {"rewards/reward_model/mean", "rewards/reward_model/std"} <= set(
-        rows[0]
-    )  # a model is named by its folder, as in TRL
-    assert {"lr", "learning_rate", "reward", "reward_std", "kl", "entropy", "loss", "epoch"} <= set(
-        rows[0]
-    )  # TRL ≤ 0.21's names and 1.16's
+    # a model is named by its folder, as in TRL
+    assert {"rewards/reward_model/mean", "rewards/reward_model/std"} <= set(rows[0])
+    # TRL ≤ 0.21's names and 1.16's
+    assert {"lr", "learning_rate", "reward", "reward_std", "kl", "entropy", "loss", "epoch"} <= set(rows[0])
     assert {"eval/score", "eval_score"} <= set(rows[-1])
     AutoModelForCausalLM.from_pretrained(out)
 
