@@ -19,7 +19,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BNB    := $(VENV)/bnb
 
-.PHONY: test demo install check-export readme test-latest lock test-oldest
+.PHONY: test demo install check-export readme test-latest lock test-oldest lint lint-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,13 +42,24 @@ check-export: $(STAMP)
 	else rm -rf "$$before"; echo "nbdev_export changed instruct_goose/: export the notebooks and commit the library with them"; exit 1; fi
 	$(BIN)/python dev/readme.py --check
 
+# The house formatter (ruff.toml: 110 columns, over the notebooks and the tests), then no line over 120 (what a formatter
+# cannot wrap, a string without a space, is the only reason a line passes 110).
+lint: $(STAMP)
+	$(BIN)/ruff format
+	$(BIN)/nbdev_export
+
+lint-check: $(STAMP)
+	@echo "== ruff format --check: run make lint to format"
+	$(BIN)/ruff format --check
+	$(BIN)/ruff check --select E501 --line-length 120 nbs
+
 readme: $(STAMP)
 	$(BIN)/python dev/readme.py
 
 # Tiny models on 2 cores: one intra-op thread per process is faster than threads fighting (5 min -> 50 s);
 # pytest runs on both cores (pytest-xdist, a file per worker; torchrun tests pick a free port with --standalone).
 test: export OMP_NUM_THREADS := 1
-test: check-export
+test: check-export lint-check
 	@echo "== every notebook, as nbdev_test runs them, the slowest first"
 	$(BIN)/python dev/test_notebooks.py --n_workers 2 --timing
 	@echo "== pytest"

@@ -7,7 +7,29 @@ __version__ = "0.1.0"
 __all__ = []
 
 # %% ../nbs/99_package.ipynb #49e0f540
-from . import agent, completions, core, data, decoding, dpo, levers, loop, losses, generation, grpo, onpolicy, ppo, reward, reward_eval, rewards, rloo, rollout, sft, tools, toy
+from instruct_goose import (
+    agent,
+    completions,
+    core,
+    data,
+    decoding,
+    dpo,
+    levers,
+    loop,
+    losses,
+    generation,
+    grpo,
+    onpolicy,
+    ppo,
+    reward,
+    reward_eval,
+    rewards,
+    rloo,
+    rollout,
+    sft,
+    tools,
+    toy,
+)
 from .core import *
 from .losses import *
 from .data import *
@@ -30,5 +52,26 @@ from .rloo import *
 from .grpo import *
 from .dpo import *
 
-__all__ = [*core.__all__, *losses.__all__, *data.__all__, *toy.__all__, *agent.__all__, *decoding.__all__, *generation.__all__, *reward.__all__, *rewards.__all__, *reward_eval.__all__, *levers.__all__, *loop.__all__,
-           *sft.__all__, *rollout.__all__, *completions.__all__, *tools.__all__, *onpolicy.__all__, *ppo.__all__, *rloo.__all__, *grpo.__all__, *dpo.__all__]
+__all__ = [
+    *core.__all__,
+    *losses.__all__,
+    *data.__all__,
+    *toy.__all__,
+    *agent.__all__,
+    *decoding.__all__,
+    *generation.__all__,
+    *reward.__all__,
+    *rewards.__all__,
+    *reward_eval.__all__,
+    *levers.__all__,
+    *loop.__all__,
+    *sft.__all__,
+    *rollout.__all__,
+    *completions.__all__,
+    *tools.__all__,
+    *onpolicy.__all__,
+    *ppo.__all__,
+    *rloo.__all__,
+    *grpo.__all__,
+    *dpo.__all__,
+]

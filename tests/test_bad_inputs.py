@@ -3,17 +3,38 @@
 Each case asserts the exact behaviour: the error type and the words of its message, or the values of the
 documented correction. Models are tiny and built offline.
 """
+
 import copy
 import math
 
 import pytest
 import torch
 
-from instruct_goose import (Agent, PPOLoss, RLHFConfig, RLHFTrainer, RLOOConfig, RLOOTrainer, RewardConfig, RewardModel,
-                            RewardTrainer, SFTConfig, SFTTrainer, ShapeError,
-                            TrainLoop, TrainingConfig, compute_gae, compute_rewards, create_reference_model,
-                            encode_prompts, masked_mean, rloo_advantages, score_completions, train_tokenizer,
-                            tiny_causal_lm)
+from instruct_goose import (
+    Agent,
+    PPOLoss,
+    RLHFConfig,
+    RLHFTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+    RewardConfig,
+    RewardModel,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+    ShapeError,
+    TrainLoop,
+    TrainingConfig,
+    compute_gae,
+    compute_rewards,
+    create_reference_model,
+    encode_prompts,
+    masked_mean,
+    rloo_advantages,
+    score_completions,
+    train_tokenizer,
+    tiny_causal_lm,
+)
 
 TEXTS = ["the goose says honk", "a good film, I loved it", "the plot was dull and slow", "honk honk"] * 4
 
@@ -29,14 +50,29 @@ def model(tokenizer):
 
 
 def ppo_trainer(model, tokenizer, tmp_path, reward=lambda p, c: [1.0] * len(c), prompts=None, **config):
-    settings = dict(output_dir=str(tmp_path / "ppo"), per_device_train_batch_size=4, total_episodes=4, response_length=4,
-                    num_ppo_epochs=1, max_prompt_length=8, disable_tqdm=True, num_sample_generations=0)
-    return RLHFTrainer(Agent(copy.deepcopy(model)), create_reference_model(model), RLHFConfig(**{**settings, **config}),
-                       processing_class=tokenizer, reward_funcs=reward,
-                       train_dataset=prompts if prompts is not None else [{"prompt": "the goose"}] * 4)
+    settings = dict(
+        output_dir=str(tmp_path / "ppo"),
+        per_device_train_batch_size=4,
+        total_episodes=4,
+        response_length=4,
+        num_ppo_epochs=1,
+        max_prompt_length=8,
+        disable_tqdm=True,
+        num_sample_generations=0,
+    )
+    return RLHFTrainer(
+        Agent(copy.deepcopy(model)),
+        create_reference_model(model),
+        RLHFConfig(**{**settings, **config}),
+        processing_class=tokenizer,
+        reward_funcs=reward,
+        train_dataset=prompts if prompts is not None else [{"prompt": "the goose"}] * 4,
+    )
 
 
-# --- reward functions and reward models --------------------------------------------------------------------------
+# --- reward functions and reward models
+# --------------------------------------------------------------------------
+
 
 def test_nan_score_from_reward_function():
     with pytest.raises(ValueError, match=r"reward function `<lambda>` returned NaN or inf at \[1\]"):
@@ -54,15 +90,19 @@ def test_reward_function_returns_wrong_number_of_scores():
 
 
 def test_reward_function_returns_non_numbers():
-    "A string is refused; None is not a mistake (the function does not apply to that sample: TRL's GRPO convention)."
+    """A string is refused; None is not a mistake (the function does not apply to that sample: TRL's GRPO
+    convention)."""
     with pytest.raises(TypeError, match=r"returned non-numbers at \[0\]: \['good'\]"):
         score_completions(lambda p, c: ["good", None], ["a", "b"], ["c", "d"])
 
 
 def test_nan_score_from_reward_model(tokenizer):
     reward_model = RewardModel(tiny_causal_lm(tokenizer, seed=2), tokenizer=tokenizer)
-    with torch.no_grad(): reward_model.head.weight.fill_(float("nan"))
-    with pytest.raises(ValueError, match=r"reward model `GPT2ForSequenceClassification` returned NaN or inf at \[0\]"):
+    with torch.no_grad():
+        reward_model.head.weight.fill_(float("nan"))
+    with pytest.raises(
+        ValueError, match=r"reward model `GPT2ForSequenceClassification` returned NaN or inf at \[0\]"
+    ):
         score_completions(reward_model, ["the goose"], [" says honk"])
 
 
@@ -79,11 +119,13 @@ def test_reward_model_with_another_tokenizer_reads_text_not_ids(tokenizer):
     prompts, completions = ["the goose"], [" says honk"]
     scored = score_completions(reward_model, prompts, completions)
     ids, mask = reward_model.encode(["the goose says honk"])
-    assert torch.allclose(scored, reward_model(ids, mask).detach())   # re-tokenized with its own tokenizer
+    assert torch.allclose(scored, reward_model(ids, mask).detach())  # re-tokenized with its own tokenizer
     assert ids.tolist() == [other("the goose says honk").input_ids]
 
 
-# --- data ------------------------------------------------------------------------------------------------------
+# --- data
+# ------------------------------------------------------------------------------------------------------
+
 
 def test_empty_prompt_dataset(model, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="`train_dataset` is empty"):
@@ -97,7 +139,10 @@ def test_dataset_without_prompt_column(model, tokenizer, tmp_path):
 
 def test_prompt_plus_response_longer_than_the_context(model, tokenizer, tmp_path):
     trainer = ppo_trainer(model, tokenizer, tmp_path, max_prompt_length=60, response_length=10)
-    with pytest.raises(ValueError, match=r"`max_prompt_length` \(60\) \+ `response_length` \(10\) exceeds the model's context of 64"):
+    with pytest.raises(
+        ValueError,
+        match=r"`max_prompt_length` \(60\) \+ `response_length` \(10\) exceeds the model's context of 64",
+    ):
         trainer.train()
 
 
@@ -121,20 +166,35 @@ def test_pad_equal_to_eos_trains_with_correct_masks(model, tokenizer, tmp_path):
     rollout, samples = trainer.sample_rollout(trainer.model, ["the goose"] * 4)
     for ids, real in zip(samples.response_ids.tolist(), samples.response_mask.tolist()):
         n = sum(real)
-        if gpt2_style.eos_token_id in ids: assert n == ids.index(gpt2_style.eos_token_id) + 1   # the first EOS is real
-        else: assert n == len(ids)
+        # the first EOS is real
+        if gpt2_style.eos_token_id in ids:
+            assert n == ids.index(gpt2_style.eos_token_id) + 1
+        else:
+            assert n == len(ids)
     assert math.isfinite(trainer.train().value_head.weight.sum().item())
 
 
-# --- configs ----------------------------------------------------------------------------------------------------
+# --- configs
+# ----------------------------------------------------------------------------------------------------
+
 
 def test_response_length_zero():
     with pytest.raises(ValueError, match="`response_length` must be a finite number"):
         RLHFConfig(response_length=0)
 
 
-@pytest.mark.parametrize("field, value", [("kl_coef", -0.1), ("kl_coef", float("nan")), ("vf_coef", float("inf")),
-                                          ("cliprange", 0.0), ("lam", 1.5), ("ptx_coef", -1.0), ("learning_rate", float("nan"))])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("kl_coef", -0.1),
+        ("kl_coef", float("nan")),
+        ("vf_coef", float("inf")),
+        ("cliprange", 0.0),
+        ("lam", 1.5),
+        ("ptx_coef", -1.0),
+        ("learning_rate", float("nan")),
+    ],
+)
 def test_negative_or_nan_coefficients(field, value):
     with pytest.raises(ValueError, match=f"`{field}` must be a finite number"):
         RLHFConfig(**{field: value})
@@ -155,27 +215,41 @@ def test_rewards_not_a_multiple_of_k():
         rloo_advantages(torch.ones(5), k=2)
 
 
-# --- tensors ----------------------------------------------------------------------------------------------------
+# --- tensors
+# ----------------------------------------------------------------------------------------------------
+
 
 def test_float_ids_are_refused(model, tokenizer, tmp_path):
     trainer = ppo_trainer(model, tokenizer, tmp_path)
     q, m = encode_prompts(tokenizer, ["the goose"])
     with pytest.raises(ShapeError, match="`query_ids` should be Int"):
-        trainer.compute_loss(q.float(), m, torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long), torch.ones(1))
+        trainer.compute_loss(
+            q.float(),
+            m,
+            torch.ones(1, 3, dtype=torch.long),
+            torch.ones(1, 3, dtype=torch.long),
+            torch.ones(1),
+        )
 
 
 def test_mask_of_the_wrong_shape(model, tokenizer, tmp_path):
     trainer = ppo_trainer(model, tokenizer, tmp_path)
     q, m = encode_prompts(tokenizer, ["the goose"])
-    with pytest.raises(ShapeError, match="dimension `resp` is 3 in `response_ids` but 2 in `response_attention_mask`"):
-        trainer.compute_loss(q, m, torch.ones(1, 3, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), torch.ones(1))
+    with pytest.raises(
+        ShapeError, match="dimension `resp` is 3 in `response_ids` but 2 in `response_attention_mask`"
+    ):
+        trainer.compute_loss(
+            q, m, torch.ones(1, 3, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), torch.ones(1)
+        )
 
 
 def test_rewards_of_the_wrong_length(model, tokenizer, tmp_path):
     trainer = ppo_trainer(model, tokenizer, tmp_path)
     q, m = encode_prompts(tokenizer, ["the goose", "a"])
     with pytest.raises(ShapeError, match="dimension `batch` is 2 in `query_ids` but 3 in `rewards`"):
-        trainer.compute_loss(q, m, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), torch.ones(3))
+        trainer.compute_loss(
+            q, m, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), torch.ones(3)
+        )
 
 
 def test_every_response_ending_at_its_first_token(model, tokenizer, tmp_path):
@@ -185,7 +259,9 @@ def test_every_response_ending_at_its_first_token(model, tokenizer, tmp_path):
     eos[:, 0] = tokenizer.eos_token_id
     mask = torch.zeros(4, 3, dtype=torch.long)
     mask[:, 0] = 1
-    loss, stats = trainer.compute_loss(q, m, eos, mask, torch.tensor([1.0, 0.0, 2.0, -1.0]), return_stats=True)
+    loss, stats = trainer.compute_loss(
+        q, m, eos, mask, torch.tensor([1.0, 0.0, 2.0, -1.0]), return_stats=True
+    )
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in stats.values())
     assert stats["val/ratio"].item() == 1.0
 
@@ -204,11 +280,15 @@ def test_ppo_loss_entropy_required():
         PPOLoss(ent_coef=0.1)(*[torch.zeros(1, 2)] * 6)
 
 
-# --- checkpoints and output -------------------------------------------------------------------------------------
+# --- checkpoints and output
+# -------------------------------------------------------------------------------------
+
 
 def test_resume_from_nothing(tmp_path):
     with pytest.raises(ValueError, match="`resume_from_checkpoint`=.*checkpoint-7' names no checkpoint"):
-        TrainLoop(TrainingConfig(output_dir=str(tmp_path), resume_from_checkpoint=str(tmp_path / "checkpoint-7")))
+        TrainLoop(
+            TrainingConfig(output_dir=str(tmp_path), resume_from_checkpoint=str(tmp_path / "checkpoint-7"))
+        )
 
 
 def test_resume_from_an_incompatible_checkpoint(model, tokenizer, tmp_path):
@@ -228,15 +308,20 @@ def test_resume_may_extend_the_run(model, tokenizer, tmp_path):
 
 def test_new_run_into_a_directory_with_checkpoints(model, tokenizer, tmp_path):
     ppo_trainer(model, tokenizer, tmp_path).train()
-    with pytest.raises(ValueError, match="holds another run's checkpoints \\(checkpoint-1\\): resume it with "
-                                         "resume_from_checkpoint='latest', or set overwrite_output_dir=True"):
+    with pytest.raises(
+        ValueError,
+        match="holds another run's checkpoints \\(checkpoint-1\\): resume it with "
+        "resume_from_checkpoint='latest', or set overwrite_output_dir=True",
+    ):
         ppo_trainer(model, tokenizer, tmp_path).train()
-    assert (tmp_path / "ppo" / "checkpoint-1").is_dir()                  # nothing deleted
+    assert (tmp_path / "ppo" / "checkpoint-1").is_dir()  # nothing deleted
     ppo_trainer(model, tokenizer, tmp_path, overwrite_output_dir=True).train()
 
 
 def test_model_only_checkpoints_are_small_and_not_resumable(model, tokenizer, tmp_path):
-    ppo_trainer(model, tokenizer, tmp_path, save_only_model=True, save_total_limit=1, total_episodes=8, save_steps=1).train()
+    ppo_trainer(
+        model, tokenizer, tmp_path, save_only_model=True, save_total_limit=1, total_episodes=8, save_steps=1
+    ).train()
     (checkpoint,) = (tmp_path / "ppo").glob("checkpoint-*")
     assert checkpoint.name == "checkpoint-2" and not list(checkpoint.glob("optimizer*"))
     with pytest.raises(ValueError, match="holds the model only"):
@@ -256,41 +341,73 @@ def test_numbers_given_as_text():
 
 
 def test_sft_prompt_filling_max_length_is_reported_not_trained(model, tokenizer, tmp_path):
-    rows = [{"prompt": "honk " * 40, "completion": " a"}] + [{"prompt": "the goose", "completion": " says honk"}] * 4
+    rows = [{"prompt": "honk " * 40, "completion": " a"}] + [
+        {"prompt": "the goose", "completion": " says honk"}
+    ] * 4
     with pytest.warns(UserWarning, match="1 of 5 prompts fill max_length \\(16\\) tokens"):
-        trainer = SFTTrainer(copy.deepcopy(model), args=SFTConfig(output_dir=str(tmp_path), max_length=16), train_dataset=rows, processing_class=tokenizer)
+        trainer = SFTTrainer(
+            copy.deepcopy(model),
+            args=SFTConfig(output_dir=str(tmp_path), max_length=16),
+            train_dataset=rows,
+            processing_class=tokenizer,
+        )
     assert len(trainer.train_dataset) == 4
 
 
 def test_sft_max_length_beyond_the_context_is_cut(model, tokenizer, tmp_path):
-    with pytest.warns(UserWarning, match="`max_length` \\(256\\) is longer than the model's context \\(64 tokens\\)"):
-        trainer = SFTTrainer(copy.deepcopy(model), args=SFTConfig(output_dir=str(tmp_path), max_length=256),
-                             train_dataset=[{"text": "honk " * 100}] * 2, processing_class=tokenizer)
+    with pytest.warns(
+        UserWarning, match="`max_length` \\(256\\) is longer than the model's context \\(64 tokens\\)"
+    ):
+        trainer = SFTTrainer(
+            copy.deepcopy(model),
+            args=SFTConfig(output_dir=str(tmp_path), max_length=256),
+            train_dataset=[{"text": "honk " * 100}] * 2,
+            processing_class=tokenizer,
+        )
     ids, _, _ = trainer.encode(trainer.train_dataset[:2])[0]
     assert ids.shape[1] == 64
 
 
 def test_reward_training_max_length_beyond_the_context_is_cut(model, tokenizer, tmp_path):
-    pairs = [{"prompt": "honk " * 100, "chosen": " good", "rejected": " bad"}, {"prompt": "a", "chosen": " good", "rejected": " bad"}]
+    pairs = [
+        {"prompt": "honk " * 100, "chosen": " good", "rejected": " bad"},
+        {"prompt": "a", "chosen": " good", "rejected": " bad"},
+    ]
     with pytest.warns(UserWarning, match="is longer than the model's context \\(64 tokens\\)"):
-        trainer = RewardTrainer(RewardModel(copy.deepcopy(model), tokenizer=tokenizer), RewardConfig(output_dir=str(tmp_path)), pairs)
-    assert len(trainer.train_dataset) == 1 and trainer.max_length == 64   # the pair whose prompt fills 64 tokens is left out
+        trainer = RewardTrainer(
+            RewardModel(copy.deepcopy(model), tokenizer=tokenizer),
+            RewardConfig(output_dir=str(tmp_path)),
+            pairs,
+        )
+    # the pair whose prompt fills 64 tokens is left out
+    assert len(trainer.train_dataset) == 1 and trainer.max_length == 64
 
 
 def test_evaluate_returns_numbers(model, tokenizer, tmp_path):
     rows = [{"prompt": "the goose", "completion": " says honk"}] * 2
-    trainer = SFTTrainer(copy.deepcopy(model), args=SFTConfig(output_dir=str(tmp_path), max_length=32), train_dataset=rows, eval_dataset=rows, processing_class=tokenizer)
+    trainer = SFTTrainer(
+        copy.deepcopy(model),
+        args=SFTConfig(output_dir=str(tmp_path), max_length=32),
+        train_dataset=rows,
+        eval_dataset=rows,
+        processing_class=tokenizer,
+    )
     assert type(trainer.evaluate()["eval_loss"]) is float
 
 
 def test_unwritable_output_dir_fails_before_training(model, tokenizer, tmp_path):
     (tmp_path / "file").write_text("not a directory")
     calls = []
-    trainer = ppo_trainer(model, tokenizer, tmp_path, output_dir=str(tmp_path / "file" / "out"),
-                          reward=lambda p, c: calls.append(1) or [0.0] * len(c))
+    trainer = ppo_trainer(
+        model,
+        tokenizer,
+        tmp_path,
+        output_dir=str(tmp_path / "file" / "out"),
+        reward=lambda p, c: calls.append(1) or [0.0] * len(c),
+    )
     with pytest.raises(ValueError, match="`output_dir` .* cannot be written"):
         trainer.train()
-    assert calls == []                                                 # nothing was sampled or scored
+    assert calls == []  # nothing was sampled or scored
 
 
 def test_train_without_a_reward(model, tokenizer, tmp_path):
@@ -301,16 +418,21 @@ def test_train_without_a_reward(model, tokenizer, tmp_path):
 
 def test_nonfinite_loss_stops_with_the_step_and_quantity(model, tokenizer, tmp_path):
     trainer = ppo_trainer(model, tokenizer, tmp_path)
-    with torch.no_grad(): trainer.model.value_head.bias.fill_(float("nan"))          # a broken critic
+    with torch.no_grad():
+        trainer.model.value_head.bias.fill_(float("nan"))  # a broken critic
     policy_before = copy.deepcopy(trainer.model.model.state_dict())
-    with pytest.raises(FloatingPointError, match="step 1: the gradient norm is nan; non-finite: .*loss/value_avg"):
+    with pytest.raises(
+        FloatingPointError, match="step 1: the gradient norm is nan; non-finite: .*loss/value_avg"
+    ):
         trainer.train()
-    assert all(torch.equal(v, policy_before[k]) for k, v in trainer.model.model.state_dict().items())  # no NaN written
+    # no NaN written
+    assert all(torch.equal(v, policy_before[k]) for k, v in trainer.model.model.state_dict().items())
 
 
 def test_nonfinite_batches_can_be_skipped(model, tokenizer, tmp_path):
     trainer = ppo_trainer(model, tokenizer, tmp_path, skip_nonfinite=True, total_episodes=8)
-    with torch.no_grad(): trainer.model.value_head.bias.fill_(float("nan"))
+    with torch.no_grad():
+        trainer.model.value_head.bias.fill_(float("nan"))
     with pytest.warns(UserWarning, match="the batch was skipped"):
         trainer.train()
     assert trainer.loop.skipped_steps == 2

@@ -10,24 +10,50 @@ logged reward means, their advantages against the group formula, resume without 
 - `test_rloo_syncs_its_reference` (slow): RLOO's TR-DPO sync after step 2: π_ref = α·θ₂ + (1 − α)·π₀.
 - `test_adaptive_entropy_coefficient_survives_resume` (slow): GRPO's entropy controller, applied 0 then c₁ = 0.03, is checkpointed.
 """
+
 import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from instruct_goose import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, group_advantages, load_task, read_completions, rloo_advantages
+from instruct_goose import (
+    GRPOConfig,
+    GRPOTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+    group_advantages,
+    load_task,
+    read_completions,
+    rloo_advantages,
+)
 
 
-def length(prompts, completions): return [len(c) / 10 for c in completions]
+def length(prompts, completions):
+    return [len(c) / 10 for c in completions]
 
 
 def _train(policy_dir, out, trainer=GRPOTrainer, config=GRPOConfig, resume=None, **options):
-    args = config(output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_steps=2,
-                  logging_steps=1, save_steps=1, num_sample_generations=0, disable_tqdm=True,
-                  resume_from_checkpoint=resume, **{"learning_rate": 1e-3, "log_completions": True, "num_completions_to_print": 2, **options})
-    t = trainer(AutoModelForCausalLM.from_pretrained(policy_dir), args=args, processing_class=AutoTokenizer.from_pretrained(policy_dir),
-                train_dataset=load_task("prompts").select(range(8)), reward_funcs=length)
+    args = config(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        logging_steps=1,
+        save_steps=1,
+        num_sample_generations=0,
+        disable_tqdm=True,
+        resume_from_checkpoint=resume,
+        **{"learning_rate": 1e-3, "log_completions": True, "num_completions_to_print": 2, **options},
+    )
+    t = trainer(
+        AutoModelForCausalLM.from_pretrained(policy_dir),
+        args=args,
+        processing_class=AutoTokenizer.from_pretrained(policy_dir),
+        train_dataset=load_task("prompts").select(range(8)),
+        reward_funcs=length,
+    )
     t.train()
     return t
 
@@ -46,10 +72,17 @@ def test_grpo_logs_every_completion(grpo_run):
     for step, logged in zip((1, 2), trainer.loop.state.history):
         mine = [r for r in rows if r["step"] == step]
         scores = torch.tensor([r["length"] for r in mine])
-        assert torch.allclose(scores, torch.tensor([len(r["completion"]) / 10 for r in mine]), atol=1e-6)   # the reward function's own numbers (float32)
-        assert abs(scores.mean().item() - logged["rewards/length/mean"]) <= 1e-6, (step, logged["rewards/length/mean"])
-        assert torch.allclose(torch.tensor([r["advantage"] for r in mine]), group_advantages(scores, 4), atol=1e-5)
-        assert all(mine[i]["prompt"] == mine[i - i % 4]["prompt"] for i in range(8))             # G completions of each prompt in a row
+        # the reward function's own numbers (float32)
+        assert torch.allclose(scores, torch.tensor([len(r["completion"]) / 10 for r in mine]), atol=1e-6)
+        assert abs(scores.mean().item() - logged["rewards/length/mean"]) <= 1e-6, (
+            step,
+            logged["rewards/length/mean"],
+        )
+        assert torch.allclose(
+            torch.tensor([r["advantage"] for r in mine]), group_advantages(scores, 4), atol=1e-5
+        )
+        # G completions of each prompt in a row
+        assert all(mine[i]["prompt"] == mine[i - i % 4]["prompt"] for i in range(8))
 
 
 @pytest.mark.slow
@@ -75,11 +108,19 @@ def test_goose_completions_shows_the_last(grpo_run, goose_here):
 
 @pytest.mark.slow
 def test_unique_prompts_and_rloo(policy_dir, tmp_path):
-    t = _train(policy_dir, tmp_path / "rloo", trainer=RLOOTrainer, config=RLOOConfig, log_unique_prompts=False, num_iterations=1)
+    t = _train(
+        policy_dir,
+        tmp_path / "rloo",
+        trainer=RLOOTrainer,
+        config=RLOOConfig,
+        log_unique_prompts=False,
+        num_iterations=1,
+    )
     rows = read_completions(tmp_path / "rloo")
     assert len(rows) == 16
     first = [r for r in rows if r["step"] == 1]
-    rlhf = torch.tensor([r["length"] for r in first])   # β·KL = 0 at step 1: π = π_ref, so the reward is the score
+    # β·KL = 0 at step 1: π = π_ref, so the reward is the score
+    rlhf = torch.tensor([r["length"] for r in first])
     assert torch.allclose(torch.tensor([r["advantage"] for r in first]), rloo_advantages(rlhf, 4), atol=1e-5)
     _train(policy_dir, tmp_path / "unique", log_unique_prompts=True)
     unique = read_completions(tmp_path / "unique")
@@ -90,20 +131,43 @@ def test_unique_prompts_and_rloo(policy_dir, tmp_path):
 def test_rloo_syncs_its_reference(policy_dir, tmp_path):
     "RLOO's `sync_ref_model` (TR-DPO) after step 2 of 2: π_ref = α·θ₂ + (1 − α)·π₀, π₀ the initial policy."
     initial = AutoModelForCausalLM.from_pretrained(policy_dir)
-    t = _train(policy_dir, tmp_path / "rloo_sync", trainer=RLOOTrainer, config=RLOOConfig, num_iterations=1, sync_ref_model=True,
-               ref_model_mixup_alpha=0.25, ref_model_sync_steps=2, learning_rate=1e-2)
+    t = _train(
+        policy_dir,
+        tmp_path / "rloo_sync",
+        trainer=RLOOTrainer,
+        config=RLOOConfig,
+        num_iterations=1,
+        sync_ref_model=True,
+        ref_model_mixup_alpha=0.25,
+        ref_model_sync_steps=2,
+        learning_rate=1e-2,
+    )
     for r, p, p0 in zip(t.ref_model.parameters(), t.model.parameters(), initial.parameters()):
         assert torch.allclose(r, 0.25 * p.detach() + 0.75 * p0.detach(), atol=1e-6)
-    assert max((p.detach() - p0).abs().max().item() for p, p0 in zip(t.model.parameters(), initial.parameters())) > 1e-4
+    assert (
+        max((p.detach() - p0).abs().max().item() for p, p0 in zip(t.model.parameters(), initial.parameters()))
+        > 1e-4
+    )
 
 
 @pytest.mark.slow
 def test_adaptive_entropy_coefficient_survives_resume(policy_dir, tmp_path):
-    "GRPO's `use_adaptive_entropy` controller is saved with each checkpoint: resumed from step 1, it ends where the whole run ends."
-    options = dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.02, entropy_target=50.0, log_completions=False)
+    """GRPO's `use_adaptive_entropy` controller is saved with each checkpoint: resumed from step 1, it ends where
+    the whole run ends."""
+    options = dict(
+        use_adaptive_entropy=True,
+        entropy_coef=0.01,
+        entropy_coef_delta=0.02,
+        entropy_target=50.0,
+        log_completions=False,
+    )
     whole = _train(policy_dir, tmp_path / "whole", **options)
-    assert whole.entropy_ctl.state_dict()["coef"] == pytest.approx(0.05)          # two steps below the target: 0.01 + 2 × 0.02
-    assert [row["entropy_coef"] for row in whole.loop.state.history] == pytest.approx([0.0, 0.03])   # applied: off, then c₁
+    # two steps below the target: 0.01 + 2 × 0.02
+    assert whole.entropy_ctl.state_dict()["coef"] == pytest.approx(0.05)
+    # applied: off, then c₁
+    assert [row["entropy_coef"] for row in whole.loop.state.history] == pytest.approx([0.0, 0.03])
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
-    resumed = _train(policy_dir, tmp_path / "resumed", resume=str(tmp_path / "resumed" / "checkpoint-1"), **options)
+    resumed = _train(
+        policy_dir, tmp_path / "resumed", resume=str(tmp_path / "resumed" / "checkpoint-1"), **options
+    )
     assert resumed.entropy_ctl.state_dict() == pytest.approx(whole.entropy_ctl.state_dict())

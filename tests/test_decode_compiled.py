@@ -5,6 +5,7 @@ it is, and tests/test_decode_cuda.py would time nothing: the speed is `bench/dec
 
     python3 -m pytest tests/test_decode_compiled.py -m slow -q
 """
+
 import pytest
 import torch
 
@@ -20,15 +21,28 @@ def test_inductor_samples_the_eager_steps_tokens_and_the_scored_p(arch):
     tokenizer = task_tokenizer()
     agent = Agent(tiny_causal_lm(tokenizer, arch=arch, seed=0).eval())
     q, m = encode_prompts(tokenizer, PROMPTS)
-    never = agent.model.config.vocab_size                          # no row stops: one batch size, one compilation
+    # no row stops: one batch size, one compilation
+    never = agent.model.config.vocab_size
     runs = {}
     for compile in (False, True):
         drawn = []
         with drawing_with(lambda p: drawn.append(p) or by_argmax(p)):
-            ids = decoding.decode(agent.model, q, m, 10, never, tokenizer.pad_token_id, graphs=True, compile=compile, temperature=0.7)
+            ids = decoding.decode(
+                agent.model,
+                q,
+                m,
+                10,
+                never,
+                tokenizer.pad_token_id,
+                graphs=True,
+                compile=compile,
+                temperature=0.7,
+            )
         runs[compile] = ids, torch.stack(drawn, 1).gather(-1, ids[..., None]).squeeze(-1)
     assert torch.equal(runs[True][0], runs[False][0])
     r = runs[True][0]
-    scored = agent.response_stats(q, m, r, torch.ones_like(r, dtype=torch.bool), temperature=0.7, entropy="skip").logprobs
+    scored = agent.response_stats(
+        q, m, r, torch.ones_like(r, dtype=torch.bool), temperature=0.7, entropy="skip"
+    ).logprobs
     assert (runs[True][1].log() - scored).abs().max().item() <= 1e-5
     torch._dynamo.reset()

@@ -1,4 +1,5 @@
 "The demo's PPO run, assembled from the math core alone, learns its task."
+
 import importlib.util
 from pathlib import Path
 

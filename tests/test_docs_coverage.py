@@ -1,4 +1,6 @@
-"Every public name of every module is documented with `show_doc` in exactly one notebook cell (docs_check.py checks the built site)."
+"""Every public name of every module is documented with `show_doc` in exactly one notebook cell (docs_check.py
+checks the built site)."""
+
 import importlib
 import json
 import re
@@ -18,7 +20,8 @@ def show_doc_cells() -> dict[str, list[str]]:
     for path in sorted(NBS.glob("*.ipynb")):
         for cell in json.loads(path.read_text())["cells"]:
             if cell["cell_type"] == "code":
-                for name in SHOW_DOC.findall("".join(cell["source"])): where.setdefault(name, []).append(path.name)
+                for name in SHOW_DOC.findall("".join(cell["source"])):
+                    where.setdefault(name, []).append(path.name)
     return where
 
 
@@ -27,7 +30,9 @@ def documented() -> set[str]:
 
 
 def public_modules():
-    return sorted(p.stem for p in Path(instruct_goose.__file__).parent.glob("*.py") if not p.stem.startswith("_"))
+    return sorted(
+        p.stem for p in Path(instruct_goose.__file__).parent.glob("*.py") if not p.stem.startswith("_")
+    )
 
 
 @pytest.mark.parametrize("module", public_modules())
@@ -40,11 +45,18 @@ def test_every_public_name_has_show_doc(module):
 @pytest.mark.parametrize("module", public_modules())
 def test_no_public_name_is_documented_twice(module):
     where = show_doc_cells()
-    twice = {n: where[n] for n in importlib.import_module(f"instruct_goose.{module}").__all__ if len(where.get(n, [])) > 1}
+    twice = {
+        n: where[n]
+        for n in importlib.import_module(f"instruct_goose.{module}").__all__
+        if len(where.get(n, [])) > 1
+    }
     assert not twice, f"instruct_goose.{module}: documented more than once (one API entry per name): {twice}"
 
 
 def test_package_exports_every_module():
-    for module in set(public_modules()) - {"cli"}:                    # the command line stays in its own module
+    # the command line stays in its own module
+    for module in set(public_modules()) - {"cli"}:
         for name in importlib.import_module(f"instruct_goose.{module}").__all__:
-            assert getattr(instruct_goose, name, None) is not None, f"instruct_goose.{name} (from {module}) is not exported at top level"
+            assert getattr(instruct_goose, name, None) is not None, (
+                f"instruct_goose.{name} (from {module}) is not exported at top level"
+            )

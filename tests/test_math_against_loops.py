@@ -4,14 +4,24 @@ The notebooks test hand-worked examples; here each function meets an independent
 correct implementation on random shapes, masks and values, including batches of one and rows
 with a single real token.
 """
+
 import math
 import random
 
 import pytest
 import torch
 
-from instruct_goose import (compute_gae, compute_rewards, logprobs_from_logits, masked_mean, masked_var,
-                            masked_whiten, policy_loss, rloo_advantages, truncate_after_stop)
+from instruct_goose import (
+    compute_gae,
+    compute_rewards,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    policy_loss,
+    rloo_advantages,
+    truncate_after_stop,
+)
 from instruct_goose.core import assert_tensor
 
 SEEDS = range(20)
@@ -67,7 +77,11 @@ def test_gae_and_rewards_match_row_loops(seed):
         assert_tensor(rewards[b], row_rewards + [0.0] * (length - n), eps=1e-12)
         row_adv = gae_loop(row_rewards, values[b, :n].tolist(), n, gamma, lam)
         assert_tensor(advantages[b], row_adv + [0.0] * (length - n), eps=1e-12)
-        assert_tensor(returns[b], [a + v for a, v in zip(row_adv, values[b, :n].tolist())] + [0.0] * (length - n), eps=1e-12)
+        assert_tensor(
+            returns[b],
+            [a + v for a, v in zip(row_adv, values[b, :n].tolist())] + [0.0] * (length - n),
+            eps=1e-12,
+        )
 
 
 @pytest.mark.parametrize("seed", SEEDS)

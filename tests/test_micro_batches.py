@@ -13,6 +13,7 @@ and a piece's rows get their own numbers whatever piece they are in. Both are de
   more, than the run dealt as drawn (responses that often stop early here: a sequence bias on the stop token);
 - a minibatch that is one micro-batch keeps its order: the rollout's policy pass is reused for it row for row.
 """
+
 import pytest
 import torch
 
@@ -24,66 +25,117 @@ from test_padding_free import make
 
 
 @pytest.fixture(scope="module")
-def tokenizer(): return task_tokenizer()
+def tokenizer():
+    return task_tokenizer()
 
 
 def run(algo, family, tokenizer, tmp_path, dealt, monkeypatch, **more):
-    "Train; return the parameters, the logged rows and the positions the policy's passes read, (with gradients, without), the sampler's aside."
+    """Train; return the parameters, the logged rows and the positions the policy's passes read, (with gradients,
+    without), the sampler's aside."""
     with monkeypatch.context() as m:
-        if not dealt: m.setattr(rollout, "cheapest_order", lambda P, *args: torch.arange(len(P)))   # as drawn, as they are
+        # as drawn, as they are
+        if not dealt:
+            m.setattr(rollout, "cheapest_order", lambda P, *args: torch.arange(len(P)))
         trainer = make(algo, family, tokenizer, tmp_path / f"dealt{dealt}", False, **more)
         positions = []
+
         def hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is not None and ids.shape[1] > 1 and kwargs.get("past_key_values") is None:   # (🤗 generate's prefill has its cache)
+            # (🤗 generate's prefill has its cache)
+            if ids is not None and ids.shape[1] > 1 and kwargs.get("past_key_values") is None:
                 positions.append((torch.is_grad_enabled(), ids.numel()))
+
         policy = trainer.model.model if isinstance(trainer.model, Agent) else trainer.model
         policy.register_forward_pre_hook(hook, with_kwargs=True)
         trainer.train()
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer.loop.state.history, positions
+    return (
+        {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        trainer.loop.state.history,
+        positions,
+    )
 
 
 def assert_same_run(algo, family, tokenizer, tmp_path, monkeypatch, **more):
     dealt, hist_dealt, pos_dealt = run(algo, family, tokenizer, tmp_path, True, monkeypatch, **more)
     drawn, hist_drawn, pos_drawn = run(algo, family, tokenizer, tmp_path, False, monkeypatch, **more)
     for name, p in drawn.items():
-        torch.testing.assert_close(dealt[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{algo}/{family}/{more} {name}: {m}")
-    for row_dealt, row_drawn in zip(hist_dealt, hist_drawn, strict=True):   # the sums in another order: float rounding only
+        torch.testing.assert_close(
+            dealt[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{algo}/{family}/{more} {name}: {m}"
+        )
+    # the sums in another order: float rounding only
+    for row_dealt, row_drawn in zip(hist_dealt, hist_drawn, strict=True):
         for key, value in row_drawn.items():
-            # kept per micro-batch, so taken over other groups of rows: PPO's val/ratio_var (the token ratios' variance in each) and
+            # kept per micro-batch, so taken over other groups of rows: PPO's val/ratio_var (the token ratios'
+            # variance in each) and
             # RLOO's policy/approxkl_avg (a mean per token in each, weighted by sequences like RLOO's loss)
-            if isinstance(value, float) and key not in ("eps", "val/clipfrac_avg", "val/ratio_var", "policy/approxkl_avg"):   # (clipfrac: test_padding_free)
+            # (clipfrac: test_padding_free)
+            if isinstance(value, float) and key not in (
+                "eps",
+                "val/clipfrac_avg",
+                "val/ratio_var",
+                "policy/approxkl_avg",
+            ):
                 assert row_dealt[key] == pytest.approx(value, rel=1e-4, abs=5e-6), (algo, family, more, key)
     assert len(pos_dealt) == len(pos_drawn) > 0
-    return [(sum(n for g, n in pos_dealt if g == grad), sum(n for g, n in pos_drawn if g == grad)) for grad in (True, False)]
+    return [
+        (sum(n for g, n in pos_dealt if g == grad), sum(n for g, n in pos_drawn if g == grad))
+        for grad in (True, False)
+    ]
 
 
-CUTS = [dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, local_rollout_forward_batch_size=2),   # one minibatch of four micro-batches
-        dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2)]  # two minibatches (shuffled) of two
+# one minibatch of four micro-batches
+CUTS = [
+    dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, local_rollout_forward_batch_size=2),
+    # two minibatches (shuffled) of two
+    dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2),
+]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
-@pytest.mark.parametrize("algo, loss_type", [("ppo", None), ("ppo_separate", None), ("rloo", None), ("grpo", "dapo")])
+@pytest.mark.parametrize(
+    "algo, loss_type", [("ppo", None), ("ppo_separate", None), ("rloo", None), ("grpo", "dapo")]
+)
 def test_like_rows_train_as_drawn_rows(algo, loss_type, family, tokenizer, tmp_path, monkeypatch):
-    read = [assert_same_run(algo, family, tokenizer, tmp_path / str(i), monkeypatch, **cut, **({} if loss_type is None else dict(loss_type=loss_type)))
-            for i, cut in enumerate(CUTS)]
-    for passes in zip(*read):                                        # the update's passes, then those before it
+    read = [
+        assert_same_run(
+            algo,
+            family,
+            tokenizer,
+            tmp_path / str(i),
+            monkeypatch,
+            **cut,
+            **({} if loss_type is None else dict(loss_type=loss_type)),
+        )
+        for i, cut in enumerate(CUTS)
+    ]
+    # the update's passes, then those before it
+    for passes in zip(*read):
         assert all(dealt <= drawn for dealt, drawn in passes), read
-        assert sum(dealt for dealt, _ in passes) < sum(drawn for _, drawn in passes), read   # the stop token is favoured: lengths differ
+        # the stop token is favoured: lengths differ
+        assert sum(dealt for dealt, _ in passes) < sum(drawn for _, drawn in passes), read
 
 
 @pytest.mark.parametrize("algo", ["rloo", "grpo"])
 def test_like_rows_with_shared_prompts(algo, tokenizer, tmp_path, monkeypatch):
-    "With `shared_prefix` the rows of one prompt are dealt together (then by length): the same run as dealt as drawn."
-    more = dict(shared_prefix=True, per_device_train_batch_size=2, gradient_accumulation_steps=2, local_rollout_forward_batch_size=2,
-                **({"loss_type": "dapo"} if algo == "grpo" else {}))
+    """With `shared_prefix` the rows of one prompt are dealt together (then by length): the same run as dealt as
+    drawn."""
+    more = dict(
+        shared_prefix=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        local_rollout_forward_batch_size=2,
+        **({"loss_type": "dapo"} if algo == "grpo" else {}),
+    )
     assert_same_run(algo, "llama", tokenizer, tmp_path, monkeypatch, **more)
 
 
 def test_one_micro_batch_keeps_its_order(tokenizer, tmp_path, monkeypatch):
-    "A minibatch that is one micro-batch is the whole rollout in order: the rollout's pass with gradients is reused for it (`first_pass`)."
+    """A minibatch that is one micro-batch is the whole rollout in order: the rollout's pass with gradients is
+    reused for it (`first_pass`)."""
     cuts = []
     minibatches = onpolicy.minibatches
     monkeypatch.setattr(onpolicy, "minibatches", lambda *args: cuts.append(minibatches(*args)) or cuts[-1])
     make("grpo", "llama", tokenizer, tmp_path, False).train()
-    assert cuts and all([[rows.tolist() for rows in mb] for mb in cut] == [[list(range(len(cut[0][0])))]] for cut in cuts), cuts
+    assert cuts and all(
+        [[rows.tolist() for rows in mb] for mb in cut] == [[list(range(len(cut[0][0])))]] for cut in cuts
+    ), cuts

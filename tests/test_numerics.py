@@ -1,10 +1,19 @@
-"Numerical safety under bf16 autocast: float32 log-probabilities, a first-epoch ratio of exactly 1, finite training."
+"""Numerical safety under bf16 autocast: float32 log-probabilities, a first-epoch ratio of exactly 1, finite
+training."""
+
 import math
 
 import torch
 
-from instruct_goose import (Agent, RLHFConfig, RLHFTrainer, create_reference_model, encode_prompts, train_tokenizer,
-                            tiny_causal_lm)
+from instruct_goose import (
+    Agent,
+    RLHFConfig,
+    RLHFTrainer,
+    create_reference_model,
+    encode_prompts,
+    train_tokenizer,
+    tiny_causal_lm,
+)
 
 TEXTS = ["the goose says honk", "a good film, I loved it", "the plot was dull and slow"] * 4
 
@@ -12,10 +21,22 @@ TEXTS = ["the goose says honk", "a good film, I loved it", "the plot was dull an
 def setup(tmp_path, **config):
     tokenizer = train_tokenizer(TEXTS, vocab_size=300)
     model = tiny_causal_lm(tokenizer, seed=0)
-    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=8, response_length=6,
-                    disable_tqdm=True, num_sample_generations=0)
-    trainer = RLHFTrainer(Agent(model), create_reference_model(model), RLHFConfig(**{**settings, **config}), processing_class=tokenizer,
-                          reward_funcs=lambda p, c: [float(len(x)) for x in c], train_dataset=[{"prompt": "the goose"}] * 8)
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        total_episodes=8,
+        response_length=6,
+        disable_tqdm=True,
+        num_sample_generations=0,
+    )
+    trainer = RLHFTrainer(
+        Agent(model),
+        create_reference_model(model),
+        RLHFConfig(**{**settings, **config}),
+        processing_class=tokenizer,
+        reward_funcs=lambda p, c: [float(len(x)) for x in c],
+        train_dataset=[{"prompt": "the goose"}] * 8,
+    )
     return tokenizer, trainer
 
 
@@ -27,8 +48,10 @@ def test_bf16_autocast_keeps_logprobs_float32_and_the_first_ratio_exactly_one(tm
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = trainer.model.model(input_ids=torch.cat([q, r], 1)).logits
         stats = trainer.model.response_stats(q, m, r, rm)
-        loss, loss_stats = trainer.compute_loss(q, m, r, rm, torch.tensor([1.0, 0.0, -1.0]), return_stats=True)
-    assert logits.dtype == torch.bfloat16                                   # the model really ran in bf16
+        loss, loss_stats = trainer.compute_loss(
+            q, m, r, rm, torch.tensor([1.0, 0.0, -1.0]), return_stats=True
+        )
+    assert logits.dtype == torch.bfloat16  # the model really ran in bf16
     assert stats.logprobs.dtype == stats.values.dtype == stats.entropy.dtype == torch.float32
     assert loss_stats["val/ratio"].item() == 1.0 and loss_stats["val/ratio_var"].item() == 0.0
     assert loss_stats["policy/clipfrac_avg"].item() == 0.0

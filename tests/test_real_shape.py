@@ -13,6 +13,7 @@ and the mask) in its recompute closure, not through the hook: 128 floats and ≤
 
 On one CPU core: ~2 minutes and ~6 GB peak RSS (`pytest tests/test_real_shape.py -m slow -n 0`).
 """
+
 import gc
 import hashlib
 
@@ -28,53 +29,82 @@ from instruct_goose.levers import LiveBytes, enable_gradient_checkpointing
 pytestmark = pytest.mark.slow
 
 LAYERS, H, I, V, Q_HEADS, KV_HEADS, HEAD_DIM = 24, 896, 4864, 151_936, 14, 2, 64
-N_PARAMS = 494_032_768                     # V·h (tied) + 24 layers + the final norm: Qwen2.5-0.5B's count
+N_PARAMS = 494_032_768  # V·h (tied) + 24 layers + the final norm: Qwen2.5-0.5B's count
 LORA_R = 8
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(): return task_tokenizer()
+def tokenizer():
+    return task_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model():
     "Qwen2.5-0.5B's shape, random weights, float32, train mode (Qwen2's dropout rates are 0)."
     torch.manual_seed(0)
-    config = T.Qwen2Config(num_hidden_layers=LAYERS, hidden_size=H, intermediate_size=I, num_attention_heads=Q_HEADS,
-                           num_key_value_heads=KV_HEADS, vocab_size=V, max_position_embeddings=1024, tie_word_embeddings=True)
+    config = T.Qwen2Config(
+        num_hidden_layers=LAYERS,
+        hidden_size=H,
+        intermediate_size=I,
+        num_attention_heads=Q_HEADS,
+        num_key_value_heads=KV_HEADS,
+        vocab_size=V,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
     m = T.Qwen2ForCausalLM(config).train()
     assert sum(p.numel() for p in m.parameters()) == N_PARAMS
     return m
 
 
 def rollout(tokenizer, batch: int, n_prompt: int, n_resp: int, seed: int = 0) -> GRPORollout:
-    "A GRPO micro-batch made by hand: left-padded prompts, right-padded responses (ids over the whole vocabulary), π_old a little off π_θ's scale, advantages ±1."
+    """A GRPO micro-batch made by hand: left-padded prompts, right-padded responses (ids over the whole
+    vocabulary), π_old a little off π_θ's scale, advantages ±1."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(3, len(tokenizer), (batch, n_prompt), generator=g)
     qm = torch.ones(batch, n_prompt, dtype=torch.long)
     qm[0, :3] = 0
     r = torch.randint(3, V, (batch, n_resp), generator=g)
     rm = torch.ones(batch, n_resp, dtype=torch.bool)
-    rm[-1, n_resp - 5:] = False
+    rm[-1, n_resp - 5 :] = False
     old = torch.log(torch.tensor(1.0 / V)) + 0.01 * torch.randn(batch, n_resp, generator=g)
     advantages = torch.tensor([1.0, -1.0]).repeat(batch // 2)
-    return GRPORollout(q, qm, r, rm, rm.clone(), torch.zeros(batch), advantages, old, old.clone(), rm.clone(),
-                       torch.zeros(batch))
+    return GRPORollout(
+        q,
+        qm,
+        r,
+        rm,
+        rm.clone(),
+        torch.zeros(batch),
+        advantages,
+        old,
+        old.clone(),
+        rm.clone(),
+        torch.zeros(batch),
+    )
 
 
 def checkpointing(model) -> bool:
     "Whether 🤗 gradient checkpointing is on (its name from transformers 5 on, or before)."
-    return model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") else model.is_gradient_checkpointing
+    return (
+        model.is_activation_checkpointing
+        if hasattr(model, "is_activation_checkpointing")
+        else model.is_gradient_checkpointing
+    )
 
 
 def saved_storages(fn):
-    "Run `fn`; return ({storage pointer: bytes} of every storage autograd keeps for the backward, each once; `fn`'s result)."
+    """Run `fn`; return ({storage pointer: bytes} of every storage autograd keeps for the backward, each once;
+    `fn`'s result)."""
     kept = {}
+
     def pack(t):
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): out = fn()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
     return kept, out
 
 
@@ -98,10 +128,19 @@ def test_gradient_checkpointing_at_05b(model, tokenizer, tmp_path):
     positions (h·64/72 ≤ h), the ids, labels and the loss's few per-token tensors (< 8 floats): ≤ 28h + 8 = 25,096 floats
     (measured 24,996). (144 response positions ≥ 110 = 2^24 // V, so the head runs in chunks, keeping no logits.)
     So the factor is ≥ 466,944 / 25,096 = 18.6 (measured 27.5)."""
-    trainer = GRPOTrainer(model, processing_class=tokenizer, reward_funcs=lambda p, c: [0.0] * len(c),
-                          args=GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=64,
-                                          output_dir=str(tmp_path), disable_tqdm=True))
-    assert trainer.ref_model is None and trainer.model is model             # beta = 0: no reference, no copy
+    trainer = GRPOTrainer(
+        model,
+        processing_class=tokenizer,
+        reward_funcs=lambda p, c: [0.0] * len(c),
+        args=GRPOConfig(
+            num_generations=2,
+            per_device_train_batch_size=2,
+            max_completion_length=64,
+            output_dir=str(tmp_path),
+            disable_tqdm=True,
+        ),
+    )
+    assert trainer.ref_model is None and trainer.model is model  # beta = 0: no reference, no copy
     part, tokens = rollout(tokenizer, 2, 8, 64), 2 * (8 + 64)
     named = list(model.named_parameters())
 
@@ -111,16 +150,23 @@ def test_gradient_checkpointing_at_05b(model, tokenizer, tmp_path):
 
     plain_bytes, plain_loss = loss_pass()
     plain_loss.backward()
-    reference = {n: p.grad for n, p in named}                               # taken, not copied: 2 GB, not 4
-    for _, p in named: p.grad = None
+    reference = {n: p.grad for n, p in named}  # taken, not copied: 2 GB, not 4
+    for _, p in named:
+        p.grad = None
     assert all(g is not None for g in reference.values())
 
     errors = {}
-    def compare(name):                                                      # each gradient checked and dropped as it lands
+
+    # each gradient checked and dropped as it lands
+    def compare(name):
         def hook(p):
-            errors[name] = ((p.grad - reference[name]).abs().max() / reference[name].abs().max().clamp(min=1e-30)).item()
+            errors[name] = (
+                (p.grad - reference[name]).abs().max() / reference[name].abs().max().clamp(min=1e-30)
+            ).item()
             p.grad = None
+
         return hook
+
     enable_gradient_checkpointing(model)
     assert checkpointing(model)
     handles = [p.register_post_accumulate_grad_hook(compare(n)) for n, p in named]
@@ -128,25 +174,35 @@ def test_gradient_checkpointing_at_05b(model, tokenizer, tmp_path):
         checkpointed_bytes, checkpointed_loss = loss_pass()
         checkpointed_loss.backward()
     finally:
-        for h in handles: h.remove()
+        for h in handles:
+            h.remove()
         (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
         del reference
         gc.collect()
-    print(f"\nactivations kept: {plain_bytes:,} B without checkpointing, {checkpointed_bytes:,} B with "
-          f"(×{plain_bytes / checkpointed_bytes:.1f}); largest gradient error {max(errors.values()):.2e}")
-    assert torch.equal(checkpointed_loss.detach(), plain_loss.detach()) or abs((checkpointed_loss - plain_loss).item()) <= 1e-6
-    assert len(errors) == len(named) and max(errors.values()) <= 1e-6, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    print(
+        f"\nactivations kept: {plain_bytes:,} B without checkpointing, {checkpointed_bytes:,} B with "
+        f"(×{plain_bytes / checkpointed_bytes:.1f}); largest gradient error {max(errors.values()):.2e}"
+    )
+    assert (
+        torch.equal(checkpointed_loss.detach(), plain_loss.detach())
+        or abs((checkpointed_loss - plain_loss).item()) <= 1e-6
+    )
+    assert len(errors) == len(named) and max(errors.values()) <= 1e-6, sorted(
+        errors.items(), key=lambda kv: -kv[1]
+    )[:3]
     assert plain_bytes >= LAYERS * 4 * I * 4 * tokens, plain_bytes
     assert checkpointed_bytes <= (28 * H + 8) * 4 * tokens, checkpointed_bytes
     assert plain_bytes >= 18.6 * checkpointed_bytes
 
 
 def adapter_count() -> int:
-    "r·(in + out) for each targeted projection of a layer, times 24: q (896→896), k and v (896→128), o (896→896), gate and up (896→4864), down (4864→896)."
+    """r·(in + out) for each targeted projection of a layer, times 24: q (896→896), k and v (896→128), o
+    (896→896), gate and up (896→4864), down (4864→896)."""
     kv = KV_HEADS * HEAD_DIM
     shapes = [(H, H), (H, kv), (H, kv), (H, H), (H, I), (H, I), (I, H)]
-    per_layer = sum(LORA_R * (i + o) for i, o in shapes)                   # 14,336 + 2·8,192 + 14,336 + 3·46,080 = 183,296
-    return LAYERS * per_layer                                               # 4,399,104
+    # 14,336 + 2·8,192 + 14,336 + 3·46,080 = 183,296
+    per_layer = sum(LORA_R * (i + o) for i, o in shapes)
+    return LAYERS * per_layer  # 4,399,104
 
 
 def digests(named) -> dict[str, str]:
@@ -155,13 +211,24 @@ def digests(named) -> dict[str, str]:
 
 
 def live_storages() -> dict[int, int]:
-    "The CPU storages of every live tensor in this process (after a garbage collection): data pointer -> bytes. A compiled test run earlier in the same worker can leave tensors of torch.compile's tracing (fake or functional ones) that have no storage to read: they hold no memory and are left out."
+    """The CPU storages of every live tensor in this process (after a garbage collection): data pointer -> bytes.
+    A compiled test run earlier in the same worker can leave tensors of torch.compile's tracing (fake or
+    functional ones) that have no storage to read: they hold no memory and are left out."""
     gc.collect()
     out = {}
     for o in gc.get_objects():
-        if not (isinstance(type(o), type) and issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta): continue
-        try: out[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
-        except RuntimeError: continue   # "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"
+        if not (
+            isinstance(type(o), type)
+            and issubclass(type(o), torch.Tensor)
+            and o.device.type == "cpu"
+            and not o.is_meta
+        ):
+            continue
+        try:
+            out[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        # "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"
+        except RuntimeError:
+            continue
     return out
 
 
@@ -172,38 +239,70 @@ def test_selective_checkpointing_at_05b_blocks():
     tokens). The chapter's table: 28h + 8k + 8i = 65,024 bytes with nothing recomputed, 12h + 4k + 4i = 30,720 selective
     (k = 2 heads × 64), 4h = 3,584 full (measured 66,368, 30,776, 3,584: the table leaves out a few small terms).
     At GRPO's update in bench/real_size.py (24 blocks, 4,160 tokens) selective keeps ≥ 3.2 GiB less."""
-    shape = dict(hidden_size=H, intermediate_size=I, num_attention_heads=Q_HEADS, num_key_value_heads=KV_HEADS, vocab_size=256)
+    shape = dict(
+        hidden_size=H,
+        intermediate_size=I,
+        num_attention_heads=Q_HEADS,
+        num_key_value_heads=KV_HEADS,
+        vocab_size=256,
+    )
+
     def per_token(policy):
         kept = {}
         for blocks in (1, 2):
             torch.manual_seed(0)
             m = T.Qwen2ForCausalLM(T.Qwen2Config(num_hidden_layers=blocks, **shape)).train()
-            if policy != "none": enable_gradient_checkpointing(m, policy=policy)
+            if policy != "none":
+                enable_gradient_checkpointing(m, policy=policy)
             for n in (32, 96):
                 with torch.autocast("cpu", dtype=torch.bfloat16), LiveBytes() as live:
-                    logits = m(torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n))).logits
-                    kept[blocks, n] = live.sweep()                  # while `logits` holds the graph
+                    logits = m(
+                        torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n))
+                    ).logits
+                    kept[blocks, n] = live.sweep()  # while `logits` holds the graph
         return ((kept[2, 96] - kept[1, 96]) - (kept[2, 32] - kept[1, 32])) / 64
+
     k = KV_HEADS * HEAD_DIM
     kept = {policy: per_token(policy) for policy in ("none", "full", "selective")}
     print(f"\nbytes a token and block keeps at the 0.5B shape: {kept}")
     assert kept["full"] == 4 * H
     assert 1 <= kept["none"] / (28 * H + 8 * k + 8 * I) <= 1.03, kept
     assert 1 <= kept["selective"] / (12 * H + 4 * k + 4 * I) <= 1.01, kept
-    assert kept["none"] - kept["selective"] >= 34_000 and 24 * 4160 * (kept["none"] - kept["selective"]) / 2**30 >= 3.2
+    assert (
+        kept["none"] - kept["selective"] >= 34_000
+        and 24 * 4160 * (kept["none"] - kept["selective"]) / 2**30 >= 3.2
+    )
 
 
 @pytest.fixture(scope="module")
 def lora_run(model, tokenizer, tmp_path_factory):
-    "One GRPO training step as a user at this size would run it: `peft_config` (LoRA r = 8 on every projection), gradient checkpointing, beta = 0.04 (so there is a reference), 2 completions of 8 tokens for one prompt, rewards 0 and 1 (the completions' order: advantages ±0.71 whatever was sampled)."
+    """One GRPO training step as a user at this size would run it: `peft_config` (LoRA r = 8 on every
+    projection), gradient checkpointing, beta = 0.04 (so there is a reference), 2 completions of 8 tokens for
+    one prompt, rewards 0 and 1 (the completions' order: advantages ±0.71 whatever was sampled)."""
     from peft import LoraConfig
+
     before = digests(model.named_parameters())
-    existing = live_storages()                  # the model's, and whatever earlier tests in this process left alive
-    trainer = GRPOTrainer(model, processing_class=tokenizer, reward_funcs=lambda prompts, completions, **kw: [float(i) for i in range(len(completions))],
-                          train_dataset=[{"prompt": "Review: The editing in this western"}], peft_config=LoraConfig(r=LORA_R, lora_alpha=16, target_modules=PROJECTIONS),
-                          args=GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8, max_steps=1, beta=0.04,
-                                          learning_rate=1e-3, gradient_checkpointing=True, output_dir=str(tmp_path_factory.mktemp("lora")),
-                                          disable_tqdm=True, save_strategy="no"))
+    # the model's, and whatever earlier tests in this process left alive
+    existing = live_storages()
+    trainer = GRPOTrainer(
+        model,
+        processing_class=tokenizer,
+        reward_funcs=lambda prompts, completions, **kw: [float(i) for i in range(len(completions))],
+        train_dataset=[{"prompt": "Review: The editing in this western"}],
+        peft_config=LoraConfig(r=LORA_R, lora_alpha=16, target_modules=PROJECTIONS),
+        args=GRPOConfig(
+            num_generations=2,
+            per_device_train_batch_size=2,
+            max_completion_length=8,
+            max_steps=1,
+            beta=0.04,
+            learning_rate=1e-3,
+            gradient_checkpointing=True,
+            output_dir=str(tmp_path_factory.mktemp("lora")),
+            disable_tqdm=True,
+            save_strategy="no",
+        ),
+    )
     trainer.train()
     return trainer, before, existing
 
@@ -222,12 +321,18 @@ def test_lora_step_at_05b(lora_run):
     after = digests(policy.named_parameters())
     adapters = {n for n in after if "lora_" in n}
     assert len(adapters) == 2 * len(PROJECTIONS) * LAYERS
-    base_after = {n.replace("base_model.model.", "").replace(".base_layer", ""): d for n, d in after.items() if n not in adapters}
-    assert base_after == before                                             # the base, bit for bit (and the same 290 names)
+    base_after = {
+        n.replace("base_model.model.", "").replace(".base_layer", ""): d
+        for n, d in after.items()
+        if n not in adapters
+    }
+    # the base, bit for bit (and the same 290 names)
+    assert base_after == before
     moved = {n for n, p in policy.named_parameters() if "lora_B" in n and p.abs().max() > 0}
-    assert moved == {n for n in adapters if "lora_B" in n}                  # every B trained, through the checkpointed layers
+    # every B trained, through the checkpointed layers
+    assert moved == {n for n in adapters if "lora_B" in n}
 
-    optimizer = trainer.loop.optimizer.optimizer                            # AdamW under Accelerate's wrapper
+    optimizer = trainer.loop.optimizer.optimizer  # AdamW under Accelerate's wrapper
     in_groups = [p for g in optimizer.param_groups for p in g["params"]]
     trainable = [p for n, p in policy.named_parameters() if n in adapters]
     assert {id(p) for p in in_groups} == {id(p) for p in trainable} == {id(p) for p in optimizer.state}
@@ -238,12 +343,17 @@ def test_lora_step_at_05b(lora_run):
     assert isinstance(trainer.ref_model, AdapterOffReference) and list(trainer.ref_model.parameters()) == []
     assert trainer.ref_model.get_base_model() is base_model
     embedding = base_model.get_input_embeddings().weight
-    assert embedding is base_model.get_output_embeddings().weight           # tied, as Qwen2.5-0.5B's
-    assert embedding.untyped_storage().data_ptr() in existing               # built before the run
-    new = {ptr: n for ptr, n in live_storages().items() if ptr not in existing}   # what the run left alive
-    assert [n for n in new.values() if n >= V * H * 4] == []                # no second tensor of the embedding's size
-    assert sum(new.values()) < 0.5 * N_PARAMS * 4, sum(new.values())        # adapters and their moments, not a second model
-    print(f"\nadapter parameters in the optimizer: {sum(p.numel() for p in in_groups):,}; tensor bytes the run left alive {sum(new.values()):,}")
+    assert embedding is base_model.get_output_embeddings().weight  # tied, as Qwen2.5-0.5B's
+    assert embedding.untyped_storage().data_ptr() in existing  # built before the run
+    new = {ptr: n for ptr, n in live_storages().items() if ptr not in existing}  # what the run left alive
+    # no second tensor of the embedding's size
+    assert [n for n in new.values() if n >= V * H * 4] == []
+    # adapters and their moments, not a second model
+    assert sum(new.values()) < 0.5 * N_PARAMS * 4, sum(new.values())
+    print(
+        f"\nadapter parameters in the optimizer: {sum(p.numel() for p in in_groups):,}; tensor bytes the run "
+        f"left alive {sum(new.values()):,}"
+    )
 
 
 def test_no_logits_kept_at_05b_512_tokens(lora_run, tokenizer):
@@ -259,15 +369,22 @@ def test_no_logits_kept_at_05b_512_tokens(lora_run, tokenizer):
     part = rollout(tokenizer, 2, 8, 512)
     kept, (losses, _) = saved_storages(lambda: trainer.micro_batch_loss(policy, part, 0))
     params = {p.untyped_storage().data_ptr() for p in policy.parameters()}
-    elements = {ptr: n // 4 for ptr, n in kept.items()}                     # float32 (ids and masks are counted at 4 bytes too: an over-count)
+    # float32 (ids and masks are counted at 4 bytes too: an over-count)
+    elements = {ptr: n // 4 for ptr, n in kept.items()}
     largest = max(elements.values())
     largest_activation = max(n for ptr, n in elements.items() if ptr not in params)
-    print(f"\nlargest kept: {largest:,} elements (the output layer's weight); largest activation: {largest_activation:,}; "
-          f"logits would be {2 * 512 * V:,}")
+    print(
+        f"\nlargest kept: {largest:,} elements (the output layer's weight); largest activation: "
+        f"{largest_activation:,}; "
+        f"logits would be {2 * 512 * V:,}"
+    )
     assert largest == V * H < 2 * 512 * V
     assert largest_activation <= 2 * (8 + 512) * H
     policy.zero_grad(set_to_none=True)
     sum(losses.values()).backward()
     grads = [p.grad for n, p in policy.named_parameters() if "lora_B" in n]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads) and max(g.abs().max() for g in grads) > 0
+    assert (
+        all(g is not None and torch.isfinite(g).all() for g in grads)
+        and max(g.abs().max() for g in grads) > 0
+    )
     policy.zero_grad(set_to_none=True)
