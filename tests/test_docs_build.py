@@ -4,9 +4,7 @@ under a second)."""
 import importlib.util
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location(
-    "docs", Path(__file__).resolve().parents[1] / "dev" / "docs.py"
-)
+spec = importlib.util.spec_from_file_location("docs", Path(__file__).resolve().parents[1] / "dev" / "docs.py")
 docs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(docs)
 
