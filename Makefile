@@ -89,7 +89,7 @@ test-oldest:
 	$(MAKE) test VENV=$(OLDEST) TORCH="$$(grep '^torch==' $(OLDEST).txt)" CONSTRAINTS="-c $(OLDEST).txt"
 
 demo: $(STAMP)
-	$(BIN)/goose pipeline --output_dir runs/demo --overwrite_output_dir
+	$(BIN)/goose pipeline --config configs/demo.yaml --output_dir runs/demo --overwrite_output_dir
 
 # The documentation site, built without Quarto (dev/docs.py: nbdev's processors run every notebook -> MkDocs -> _site/,
 # KaTeX from npm bundled so it works offline), then checked page by page in Debian's headless Chromium.
