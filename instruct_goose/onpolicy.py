@@ -22,9 +22,6 @@ from accelerate import Accelerator
 
 from instruct_goose.agent import (
     Agent,
-    _is_peft,
-    _load_model,
-    _load_tokenizer,
     cast_lm_head_to_fp32,
     context_length,
     create_reference_model,
@@ -34,8 +31,8 @@ from instruct_goose.agent import (
     response_logprobs,
     router_aux_coef,
     router_aux_losses,
-    with_peft,
 )
+from .loading import is_peft, load_model, load_tokenizer, with_peft
 from transformers import AutoModelForCausalLM, TrainerCallback
 from accelerate.utils import gather_object
 from instruct_goose.completions import (
@@ -538,7 +535,7 @@ class OnPolicyTrainer(Trainer):
             renamed,
         )
         self.take_optimizers(optimizers)
-        self.args, self.processing_class = a["args"], _load_tokenizer(a["processing_class"], model, a["args"])
+        self.args, self.processing_class = a["args"], load_tokenizer(a["processing_class"], model, a["args"])
         self.reward_model = (
             None
             if a["reward_funcs"] is None
@@ -574,7 +571,7 @@ class OnPolicyTrainer(Trainer):
         if float32_head and self.ref_model is not None:
             cast_lm_head_to_fp32(self.ref_model)
         # our own copy (`setup` may hold it in half precision)
-        self.ref_is_copy = self.ref_model is not None and ref_model is None and not _is_peft(policy)
+        self.ref_is_copy = self.ref_model is not None and ref_model is None and not is_peft(policy)
 
     needs_reference: bool = True  # whether the algorithm uses π_ref (GRPO: only when `beta` > 0)
 
@@ -662,7 +659,7 @@ def policy_from(
                 "`model_init_kwargs` is used when `model` is a name or path, and `model` is already loaded: "
                 "load it with those options yourself, or pass its path"
             )
-        model = _load_model(model, self.args)
+        model = load_model(model, self.args)
     return disable_dropout(with_peft(model.model if isinstance(model, Agent) else model, peft_config))
 
 # %% ../nbs/08_onpolicy.ipynb #54241b5e
@@ -789,7 +786,7 @@ def trl_callbacks(self: OnPolicyTrainer) -> list:
             "`beta` > "
             "0 or leave it off"
         )
-    if _is_peft(self.model):
+    if is_peft(self.model):
         raise ValueError(
             "`sync_ref_model` with LoRA (`peft_config`): the reference is the adapter-off base, there is no "
             "copy "

@@ -14,7 +14,8 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 
-from .agent import Agent, ResponseStats, disable_dropout, lm_nll, with_peft
+from .agent import Agent, ResponseStats, disable_dropout, lm_nll
+from .loading import with_peft
 from .data import as_dataset, encode_sft
 from .core import check_number, masked_mean, masked_sum, masked_var, pad_to_side, typecheck
 from .loop import TrainLoop, batch_indices

@@ -25,7 +25,6 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 from instruct_goose.agent import (
     _accepts,
     _cut_rows,
-    _load,
     context_length,
     dropout_as_configured,
     eval_mode,
@@ -36,6 +35,7 @@ from instruct_goose.agent import (
 )
 from .core import last_true_index, masked_mean, masked_sum, masked_var, pad_to_side, typecheck
 from .data import apply_chat, is_conversational, prompt_text
+from .loading import load_pretrained
 
 # %% ../nbs/04_reward.ipynb #6dbdb243
 def _score_head(classifier: nn.Module) -> nn.Linear:
@@ -87,7 +87,9 @@ class RewardModel(nn.Module):
         **from_pretrained_kwargs,  # passed to `from_pretrained` when a name is given
     ):
         super().__init__()
-        model = _load(model, AutoModelForSequenceClassification, num_labels=1, **from_pretrained_kwargs)
+        model = load_pretrained(
+            model, AutoModelForSequenceClassification, num_labels=1, **from_pretrained_kwargs
+        )
         if not type(model).__name__.endswith("ForSequenceClassification"):
             model = _fresh_classifier(model)
         if model.config.num_labels != 1:
