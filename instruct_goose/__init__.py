@@ -31,6 +31,7 @@ from instruct_goose import (
     sft,
     tools,
     toy,
+    trl_names,
 )
 from .core import *
 from .losses import *
@@ -45,6 +46,7 @@ from .rewards import *
 from .reward_eval import *
 from .levers import *
 from .loop import *
+from .trl_names import *
 from .offline import *
 from .sft import *
 from .rollout import *
@@ -70,6 +72,7 @@ __all__ = [
     *reward_eval.__all__,
     *levers.__all__,
     *loop.__all__,
+    *trl_names.__all__,
     *offline.__all__,
     *sft.__all__,
     *rollout.__all__,

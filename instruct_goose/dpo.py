@@ -37,7 +37,7 @@ from instruct_goose.agent import (
 from .loading import load_model, load_tokenizer, with_peft
 from .core import _without_autocast, check_number, typecheck
 from instruct_goose.data import (
-    _pad_token_id,
+    pad_id,
     is_conversational,
     pad_rows,
     pad_to_multiple,
@@ -410,7 +410,7 @@ def encode_pairs(
     rows = tokenize_pairs(
         tokenizer, {"prompt": prompts, "chosen": chosen, "rejected": rejected}, max_prompt_length, add_eos
     )
-    return collate_pairs(rows, _pad_token_id(tokenizer), max_length)
+    return collate_pairs(rows, pad_id(tokenizer), max_length)
 
 # %% ../nbs/09c_dpo.ipynb #b8229f7c
 class CompletionLogps(NamedTuple):
@@ -606,7 +606,7 @@ def encode(
     the same order."""
     a = self.args
     batch = collate_pairs(
-        rows, _pad_token_id(self.processing_class), self.max_length, a.truncation_mode, a.pad_to_multiple_of
+        rows, pad_id(self.processing_class), self.max_length, a.truncation_mode, a.pad_to_multiple_of
     )
     # nothing is cut: past the model's context is an error naming `max_length`
     if self.max_length is None:

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['merge_names', 'generation_batches', 'setting_name', 'continuous_batching_options', 'check_sampling_config',
-           'OnPolicyConfig', 'refuse_unsupported', 'sampling_options', 'frozen_reference', 'trl_arguments',
-           'PolicyPass', 'OnPolicyTrainer', 'TRLOptions', 'mix_reference', 'SyncRefModelCallback', 'CompletionsResume',
+           'OnPolicyConfig', 'sampling_options', 'frozen_reference', 'trl_arguments', 'PolicyPass', 'OnPolicyTrainer',
+           'TRLOptions', 'mix_reference', 'SyncRefModelCallback', 'CompletionsResume', 'prompt_columns',
            'prompt_budget', 'step_rows', 'trl_metric_names', 'evaluate_policy']
 
 # %% ../nbs/08_onpolicy.ipynb #2a44eff2
@@ -370,17 +370,6 @@ class OnPolicyConfig(TrainingConfig):
     def rollout_size(self) -> int:
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
-
-# %% ../nbs/08_onpolicy.ipynb #69c3bf14
-def refuse_unsupported(
-    config,  # a config whose refused fields are declared at TRL's defaults
-    refused: dict[str, str],  # field -> why it is not run here
-) -> None:
-    """Raise a one-line `ValueError` for the first field of `refused` that `config` sets away from its declared
-    (TRL's) default: a config that leaves such fields alone, or spells the defaults out, works unchanged."""
-    for f in fields(config):
-        if f.name in refused and getattr(config, f.name) != f.default:
-            raise ValueError(f"`{f.name}`={getattr(config, f.name)!r} is not supported: {refused[f.name]}")
 
 # %% ../nbs/08_onpolicy.ipynb #c7d2a1b4
 def sampling_options(
@@ -846,7 +835,7 @@ def stop_token_id(self: OnPolicyTrainer) -> int:
     return self.processing_class.eos_token_id
 
 # %% ../nbs/08_onpolicy.ipynb #f89902a5
-def _prompt_columns(
+def prompt_columns(
     # a batch of rows: `dataset[indices]` (a dict of columns with "prompt"), or a list of prompts
     rows,
     repeat: int = 1,  # samples per prompt: each row this many times in a row (RLOO's k, GRPO's G)
@@ -885,7 +874,7 @@ def sample_and_score(
 ) -> Samples:  # prompts as text in `prompts`
     """Render the prompts (`prompt_text`), sample a response each (in chunks), decode, score with the reward and
     the rows' other columns, subtract `missing_eos_penalty` where no stop came."""
-    c, tok, columns = self.args, self.processing_class, _prompt_columns(rows)
+    c, tok, columns = self.args, self.processing_class, prompt_columns(rows)
     prompts = columns.pop("prompt")
     texts = self.prompt_texts(prompts)
     device = next(model.parameters()).device
@@ -1537,7 +1526,7 @@ def evaluate(
         self.on_device(reward, loop.device),
     ):
         for start in range(acc.process_index * size, len(data), size * acc.num_processes):
-            columns = _prompt_columns(
+            columns = prompt_columns(
                 data[start : start + size], c.num_generations_eval or self.samples_per_prompt
             )
             prompts = columns.pop("prompt")

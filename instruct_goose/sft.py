@@ -34,7 +34,7 @@ from instruct_goose.agent import (
 from .loading import from_pretrained_kwargs, load_model, load_tokenizer, with_peft
 from .core import check_number
 from instruct_goose.data import (
-    _pad_token_id,
+    pad_id,
     apply_chat,
     as_dataset,
     pad_to_multiple,
@@ -448,7 +448,7 @@ def encode(self: SFTTrainer, rows: dict) -> tuple[tuple[Tensor, Tensor, Tensor],
     if self.max_length is None:
         within_context(mask, self.model)
     ids, mask, loss_mask = pad_to_multiple(
-        a.pad_to_multiple_of, (ids, _pad_token_id(tok)), (mask, 0), (loss_mask, False)
+        a.pad_to_multiple_of, (ids, pad_id(tok)), (mask, 0), (loss_mask, False)
     )
     return (ids, mask, loss_mask), int(loss_mask.sum())
 
@@ -717,7 +717,7 @@ def pair_scores(
     ids, mask = self.reward_model.encode(texts, self.max_length)
     # after the text, wherever the tokenizer put its own pads
     ids, mask = pad_to_multiple(
-        self.args.pad_to_multiple_of, (ids, _pad_token_id(self.reward_model.tokenizer)), (mask, 0)
+        self.args.pad_to_multiple_of, (ids, pad_id(self.reward_model.tokenizer)), (mask, 0)
     )
     if tokens is not None:
         tokens.append(mask.sum())
