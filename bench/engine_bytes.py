@@ -55,7 +55,7 @@ def optimizer_tensors(optimizer, params: set) -> list:
 def measure(engine: str, lora: bool) -> dict:
     from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
     from instruct_goose import Agent, RewardModel, TrainLoop, TrainingConfig, create_reference_model, task_tokenizer
-    from instruct_goose.agent import with_peft
+    from instruct_goose.loading import with_peft
     tokenizer = task_tokenizer()
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=128, n_layer=4, n_head=4,
                         resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, pad_token_id=tokenizer.pad_token_id)

@@ -15,7 +15,9 @@ from instruct_goose import (
     decoding,
     dpo,
     levers,
+    loading,
     loop,
+    offline,
     losses,
     generation,
     grpo,
@@ -29,11 +31,13 @@ from instruct_goose import (
     sft,
     tools,
     toy,
+    trl_names,
 )
 from .core import *
 from .losses import *
 from .data import *
 from .toy import *
+from .loading import *
 from .agent import *
 from .decoding import *
 from .generation import *
@@ -42,6 +46,8 @@ from .rewards import *
 from .reward_eval import *
 from .levers import *
 from .loop import *
+from .trl_names import *
+from .offline import *
 from .sft import *
 from .rollout import *
 from .completions import *
@@ -57,6 +63,7 @@ __all__ = [
     *losses.__all__,
     *data.__all__,
     *toy.__all__,
+    *loading.__all__,
     *agent.__all__,
     *decoding.__all__,
     *generation.__all__,
@@ -65,6 +72,8 @@ __all__ = [
     *reward_eval.__all__,
     *levers.__all__,
     *loop.__all__,
+    *trl_names.__all__,
+    *offline.__all__,
     *sft.__all__,
     *rollout.__all__,
     *completions.__all__,

@@ -6,9 +6,9 @@
 __all__ = ['position_ids_from_mask', 'positions_for', 'context_length', 'response_logits', 'cast_lm_head_to_fp32',
            'response_logprobs', 'token_logprobs', 'lm_nll', 'router_aux_coef', 'router_aux_losses', 'AgentOutput',
            'ResponseStats', 'disable_dropout', 'dropout_as_configured', 'eval_mode', 'Agent', 'AdapterOffReference',
-           'create_reference_model', 'with_peft', 'load_tokenizer', 'ObjectiveTerms', 'AgentObjective', 'pack_bins',
-           'pack_layout', 'packed_attention_mask', 'packed_forward', 'refuse_packed_aux', 'loss_token_states',
-           'states_logps', 'packed_response_states', 'states_stats', 'prompt_groups', 'shared_prompt_forward']
+           'create_reference_model', 'ObjectiveTerms', 'AgentObjective', 'pack_bins', 'pack_layout',
+           'packed_attention_mask', 'packed_forward', 'refuse_packed_aux', 'loss_token_states', 'states_logps',
+           'packed_response_states', 'states_stats', 'prompt_groups', 'shared_prompt_forward']
 
 # %% ../nbs/03_agent.ipynb #4132b3a8
 import contextlib, copy, functools, inspect, itertools, os
@@ -47,6 +47,7 @@ from instruct_goose.core import (
     masked_sum,
     typecheck,
 )
+from .loading import is_peft, load_critic, load_pretrained
 
 # %% ../nbs/03_agent.ipynb #758228eb
 @typecheck
@@ -504,22 +505,6 @@ def _configs_of(module: nn.Module) -> list[tuple[str, PretrainedConfig]]:
 def _sub_config(config: PretrainedConfig, key: str) -> PretrainedConfig:
     return config if key == "" else getattr(config, key)
 
-# %% ../nbs/03_agent.ipynb #792f839e
-def _load(model, auto_class, **kwargs):
-    return auto_class.from_pretrained(model, **kwargs) if isinstance(model, (str, Path)) else model
-
-# %% ../nbs/03_agent.ipynb #f4cc06e3
-def _load_critic(value_model, **kwargs):
-    """A separate critic as given, or loaded from a name/path: a 1-label classifier checkpoint (TRL's critic,
-    usually the reward model) with its score head, anything else as its trunk."""
-    if not isinstance(value_model, (str, Path)):
-        return value_model
-    config = AutoConfig.from_pretrained(value_model)
-    classifier = config.num_labels == 1 and any(
-        a.endswith("ForSequenceClassification") for a in config.architectures or []
-    )
-    return _load(value_model, AutoModelForSequenceClassification if classifier else AutoModel, **kwargs)
-
 # %% ../nbs/03_agent.ipynb #038a14a5
 def disable_dropout(model: nn.Module) -> nn.Module:
     """Set every dropout probability in `model` to 0: `nn.Dropout` modules, float attributes (OPT's `dropout` and
@@ -583,8 +568,8 @@ class Agent(nn.Module):
         **from_pretrained_kwargs,  # passed to `from_pretrained` when names are given
     ):
         super().__init__()
-        self.model = disable_dropout(_load(model, AutoModelForCausalLM, **from_pretrained_kwargs))
-        value_model = _load_critic(value_model, **from_pretrained_kwargs)
+        self.model = disable_dropout(load_pretrained(model, AutoModelForCausalLM, **from_pretrained_kwargs))
+        value_model = load_critic(value_model, **from_pretrained_kwargs)
         self.value_model = None if value_model is None else disable_dropout(value_model.base_model)
         # the head lives where the trunk's weights are (a GPU, `meta`)
         trunk = self.model if value_model is None else value_model
@@ -788,10 +773,6 @@ class AdapterOffReference(nn.Module):
         with self.peft_model.disable_adapter():
             return self.peft_model.generate(*args, **kwargs)
 
-# %% ../nbs/03_agent.ipynb #f351ee78
-def _is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
 # %% ../nbs/03_agent.ipynb #42e3ce4b
 def create_reference_model(
     agent_or_model: "Agent | PreTrainedModel",  # the agent (its policy is used) or a causal LM
@@ -800,68 +781,10 @@ def create_reference_model(
     """π_ref (the SFT model) for the KL penalty: a frozen deep copy of the policy, or for a LoRA policy its base
     with the adapter off."""
     model = agent_or_model.model if isinstance(agent_or_model, Agent) else agent_or_model
-    if _is_peft(model):
+    if is_peft(model):
         return AdapterOffReference(model).eval()
     reference = copy.deepcopy(model).eval()
     return reference.requires_grad_(False)
-
-# %% ../nbs/03_agent.ipynb #841b4e60
-def with_peft(
-    model: nn.Module,  # a 🤗 model (a name or path is loaded first with `auto_class`)
-    # a peft config, e.g. `LoraConfig(r=8, target_modules="all-linear")`; None: `model` as it is
-    peft_config=None,
-    auto_class=AutoModelForCausalLM,  # how a name or path is loaded
-) -> nn.Module:  # the model, with trainable adapters when `peft_config` is given
-    """A trainer's `model` argument as a model: loaded when it is a name or path, wrapped with peft adapters when
-    `peft_config` is given (TRL's `peft_config`)."""
-    model = _load(model, auto_class)
-    if peft_config is None:
-        return model
-    if _is_peft(model):
-        raise ValueError("`model` already has peft adapters: pass it without `peft_config`")
-    from peft import get_peft_model
-
-    return get_peft_model(model, peft_config)
-
-# %% ../nbs/03_agent.ipynb #86910301
-def load_tokenizer(
-    processing_class,  # the tokenizer given to the trainer, or None
-    # the trainer's `model` argument: a name or path lets the tokenizer be loaded from it
-    model,
-):
-    """The trainer's tokenizer: `processing_class` when given, else loaded from `model`'s name or path (else
-    None)."""
-    if processing_class is not None or not isinstance(model, (str, os.PathLike)):
-        return processing_class
-    return AutoTokenizer.from_pretrained(model)
-
-# %% ../nbs/03_agent.ipynb #06e82979
-def _from_pretrained_kwargs(args) -> dict:
-    "`from_pretrained`'s keywords from TRL's `model_init_kwargs` and `trust_remote_code`."
-    return {**(args.model_init_kwargs or {}), "trust_remote_code": args.trust_remote_code}
-
-# %% ../nbs/03_agent.ipynb #9ff3c073
-def _load_model(model, args):
-    "`model` as it is, or loaded from a name/path with `model_init_kwargs` and `trust_remote_code` (TRL's)."
-    return (
-        AutoModelForCausalLM.from_pretrained(model, **_from_pretrained_kwargs(args))
-        if isinstance(model, (str, os.PathLike))
-        else model
-    )
-
-# %% ../nbs/03_agent.ipynb #2607a72c
-def _load_tokenizer(processing_class, model, args):
-    """The tokenizer given, or loaded from `model`'s name/path (at `model_init_kwargs`' revision, with
-    `trust_remote_code`)."""
-    if processing_class is not None or not isinstance(model, (str, os.PathLike)):
-        return load_tokenizer(processing_class, model)
-    # PPO's config has neither field: 🤗's defaults
-    revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
-    return AutoTokenizer.from_pretrained(
-        model,
-        trust_remote_code=getattr(args, "trust_remote_code", False),
-        **({"revision": revision} if revision else {}),
-    )
 
 # %% ../nbs/03_agent.ipynb #85fa80f9
 class ObjectiveTerms(NamedTuple):

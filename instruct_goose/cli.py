@@ -51,9 +51,10 @@ from .ppo import RLHFConfig, RLHFTrainer
 def field_help(cls) -> dict[str, str]:
     """The docments comment beside each field of dataclass `cls` and of its dataclass bases: the field's
     documentation."""
-    docs = {}
+    # the fields made from a table (`refused_dataclass`) carry their help; the others have a docments comment
+    docs = {f.name: f.metadata["help"] for f in fields(cls) if "help" in f.metadata}
     for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
+        if dataclasses.is_dataclass(klass) and not set(klass.__dataclass_fields__) <= set(docs):
             docs.update({name: doc for name, doc in docments(klass).items() if doc})
     # not class variables such as `same_setting`
     return {f.name: docs[f.name] for f in fields(cls) if f.name in docs}

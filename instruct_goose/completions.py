@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['completion_rows', 'first_per_prompt', 'completions_table', 'append_completions', 'read_completions',
-           'drop_completions_after', 'completions_to_trackers']
+           'drop_completions_after', 'completions_to_trackers', 'completion_stats']
 
 # %% ../nbs/07b_completions.ipynb #0c7d1e04
 import json, math
@@ -128,3 +128,26 @@ def completions_to_trackers(
             tracker.log_table("completions", columns=columns, data=data, step=step)
             took.append(tracker.name)
     return took
+
+# %% ../nbs/07b_completions.ipynb #b482116c
+def completion_stats(
+    response_ids: Tensor,  # (batch, resp) the completions
+    response_mask: Tensor,  # (batch, resp) True on real tokens
+    stop_token_id: int,  # the token that ends a completion
+) -> dict[str, Tensor]:  # TRL 1.16's completion statistics (RLOO and GRPO)
+    """Completion lengths (all, and of those that stopped: `*_terminated_length`, 0 when none did, as TRL) and
+    the share cut off without a stop token, under TRL's names."""
+    lengths = response_mask.sum(1).float()
+    stopped = ((response_ids == stop_token_id) & response_mask).any(1)
+    of_stopped = lambda fill, reduce: torch.where(
+        stopped.any(), reduce(torch.where(stopped, lengths, fill)), 0.0
+    )
+    return {
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": (~stopped).float().mean(),
+        "completions/mean_terminated_length": of_stopped(0.0, lambda x: x.sum() / stopped.sum().clamp(min=1)),
+        "completions/min_terminated_length": of_stopped(torch.inf, torch.amin),
+        "completions/max_terminated_length": of_stopped(-torch.inf, torch.amax),
+    }

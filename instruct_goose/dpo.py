@@ -22,11 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 
 from instruct_goose.agent import (
     _OutputLayer,
-    _load_model,
-    _load_tokenizer,
     disable_dropout,
     eval_mode,
-    load_tokenizer,
     loss_token_states,
     pack_bins,
     packed_forward,
@@ -36,11 +33,11 @@ from instruct_goose.agent import (
     router_aux_losses,
     states_logps,
     states_stats,
-    with_peft,
 )
+from .loading import load_model, load_tokenizer, with_peft
 from .core import _without_autocast, check_number, typecheck
 from instruct_goose.data import (
-    _pad_token_id,
+    pad_id,
     is_conversational,
     pad_rows,
     pad_to_multiple,
@@ -49,7 +46,7 @@ from instruct_goose.data import (
 )
 from .loop import Trainer, TrainLoop, trainer_arguments
 from .levers import fuse_activations
-from instruct_goose.sft import (
+from instruct_goose.offline import (
     StageConfig,
     drop_long_prompts,
     fit_to_context,
@@ -413,7 +410,7 @@ def encode_pairs(
     rows = tokenize_pairs(
         tokenizer, {"prompt": prompts, "chosen": chosen, "rejected": rejected}, max_prompt_length, add_eos
     )
-    return collate_pairs(rows, _pad_token_id(tokenizer), max_length)
+    return collate_pairs(rows, pad_id(tokenizer), max_length)
 
 # %% ../nbs/09c_dpo.ipynb #b8229f7c
 class CompletionLogps(NamedTuple):
@@ -528,10 +525,10 @@ class DPOTrainer(Trainer):
         a = trainer_arguments(DPOTrainer, dict(args=args, processing_class=processing_class), renamed)
         self.take_optimizers(optimizers)
         self.args, self.callbacks = a["args"], callbacks
-        self.processing_class = _load_tokenizer(a["processing_class"], model, self.args)
+        self.processing_class = load_tokenizer(a["processing_class"], model, self.args)
         if self.processing_class is None:
             raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a path")
-        model = with_peft(_load_model(model, self.args), peft_config)
+        model = with_peft(load_model(model, self.args), peft_config)
         self.model = fuse_activations(disable_dropout(model) if self.args.disable_dropout else model)
         # MoE: c of c·L_aux (0: none)
         self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)
@@ -542,7 +539,7 @@ class DPOTrainer(Trainer):
             None
             if cached_self
             else frozen_reference(
-                self.model, None if ref_model is None else with_peft(_load_model(ref_model, self.args))
+                self.model, None if ref_model is None else with_peft(load_model(ref_model, self.args))
             )
         )
         self.max_length = fit_to_context(self.args.max_length, model)
@@ -609,7 +606,7 @@ def encode(
     the same order."""
     a = self.args
     batch = collate_pairs(
-        rows, _pad_token_id(self.processing_class), self.max_length, a.truncation_mode, a.pad_to_multiple_of
+        rows, pad_id(self.processing_class), self.max_length, a.truncation_mode, a.pad_to_multiple_of
     )
     # nothing is cut: past the model's context is an error naming `max_length`
     if self.max_length is None:

@@ -21,17 +21,11 @@ from jaxtyping import Bool, Float
 from .core import check_number, masked_mean, masked_sum, typecheck
 from .loop import TrainLoop
 from .losses import AdaptiveEntropyController, kl_penalty
-from .rloo import _TRL_REFUSED, GRPONotYet, completion_stats
+from .completions import completion_stats
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
 from .agent import response_logprobs
-from instruct_goose.onpolicy import (
-    OnPolicyConfig,
-    OnPolicyTrainer,
-    PolicyPass,
-    TRLOptions,
-    _prompt_columns,
-    refuse_unsupported,
-)
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, prompt_columns
+from .trl_names import GRPONotYet, refuse_unsupported, refused_fields
 from .tools import ToolConfig
 
 # %% ../nbs/09b_grpo.ipynb #b7dc7cdd
@@ -111,8 +105,8 @@ class GRPOConfig(OnPolicyConfig, TRLOptions, GRPONotYet, ToolConfig):
     }
 
     def __post_init__(self):
-        # TRL's fields not run here yet: refused by name (`_TRL_REFUSED`)
-        refuse_unsupported(self, _TRL_REFUSED)
+        # TRL's fields not run here yet: refused by name (`TRL_REFUSED`, the TRL chapter)
+        refuse_unsupported(self, refused_fields("grpo"))
         if isinstance(self.scale_rewards, bool) or self.scale_rewards in ("True", "False"):
             self.scale_rewards = "group" if self.scale_rewards in (True, "True") else "none"
         super().__post_init__()
@@ -507,7 +501,7 @@ class GRPOTrainer(OnPolicyTrainer):
         """Sample G completions per prompt in one batched call (each carrying its row's columns to the reward),
         score them, and compute advantages (and log-probabilities where needed)."""
         c = self.args
-        x = self.sample_and_score(policy, _prompt_columns(rows, c.num_generations), seed, first_row, loop)
+        x = self.sample_and_score(policy, prompt_columns(rows, c.num_generations), seed, first_row, loop)
         inputs = (
             x.query_ids,
             x.query_attention_mask,

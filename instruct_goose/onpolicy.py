@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['merge_names', 'generation_batches', 'setting_name', 'continuous_batching_options', 'check_sampling_config',
-           'OnPolicyConfig', 'refuse_unsupported', 'sampling_options', 'frozen_reference', 'trl_arguments',
-           'PolicyPass', 'OnPolicyTrainer', 'TRLOptions', 'mix_reference', 'SyncRefModelCallback', 'CompletionsResume',
+           'OnPolicyConfig', 'sampling_options', 'frozen_reference', 'trl_arguments', 'PolicyPass', 'OnPolicyTrainer',
+           'TRLOptions', 'mix_reference', 'SyncRefModelCallback', 'CompletionsResume', 'prompt_columns',
            'prompt_budget', 'step_rows', 'trl_metric_names', 'evaluate_policy']
 
 # %% ../nbs/08_onpolicy.ipynb #2a44eff2
@@ -22,9 +22,6 @@ from accelerate import Accelerator
 
 from instruct_goose.agent import (
     Agent,
-    _is_peft,
-    _load_model,
-    _load_tokenizer,
     cast_lm_head_to_fp32,
     context_length,
     create_reference_model,
@@ -34,8 +31,8 @@ from instruct_goose.agent import (
     response_logprobs,
     router_aux_coef,
     router_aux_losses,
-    with_peft,
 )
+from .loading import is_peft, load_model, load_tokenizer, with_peft
 from transformers import AutoModelForCausalLM, TrainerCallback
 from accelerate.utils import gather_object
 from instruct_goose.completions import (
@@ -374,17 +371,6 @@ class OnPolicyConfig(TrainingConfig):
         "Responses sampled per step and process."
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
 
-# %% ../nbs/08_onpolicy.ipynb #69c3bf14
-def refuse_unsupported(
-    config,  # a config whose refused fields are declared at TRL's defaults
-    refused: dict[str, str],  # field -> why it is not run here
-) -> None:
-    """Raise a one-line `ValueError` for the first field of `refused` that `config` sets away from its declared
-    (TRL's) default: a config that leaves such fields alone, or spells the defaults out, works unchanged."""
-    for f in fields(config):
-        if f.name in refused and getattr(config, f.name) != f.default:
-            raise ValueError(f"`{f.name}`={getattr(config, f.name)!r} is not supported: {refused[f.name]}")
-
 # %% ../nbs/08_onpolicy.ipynb #c7d2a1b4
 def sampling_options(
     config,  # an on-policy config
@@ -538,7 +524,7 @@ class OnPolicyTrainer(Trainer):
             renamed,
         )
         self.take_optimizers(optimizers)
-        self.args, self.processing_class = a["args"], _load_tokenizer(a["processing_class"], model, a["args"])
+        self.args, self.processing_class = a["args"], load_tokenizer(a["processing_class"], model, a["args"])
         self.reward_model = (
             None
             if a["reward_funcs"] is None
@@ -574,7 +560,7 @@ class OnPolicyTrainer(Trainer):
         if float32_head and self.ref_model is not None:
             cast_lm_head_to_fp32(self.ref_model)
         # our own copy (`setup` may hold it in half precision)
-        self.ref_is_copy = self.ref_model is not None and ref_model is None and not _is_peft(policy)
+        self.ref_is_copy = self.ref_model is not None and ref_model is None and not is_peft(policy)
 
     needs_reference: bool = True  # whether the algorithm uses π_ref (GRPO: only when `beta` > 0)
 
@@ -662,7 +648,7 @@ def policy_from(
                 "`model_init_kwargs` is used when `model` is a name or path, and `model` is already loaded: "
                 "load it with those options yourself, or pass its path"
             )
-        model = _load_model(model, self.args)
+        model = load_model(model, self.args)
     return disable_dropout(with_peft(model.model if isinstance(model, Agent) else model, peft_config))
 
 # %% ../nbs/08_onpolicy.ipynb #54241b5e
@@ -789,7 +775,7 @@ def trl_callbacks(self: OnPolicyTrainer) -> list:
             "`beta` > "
             "0 or leave it off"
         )
-    if _is_peft(self.model):
+    if is_peft(self.model):
         raise ValueError(
             "`sync_ref_model` with LoRA (`peft_config`): the reference is the adapter-off base, there is no "
             "copy "
@@ -849,7 +835,7 @@ def stop_token_id(self: OnPolicyTrainer) -> int:
     return self.processing_class.eos_token_id
 
 # %% ../nbs/08_onpolicy.ipynb #f89902a5
-def _prompt_columns(
+def prompt_columns(
     # a batch of rows: `dataset[indices]` (a dict of columns with "prompt"), or a list of prompts
     rows,
     repeat: int = 1,  # samples per prompt: each row this many times in a row (RLOO's k, GRPO's G)
@@ -888,7 +874,7 @@ def sample_and_score(
 ) -> Samples:  # prompts as text in `prompts`
     """Render the prompts (`prompt_text`), sample a response each (in chunks), decode, score with the reward and
     the rows' other columns, subtract `missing_eos_penalty` where no stop came."""
-    c, tok, columns = self.args, self.processing_class, _prompt_columns(rows)
+    c, tok, columns = self.args, self.processing_class, prompt_columns(rows)
     prompts = columns.pop("prompt")
     texts = self.prompt_texts(prompts)
     device = next(model.parameters()).device
@@ -1540,7 +1526,7 @@ def evaluate(
         self.on_device(reward, loop.device),
     ):
         for start in range(acc.process_index * size, len(data), size * acc.num_processes):
-            columns = _prompt_columns(
+            columns = prompt_columns(
                 data[start : start + size], c.num_generations_eval or self.samples_per_prompt
             )
             prompts = columns.pop("prompt")

@@ -21,7 +21,7 @@ from jaxtyping import Float
 from .core import typecheck
 from .data import is_conversational, preference_dataset
 from .losses import pairwise_accuracy
-from .reward import RewardModel, _reward_name, reward_from, score_completions
+from .reward import RewardModel, reward_name, reward_from, score_completions
 
 # %% ../nbs/04c_reward_eval.ipynb #85c8c4c4
 def wilson_interval(
@@ -342,7 +342,7 @@ class LengthDebiased(nn.Module):
             float(mean_length),
         )
         self.tokenizer = _length_tokenizer(self.reward, tokenizer)
-        self.__name__ = f"length_debiased_{_reward_name(reward)}"
+        self.__name__ = f"length_debiased_{reward_name(reward)}"
 
     def forward(
         self,
@@ -447,7 +447,7 @@ class RewardEnsemble(nn.Module):
         self.members = [reward_from(m, processing_class=processing_class) for m in members]
         self.member_modules = nn.ModuleList(self.members)  # `.to(device)` moves the reward models
         self.aggregation, self.k, self.__name__ = aggregation, float(k), f"ensemble_{aggregation}"
-        names = [_reward_name(m.functions[0]) for m in self.members]
+        names = [reward_name(m.functions[0]) for m in self.members]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
         # counts length in reports: the first member's
         self.tokenizer = _length_tokenizer(self.members[0], None)

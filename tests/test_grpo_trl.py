@@ -31,7 +31,8 @@ from instruct_goose.grpo import (
     off_policy_mask,
 )
 from instruct_goose.losses import AdaptiveEntropyController
-from instruct_goose.rloo import _TRL_REFUSED, RLOOConfig
+from instruct_goose.rloo import RLOOConfig
+from instruct_goose.trl_names import TRL_REFUSED as _TRL_REFUSED
 
 T, LENGTHS, MAX_LEN = 7, (5, 2, 7, 4), 8
 
