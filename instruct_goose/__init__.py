@@ -9,17 +9,20 @@ __all__ = []
 # %% ../nbs/99_package.ipynb #49e0f540
 from instruct_goose import (
     agent,
+    checkpoints,
     completions,
     core,
     data,
     decoding,
     dpo,
+    launch,
     levers,
     loop,
     losses,
     generation,
     grpo,
     onpolicy,
+    optimizer,
     ppo,
     reward,
     reward_eval,
@@ -28,6 +31,8 @@ from instruct_goose import (
     rollout,
     sft,
     tools,
+    trainer,
+    training_config,
     toy,
 )
 from .core import *
@@ -41,7 +46,12 @@ from .reward import *
 from .rewards import *
 from .reward_eval import *
 from .levers import *
+from .training_config import *
+from .checkpoints import *
+from .launch import *
+from .optimizer import *
 from .loop import *
+from .trainer import *
 from .sft import *
 from .rollout import *
 from .completions import *
@@ -64,7 +74,12 @@ __all__ = [
     *rewards.__all__,
     *reward_eval.__all__,
     *levers.__all__,
+    *training_config.__all__,
+    *checkpoints.__all__,
+    *launch.__all__,
+    *optimizer.__all__,
     *loop.__all__,
+    *trainer.__all__,
     *sft.__all__,
     *rollout.__all__,
     *completions.__all__,

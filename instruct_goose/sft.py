@@ -48,7 +48,9 @@ from instruct_goose.data import (
     is_conversational,
     preference_dataset,
 )
-from .loop import Trainer, TrainLoop, TrainingConfig, trainer_arguments
+from .loop import TrainLoop
+from .trainer import Trainer, trainer_arguments
+from .training_config import TrainingConfig
 from .losses import PairwiseLoss, pairwise_accuracy
 from .reward import RewardModel
 
@@ -783,7 +785,7 @@ def train(
             deactivate_neftune(self.model, noise)
     self.model = trained
     # with `peft_config`: the adapter alone, as TRL and the RL trainers save it
-    loop.save_model(self.model)
+    self.save_model()
     loop.end()
     return self.model
 
@@ -1060,6 +1062,6 @@ def train(
             train = self.train_dataset
             pairs = [self.pair_scores(self.reward_model, train[i : i + 64]) for i in range(0, len(train), 64)]
             self.reward_model.normalize_(torch.cat([torch.cat(p) for p in pairs]))
-    loop.save_model(self.reward_model)
+    self.save_model()
     loop.end()
     return self.reward_model
