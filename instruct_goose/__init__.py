@@ -9,11 +9,13 @@ __all__ = []
 # %% ../nbs/99_package.ipynb #49e0f540
 from instruct_goose import (
     agent,
+    checkpoints,
     completions,
     core,
     data,
     decoding,
     dpo,
+    launch,
     levers,
     loading,
     loop,
@@ -22,6 +24,7 @@ from instruct_goose import (
     generation,
     grpo,
     onpolicy,
+    optimizer,
     ppo,
     reward,
     reward_eval,
@@ -30,6 +33,8 @@ from instruct_goose import (
     rollout,
     sft,
     tools,
+    trainer,
+    training_config,
     toy,
     trl_names,
 )
@@ -45,9 +50,14 @@ from .reward import *
 from .rewards import *
 from .reward_eval import *
 from .levers import *
+from .training_config import *
+from .checkpoints import *
+from .launch import *
+from .optimizer import *
 from .loop import *
 from .trl_names import *
 from .offline import *
+from .trainer import *
 from .sft import *
 from .rollout import *
 from .completions import *
@@ -71,9 +81,14 @@ __all__ = [
     *rewards.__all__,
     *reward_eval.__all__,
     *levers.__all__,
+    *training_config.__all__,
+    *checkpoints.__all__,
+    *launch.__all__,
+    *optimizer.__all__,
     *loop.__all__,
     *trl_names.__all__,
     *offline.__all__,
+    *trainer.__all__,
     *sft.__all__,
     *rollout.__all__,
     *completions.__all__,

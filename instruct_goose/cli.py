@@ -30,7 +30,9 @@ from . import __version__
 from .core import check_number
 from .data import read_dataset
 from .toy import gold_score, load_task, task_tokenizer, tiny_causal_lm
-from .loop import TrainingInterrupted, coerce_numbers, read_metrics
+from .launch import TrainingInterrupted
+from .loop import read_metrics
+from .training_config import coerce_numbers
 from .reward import RewardModel, WeightedReward, reward_from
 from .reward_eval import RewardEnsemble, pair_scores, plot_report, report_table, reward_report
 from instruct_goose.rewards import (

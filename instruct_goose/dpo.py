@@ -44,7 +44,8 @@ from instruct_goose.data import (
     preference_dataset,
     warn_cut_prompts,
 )
-from .loop import Trainer, TrainLoop, trainer_arguments
+from .loop import TrainLoop
+from .trainer import Trainer, trainer_arguments
 from .levers import fuse_activations
 from instruct_goose.offline import (
     StageConfig,
@@ -835,6 +836,6 @@ def train(
         "dpo",
         loss_name="loss",
     )
-    loop.save_model(self.model)
+    self.save_model()
     loop.end()
     return self.model

@@ -48,14 +48,9 @@ from transformers.generation import ContinuousBatchingConfig
 from .data import as_dataset, encode_prompts, prompt_text, warn_cut_prompts
 from .reward import RewardModel, WeightedReward, reward_from
 from .core import check_number, masked_sum, masked_whiten
-from instruct_goose.loop import (
-    Trainer,
-    TrainLoop,
-    TrainingConfig,
-    as_callbacks,
-    batch_indices,
-    trainer_arguments,
-)
+from .loop import TrainLoop, as_callbacks, batch_indices
+from .trainer import Trainer, trainer_arguments
+from .training_config import TrainingConfig
 from .levers import fuse_activations, half_linears
 from .losses import FixedKLController, KLEstimator
 from instruct_goose.rollout import (
@@ -1134,7 +1129,7 @@ def train(
     # 🤗's `load_best_model_at_end`: the best evaluated checkpoint's weights
     loop.load_best()
     self.model = model
-    loop.save_model(model)
+    self.save_model()
     loop.end()
     return model
 

@@ -44,7 +44,9 @@ from instruct_goose.data import (
     is_conversational,
     preference_dataset,
 )
-from .loop import Trainer, TrainLoop, TrainingConfig, trainer_arguments
+from .loop import TrainLoop
+from .trainer import Trainer, trainer_arguments
+from .training_config import TrainingConfig
 from .losses import PairwiseLoss, pairwise_accuracy
 from instruct_goose.offline import (
     StageConfig,
@@ -587,7 +589,7 @@ def train(
             deactivate_neftune(self.model, noise)
     self.model = trained
     # with `peft_config`: the adapter alone, as TRL and the RL trainers save it
-    loop.save_model(self.model)
+    self.save_model()
     loop.end()
     return self.model
 
@@ -864,6 +866,6 @@ def train(
             train = self.train_dataset
             pairs = [self.pair_scores(self.reward_model, train[i : i + 64]) for i in range(0, len(train), 64)]
             self.reward_model.normalize_(torch.cat([torch.cat(p) for p in pairs]))
-    loop.save_model(self.reward_model)
+    self.save_model()
     loop.end()
     return self.reward_model

@@ -315,7 +315,7 @@ def test_fsdp_launch_it_cannot_honour_is_one_line(env, says):
         **env,
     }
     result = subprocess.run(
-        [sys.executable, "-c", "from instruct_goose.loop import fresh_accelerator; fresh_accelerator()"],
+        [sys.executable, "-c", "from instruct_goose.launch import fresh_accelerator; fresh_accelerator()"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -340,7 +340,7 @@ def test_deepspeed_launch_on_the_cpu_is_one_line():
         "ACCELERATE_USE_CPU": "true",
     }
     result = subprocess.run(
-        [sys.executable, "-c", "from instruct_goose.loop import fresh_accelerator; fresh_accelerator()"],
+        [sys.executable, "-c", "from instruct_goose.launch import fresh_accelerator; fresh_accelerator()"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -14,7 +14,7 @@ import torch
 from transformers import TrainingArguments
 
 from instruct_goose import DPOConfig, GRPOConfig, RewardConfig, RLHFConfig, RLOOConfig, SFTConfig
-from instruct_goose.loop import _HF_NOT_RUN as HF_NOT_RUN, _HF_RENAMED as HF_RENAMED
+from instruct_goose.training_config import _HF_NOT_RUN as HF_NOT_RUN, _HF_RENAMED as HF_RENAMED
 
 from conftest import with_bitsandbytes
 
@@ -721,12 +721,13 @@ def test_run_name_reaches_every_tracker_that_names_runs(tmp_path, monkeypatch):
     for."""
     import types
     import accelerate
-    import instruct_goose.loop as loop_module
+    import instruct_goose.training_config as config_module
+    from instruct_goose.loop import TrainLoop
 
     calls = []
     plain_init = accelerate.Accelerator.__init__
     # none is installed here
-    monkeypatch.setattr(loop_module, "check_tracker", lambda name: name)
+    monkeypatch.setattr(config_module, "check_tracker", lambda name: name)
     monkeypatch.setattr(
         accelerate.Accelerator, "__init__", lambda self, *a, log_with=None, **k: plain_init(self, *a, **k)
     )
@@ -752,9 +753,7 @@ def test_run_name_reaches_every_tracker_that_names_runs(tmp_path, monkeypatch):
         "aim": None,
     }
     for tracker, kwargs in expected.items():
-        loop_module.TrainLoop(
-            SFTConfig(output_dir=str(tmp_path / tracker), report_to=tracker, run_name="my-run")
-        )
+        TrainLoop(SFTConfig(output_dir=str(tmp_path / tracker), report_to=tracker, run_name="my-run"))
         assert calls.pop() == ({tracker: kwargs} if kwargs else {}), tracker
 
 

@@ -14,7 +14,7 @@ import pytest
 from torch import nn
 
 from instruct_goose import TrainLoop, TrainingConfig
-from instruct_goose.loop import AcceleratorState
+from accelerate.state import AcceleratorState
 
 
 class Hook:
