@@ -47,6 +47,9 @@ from instruct_goose.core import (
     masked_sum,
     typecheck,
 )
+
+# the forward cells still call it by its old name
+from .data import check_left_padded as _check_left_padded
 from .loading import is_peft, load_critic, load_pretrained
 
 # %% ../nbs/03_agent.ipynb #758228eb
@@ -56,14 +59,6 @@ def position_ids_from_mask(
 ) -> Int[Tensor, "batch seq"]:  # position of each token among its row's real tokens (0 on left padding)
     "Position ids that count real tokens only, so left padding does not shift a sequence."
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-# %% ../nbs/03_agent.ipynb #9c890fb7
-def _check_left_padded(query_attention_mask):
-    if not bool(query_attention_mask[:, -1].all()):
-        raise ValueError(
-            "`query_attention_mask` must be left-padded (the last position of every row real): "
-            "pad prompts on the left, e.g. tokenizer.padding_side = 'left'"
-        )
 
 # %% ../nbs/03_agent.ipynb #790eadb4
 def _accepts(model: nn.Module, argument: str) -> bool:

@@ -28,7 +28,8 @@ from instruct_goose.core import (
     truncate_after_stop,
     typecheck,
 )
-from .agent import Agent, _check_left_padded, eval_mode
+from .agent import Agent, eval_mode
+from .data import check_left_padded
 from .decoding import decode, decoding_refusal
 
 # %% ../nbs/03b_generation.ipynb #a402eaa1
@@ -442,7 +443,7 @@ def generate_responses(
     """Sample one response per prompt from softmax(z / T), narrowed by top-k/top-p/min-p and a repetition penalty
     when asked (the model's own `generation_config` ignored), cut after its first stop token, pad to
     `max_new_tokens`."""
-    _check_left_padded(query_attention_mask)
+    check_left_padded(query_attention_mask)
     check_number("max_new_tokens", max_new_tokens, low=1)
     check_number("temperature", temperature, low_open=True)
     check_sampling(top_p, top_k, min_p, repetition_penalty)
