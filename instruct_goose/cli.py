@@ -583,9 +583,11 @@ def run_sft(args: SFTCommand):
     tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
     set_threads(model)
     eval_set = load_task("sft").select(range(64)) if args.dataset == "task" else None
-    return SFTTrainer(
+    trainer = SFTTrainer(
         model, args=args, train_dataset=data, eval_dataset=eval_set, processing_class=tokenizer
-    ).train()
+    )
+    trainer.train()
+    return trainer.model
 
 # %% ../nbs/10_cli.ipynb #b3dc9196
 def run_rm(args: RMCommand):
@@ -598,7 +600,8 @@ def run_rm(args: RMCommand):
     tokenizer, model = load_tokenizer_and_model(args.model, args.seed)
     set_threads(model)
     trainer = RewardTrainer(RewardModel(model, tokenizer=tokenizer), args, data, eval_data)
-    reward_model = trainer.train()
+    trainer.train()
+    reward_model = trainer.reward_model
     if trainer.eval_dataset is not None:
         console.print({k: round(v, 4) for k, v in trainer.evaluate().items()})
     return reward_model
