@@ -41,15 +41,19 @@ def setup(work: str):
     hf_logging.disable_progress_bar()
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     tokenizer = task_tokenizer()
-    sft = SFTTrainer(tiny_causal_lm(tokenizer, seed=0),
+    sft_trainer = SFTTrainer(tiny_causal_lm(tokenizer, seed=0),
                      args=SFTConfig(output_dir=f"{work}/sft", learning_rate=3e-3, per_device_train_batch_size=32, max_steps=150,
                                     warmup_steps=20, disable_tqdm=True, seed=0),
-                     train_dataset=load_task("sft"), processing_class=tokenizer).train()
+                     train_dataset=load_task("sft"), processing_class=tokenizer)
+    sft_trainer.train()
+    sft = sft_trainer.model
     labels = length_loving_labels()
     def proxy(seed):
         args = RewardConfig(output_dir=f"{work}/rm{seed}", learning_rate=1e-3, per_device_train_batch_size=32, max_steps=90,
                             disable_tqdm=True, seed=seed, disable_dropout=False)   # dropout on, as the saved sweep was run
-        return RewardTrainer(RewardModel(copy.deepcopy(sft), tokenizer=tokenizer), args, labels.shuffle(seed=seed)).train()
+        trainer = RewardTrainer(RewardModel(copy.deepcopy(sft), tokenizer=tokenizer), args, labels.shuffle(seed=seed))
+        trainer.train()
+        return trainer.reward_model
     return tokenizer, sft, [proxy(seed) for seed in (0, 1, 2)], labels
 
 

@@ -75,7 +75,8 @@ def main(sft_steps: int, grpo_steps: int, seed: int, n_demos: int, quiet: bool =
                      args=SFTConfig(output_dir=f"{work}/sft", learning_rate=3e-3, per_device_train_batch_size=32, max_steps=sft_steps,
                                     warmup_steps=10, max_length=160, logging_steps=10**6, disable_tqdm=True, seed=seed),
                      train_dataset=sft_rows, processing_class=tokenizer)
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(): sft_model = sft.train()
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(): sft.train()
+    sft_model = sft.model
     results = {"sft_seconds": time.perf_counter() - t, "after SFT": accuracy(sft_model, tokenizer, box, held_out, False),
                "after SFT, no tool": accuracy(sft_model, tokenizer, None, held_out, False)}
     for k in ("sft_seconds", "after SFT", "after SFT, no tool"): print(k, json.dumps(results[k], default=str)[:300], flush=True)

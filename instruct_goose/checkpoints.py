@@ -211,6 +211,7 @@ class Checkpointing:
         if acc.is_main_process:
             settings = {**asdict(self.config), "num_processes": acc.num_processes}
             (tmp / "training_config.json").write_text(json.dumps(settings, indent=1, default=str))
+            self._save_loadable(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -218,6 +219,18 @@ class Checkpointing:
         acc.wait_for_everyone()
         self.fire("on_save")
         return final
+
+    def _save_loadable(self, path: Path):
+        """Beside the weights, the model's `config.json` (and generation config) and the tokenizer, as 🤗 Trainer's
+        checkpoints hold: a 🤗 model's `checkpoint-N` loads with `from_pretrained` and `pipeline`."""
+        model = self.accelerator.unwrap_model(self.prepared)
+        # Accelerate wrote its weights under 🤗's names (an `Agent`'s or a peft model's are not: no config)
+        if isinstance(model, PreTrainedModel):
+            model.config.save_pretrained(path)
+            if model.can_generate() and model.generation_config is not None:
+                model.generation_config.save_pretrained(path)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
 
     def _save_weights(self, path: Path):
         "The model's weights and the loop's state only (`save_only_model`)."

@@ -817,7 +817,8 @@ def run_sft(args: SFTCommand):
         processing_class=tokenizer,
         peft_config=lora_config(args),
     )
-    return trainer.train()
+    trainer.train()
+    return trainer.model
 
 # %% ../nbs/10_cli.ipynb #b3dc9196
 def run_rm(args: RMCommand):
@@ -831,7 +832,8 @@ def run_rm(args: RMCommand):
     trainer = RewardTrainer(
         RewardModel(model, tokenizer=tokenizer), args, data, eval_data, peft_config=lora_config(args)
     )
-    reward_model = trainer.train()
+    trainer.train()
+    reward_model = trainer.reward_model
     if trainer.eval_dataset is not None:
         console.print({k: round(v, 4) for k, v in trainer.evaluate().items()})
     return reward_model

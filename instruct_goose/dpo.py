@@ -46,6 +46,7 @@ from instruct_goose.data import (
 )
 from .loop import TrainLoop
 from .trainer import Trainer, trainer_arguments
+from transformers.trainer_utils import TrainOutput
 from .levers import fuse_activations
 from instruct_goose.offline import (
     StageConfig,
@@ -794,7 +795,7 @@ def train(
     self: DPOTrainer,
     # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
     resume_from_checkpoint: bool | str | None = None,
-) -> PreTrainedModel:
+) -> TrainOutput:  # 🤗's; the trained model is `trainer.model`
     """Train on the pairs with `TrainLoop.fit`: log TRL's statistics (and eval), checkpoint, call the callbacks,
     save the model and tokenizer to `output_dir`."""
     self.resume_setting(resume_from_checkpoint)
@@ -836,6 +837,4 @@ def train(
         "dpo",
         loss_name="loss",
     )
-    self.save_model()
-    loop.end()
-    return self.model
+    return self.end_training(loop)

@@ -6,7 +6,7 @@
 __all__ = ['batch_indices', 'TrainLoop', 'as_callbacks', 'trainer_state', 'read_metrics', 'best_metric_name']
 
 # %% ../nbs/05_loop.ipynb #ac7bbee5
-import inspect, json, math, os, sys
+import inspect, json, math, os, sys, time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -135,6 +135,8 @@ class TrainLoop(Resuming, Checkpointing, Optimizing, Stepping, Signals, FindsBat
     micro_batch_size: int | None = None
     # whether `begin` told glibc to keep freed memory (`keep_freed_cpu_memory`), until `leave`
     holds_freed_memory: bool = False
+    started: float | None = None  # `time.perf_counter()` when `begin` ran
+    train_runtime: float = 0.0  # seconds from `begin` to `end` (🤗's `train_runtime`)
 
     def begin(
         self,
@@ -153,6 +155,7 @@ class TrainLoop(Resuming, Checkpointing, Optimizing, Stepping, Signals, FindsBat
         if getattr(c, "eval_steps", 0):
             s.eval_steps = self.steps_of(c.eval_steps)
         self.stop_on_signals()
+        self.started = time.perf_counter()
         if c.keep_freed_cpu_memory and self.device.type == "cpu" and not self.holds_freed_memory:
             self.holds_freed_memory = hold_freed_memory()
         self.fire("on_train_begin")
@@ -285,6 +288,7 @@ class TrainLoop(Resuming, Checkpointing, Optimizing, Stepping, Signals, FindsBat
         self.leave()
         self.fire("on_train_end")
         self.accelerator.end_training()
+        self.train_runtime = time.perf_counter() - (self.started or time.perf_counter())
 
     def evaluate_if_due(
         self,

@@ -50,6 +50,7 @@ from .reward import RewardModel, WeightedReward, reward_from
 from .core import check_number, masked_sum, masked_whiten
 from .loop import TrainLoop, as_callbacks, batch_indices
 from .trainer import Trainer, trainer_arguments
+from transformers.trainer_utils import TrainOutput
 from .training_config import TrainingConfig
 from .levers import fuse_activations, half_linears
 from .losses import FixedKLController, KLEstimator
@@ -1045,9 +1046,9 @@ def train(
     self: OnPolicyTrainer,
     # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
     resume_from_checkpoint: bool | str | None = None,
-) -> nn.Module:
-    """The on-policy loop, step by step as the chapter's prose numbers it; returns the trained model (also saved
-    to `output_dir`)."""
+) -> TrainOutput:  # 🤗's; the trained model is `trainer.model`
+    """The on-policy loop, step by step as the chapter's prose numbers it; the trained model is also saved to
+    `output_dir`."""
     self.resume_setting(resume_from_checkpoint)
     c = self.args
     self.check_ready()
@@ -1129,9 +1130,7 @@ def train(
     # 🤗's `load_best_model_at_end`: the best evaluated checkpoint's weights
     loop.load_best()
     self.model = model
-    self.save_model()
-    loop.end()
-    return model
+    return self.end_training(loop)
 
 # %% ../nbs/08_onpolicy.ipynb #0a6d5e12
 @patch

@@ -46,6 +46,7 @@ from instruct_goose.data import (
 )
 from .loop import TrainLoop
 from .trainer import Trainer, trainer_arguments
+from transformers.trainer_utils import TrainOutput
 from .training_config import TrainingConfig
 from .losses import PairwiseLoss, pairwise_accuracy
 from instruct_goose.offline import (
@@ -537,7 +538,7 @@ def train(
     self: SFTTrainer,
     # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
     resume_from_checkpoint: bool | str | None = None,
-) -> PreTrainedModel:
+) -> TrainOutput:  # 🤗's; the trained model is `trainer.model`
     """Fine-tune, log 🤗's `loss` (and `eval_loss`), checkpoint, and save the model (with `peft_config`: its
     adapter) and tokenizer to `output_dir`."""
     self.resume_setting(resume_from_checkpoint)
@@ -589,9 +590,7 @@ def train(
             deactivate_neftune(self.model, noise)
     self.model = trained
     # with `peft_config`: the adapter alone, as TRL and the RL trainers save it
-    self.save_model()
-    loop.end()
-    return self.model
+    return self.end_training(loop)
 
 # %% ../nbs/06_sft.ipynb #0abcbf15
 def _reward_model(model, tokenizer, seed: int, **from_pretrained_kwargs) -> RewardModel:
@@ -702,6 +701,11 @@ class RewardTrainer(Trainer):
     def model_to_save(self) -> RewardModel:
         "The reward model: a 🤗 classifier, its tokenizer beside it (`save_model`, as TRL's)."
         return self.reward_model
+
+    @property
+    def model(self):
+        "The 🤗 classifier inside `reward_model`, TRL's `trainer.model`."
+        return self.reward_model.model
 
 # %% ../nbs/06_sft.ipynb #67a9f0f0
 @patch
@@ -834,7 +838,7 @@ def train(
     self: RewardTrainer,
     # 🤗's: True (the newest checkpoint in `output_dir`), a path, or None (the config's)
     resume_from_checkpoint: bool | str | None = None,
-) -> RewardModel:
+) -> TrainOutput:  # 🤗's; the trained model is `trainer.model`
     """Train, log loss/accuracy/margin (and eval), normalise on the training pairs, save to `output_dir` (with
     `peft_config`: the adapter and score head, as TRL)."""
     self.resume_setting(resume_from_checkpoint)
@@ -866,6 +870,4 @@ def train(
             train = self.train_dataset
             pairs = [self.pair_scores(self.reward_model, train[i : i + 64]) for i in range(0, len(train), 64)]
             self.reward_model.normalize_(torch.cat([torch.cat(p) for p in pairs]))
-    self.save_model()
-    loop.end()
-    return self.reward_model
+    return self.end_training(loop)

@@ -116,7 +116,7 @@ def test_chat_sft_lowers_the_held_out_loss(tmp_path):
 @pytest.mark.slow
 def test_chat_reward_model_beats_chance(tmp_path):
     tok = chat_task_tokenizer()
-    sft = SFTTrainer(
+    sft_trainer = SFTTrainer(
         tiny_causal_lm(tok, seed=0),
         args=SFTConfig(
             output_dir=str(tmp_path / "sft"),
@@ -129,7 +129,9 @@ def test_chat_reward_model_beats_chance(tmp_path):
         ),
         train_dataset=load_task("sft", chat=True),
         processing_class=tok,
-    ).train()
+    )
+    sft_trainer.train()
+    sft = sft_trainer.model
     config = RewardConfig(
         output_dir=str(tmp_path / "rm"),
         learning_rate=1e-3,
@@ -180,7 +182,8 @@ def test_reward_lora_trains_the_head_and_saves_the_adapter(tmp_path):
     loss, _ = trainer.pair_loss_sum(trainer.reward_model, trainer.train_dataset[:8])
     loss.backward()
     assert trainer.reward_model.head.weight.grad.abs().sum() > 0  # the new head learns
-    trained = trainer.train()
+    trainer.train()
+    trained = trainer.reward_model
     # the adapter, as TRL saves it
     assert hasattr(trained.model, "peft_config") and (tmp_path / "rm" / "adapter_config.json").is_file()
     reloaded = RewardModel.from_pretrained(tmp_path / "rm")
@@ -208,7 +211,8 @@ def test_sft_lora_from_python_and_a_path(tmp_path):
     assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} and all(
         "lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad
     )
-    trained = trainer.train()
+    trainer.train()
+    trained = trainer.model
     assert (tmp_path / "sft" / "adapter_config.json").is_file()  # the adapter, as TRL saves it
     merged = trained.merge_and_unload()
     assert type(merged).__name__ == "GPT2LMHeadModel"  # merged: a plain 🤗 model

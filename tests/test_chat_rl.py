@@ -33,12 +33,14 @@ def chat_sft(tmp_path_factory):
         seed=0,
         assistant_only_loss=True,
     )
-    model = SFTTrainer(
+    sft = SFTTrainer(
         tiny_causal_lm(tok, seed=0),
         args=config,
         train_dataset=load_task("sft", chat=True),
         processing_class=tok,
-    ).train()
+    )
+    sft.train()
+    model = sft.model
     return tok, model.eval()
 
 
@@ -65,7 +67,8 @@ def chat_rm(chat_sft, tmp_path_factory):
         train_dataset=load_task("preferences", chat=True),
         processing_class=tok,
     )
-    return trainer.train().eval()
+    trainer.train()
+    return trainer.reward_model.eval()
 
 
 def held_out_prompts(repeats: int = 4) -> list:

@@ -269,12 +269,14 @@ def test_lora_sft_saves_the_adapter_as_trl(tmp_path):
     config = SFTConfig(
         output_dir=str(out), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2, disable_tqdm=True
     )
-    trained = SFTTrainer(
+    trainer = SFTTrainer(
         str(base),
         config,
         load_task("sft").select(range(8)),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"]),
-    ).train()
+    )
+    trainer.train()
+    trained = trainer.model
     saved = {p.name for p in out.iterdir()}
     assert {
         "adapter_config.json",
@@ -308,9 +310,11 @@ def test_lora_reward_saves_the_adapter_and_score_head(tmp_path):
         output_dir=str(out), max_steps=2, per_device_train_batch_size=8, learning_rate=1e-2, disable_tqdm=True
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"])
-    trained = RewardTrainer(
+    trainer = RewardTrainer(
         str(base), config, load_task("preferences").select(range(8)), processing_class=tok, peft_config=lora
-    ).train()
+    )
+    trainer.train()
+    trained = trainer.reward_model
     # the caller's config is left as it was
     assert lora.task_type is None and lora.modules_to_save is None
     saved = {p.name for p in out.iterdir()}

@@ -362,7 +362,7 @@ def caller_dir(tmp_path_factory):
         for p in problems
     ]
     rows = [{"prompt": h, "completion": call("calc", x=p.rstrip("="))} for h, p in zip(heads, problems)]
-    model = SFTTrainer(
+    sft = SFTTrainer(
         tiny_causal_lm(tok, seed=0),
         args=SFTConfig(
             output_dir=str(where / "sft"),
@@ -376,7 +376,9 @@ def caller_dir(tmp_path_factory):
         ),
         train_dataset=rows,
         processing_class=tok,
-    ).train()
+    )
+    sft.train()
+    model = sft.model
     model.save_pretrained(where / "model")
     tok.save_pretrained(where / "model")
     (where / "train.py").write_text(SCRIPT)

@@ -460,7 +460,8 @@ def test_the_best_model_is_the_one_saved(tmp_path):
         eval_dataset=load_task("sft").select(range(8)),
         processing_class=tok,
     )
-    model = sft.train()
+    sft.train()
+    model = sft.model
     evals = [row["eval_loss"] for row in sft.loop.state.history]
     best = sft.loop.state.best
     # the best is not the last here
@@ -555,7 +556,9 @@ def test_auto_find_batch_size_keeps_the_step(tmp_path):
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            runs[name] = [(t.train(), t.loop) for t in (sft, dpo)]
+            for t in (sft, dpo):
+                t.train()
+            runs[name] = [(t.model, t.loop) for t in (sft, dpo)]
         assert sum(
             "out of memory with micro-batches of 4 rows; trying 2" in str(w.message) for w in caught
         ) == (2 if most_rows else 0)
