@@ -415,6 +415,7 @@ class Recorder:
     def __init__(self, *args, **kwargs):
         self.config = kwargs.get("args", args[1] if len(args) > 1 else None)
         self.reward_funcs, self.eval_dataset = kwargs.get("reward_funcs"), None
+        self.model = self.reward_model = None  # what the commands return after `train()`
         Recorder.made.append(self)
 
     def train(self):
