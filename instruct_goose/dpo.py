@@ -38,7 +38,7 @@ from instruct_goose.agent import (
     router_aux_losses,
     with_peft,
 )
-from .core import _without_autocast, check_number, typecheck
+from .core import without_autocast, check_number, typecheck
 from instruct_goose.data import (
     _pad_token_id,
     is_conversational,
@@ -437,7 +437,7 @@ def _mean_logits(hidden: Tensor, head: OutputLayer) -> Tensor:
     if head.after is not None:
         return torch.cat([head.logits(h).float().mean(-1) for h in head.chunks(hidden)])
     # a matmul: autocast's bf16 otherwise
-    with _without_autocast(hidden):
+    with without_autocast(hidden):
         mean = hidden.float() @ head.weight.float().mean(0)
     return mean if head.bias is None else mean + head.bias.float().mean()
 
