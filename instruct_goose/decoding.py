@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from jaxtyping import Bool, Float, Int
 from transformers.pytorch_utils import Conv1D
 
-from .core import Float32Linear, _autocast_dtype, _causal_lm, typecheck
+from .core import Float32Linear, autocast_dtype, causal_lm, typecheck
 from .agent import prompt_groups
 
 # %% ../nbs/03a_decoding.ipynb #d3c0a007
@@ -37,7 +37,7 @@ class LayerCache:
         if self.keys is None:
             dev = k.device.type
             # a rotary family's k under autocast: float32 (🤗's cos, sin follow the float32 residual stream)
-            rounded = _autocast_dtype(dev) if k.dtype == torch.float32 else None
+            rounded = autocast_dtype(dev) if k.dtype == torch.float32 else None
             # exact: a bfloat16 is a float32 with its last 16 bits 0
             dtype = rounded or (torch.float32 if dev == "cpu" and k.dtype == torch.bfloat16 else k.dtype)
             self.keys = k.new_zeros(*k.shape[:2], self.length, k.shape[-1], dtype=dtype)
@@ -394,7 +394,7 @@ def decoding_refusal(
     model: nn.Module,  # a 🤗 causal LM, or a peft model around one
 ) -> str | None:  # the reason; None: `decode` samples from it
     "Why `decode` cannot sample from `model`, in a few words (None when it can)."
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     c, name = lm.config, type(lm).__name__
     if _step_for(lm) is None:
         return (
@@ -725,7 +725,7 @@ def decode(
 ) -> Int[Tensor, "batch new"]:
     """Sample each row's response token by token through the family's step (`_STEPS`) and a static cache;
     finished rows leave the batch."""
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     (B, P), dev = query_ids.shape, query_ids.device
     if compile and graphs is False:
         raise ValueError(
@@ -757,7 +757,7 @@ def decode(
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
     cache, step = KVCache(lm.config.num_hidden_layers, length), _step_for(lm)
     static_step = _compiled(step, compile) if compile else step
-    autocast = _autocast_dtype(dev.type)
+    autocast = autocast_dtype(dev.type)
     # else a compiled graph casts every weight every step
     cast_once = compile and autocast is not None
     stacking = (

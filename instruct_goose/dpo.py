@@ -21,21 +21,21 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
 from instruct_goose.agent import (
-    _OutputLayer,
+    OutputLayer,
+    Plan,
+    TokenBatch,
     disable_dropout,
     eval_mode,
-    loss_token_states,
+    forward,
     pack_bins,
     packed_forward,
     positions_for,
     refuse_packed_aux,
     router_aux_coef,
     router_aux_losses,
-    states_logps,
-    states_stats,
 )
 from .loading import load_model, load_tokenizer, with_peft
-from .core import _without_autocast, check_number, typecheck
+from .core import without_autocast, check_number, typecheck
 from instruct_goose.data import (
     pad_id,
     is_conversational,
@@ -261,7 +261,7 @@ class DPOConfig(StageConfig):
     truncation_mode: str = "keep_start"
     # sequences end to end in a few rows, no pad token in their attention (same losses)
     padding_free: bool = False
-    # our own (NeMo RL's name for RL): a pair's prompt runs once for its two completions (`loss_token_states`;
+    # our own (NeMo RL's name for RL): a pair's prompt runs once for its two completions (`forward`;
     # same losses)
     shared_prefix: bool = False
     # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
@@ -429,14 +429,14 @@ class CompletionLogps(NamedTuple):
     top1: Tensor | None = None
 
 # %% ../nbs/09c_dpo.ipynb #d4f0c001
-def _mean_logits(hidden: Tensor, head: _OutputLayer) -> Tensor:
+def _mean_logits(hidden: Tensor, head: OutputLayer) -> Tensor:
     """The mean over the vocabulary of each position's logits, in float32: h · mean_v W_v + mean(b) without the
     logits (under autocast too), or, after a soft-capping or scaling (`head.after`), from the logits a chunk
     at a time."""
     if head.after is not None:
         return torch.cat([head.logits(h).float().mean(-1) for h in head.chunks(hidden)])
     # a matmul: autocast's bf16 otherwise
-    with _without_autocast(hidden):
+    with without_autocast(hidden):
         mean = hidden.float() @ head.weight.float().mean(0)
     return mean if head.bias is None else mean + head.bias.float().mean()
 
@@ -460,16 +460,15 @@ def completion_logps(
     padding_free: bool = False,
     # also each row's summed entropy and count of top-1 tokens (TRL's `entropy`, `mean_token_accuracy`)
     stats: bool = False,
-    # rows with the same prompt (a pair's two) run it once (`loss_token_states`); before `padding_free`
+    # rows with the same prompt (a pair's two) run it once (`Plan.shared_prefix`); before `padding_free`
     shared_prefix: bool = False,
 ) -> CompletionLogps:  # per row, see `CompletionLogps`
     """Summed log-probability of each row's completion tokens (optionally weighted), and the statistics read from
     the same forward pass."""
-    out, labels, row, head = loss_token_states(
-        model, input_ids, attention_mask, loss_mask, padding_free, shared_prefix=shared_prefix
-    )
-    token_logps, entropy, top1 = (
-        states_stats(out, labels, head) if stats else (states_logps(out, labels, head), None, None)
+    rows = TokenBatch.from_sequences(input_ids, attention_mask, loss_mask)
+    plan = Plan(padding_free, shared_prefix)
+    token_logps, entropy, out, top1, row, head = forward(
+        model, rows, plan, entropy="no_grad" if stats else "skip", hidden=True, top1=stats
     )
     # out: (tokens, hidden); the head in chunks
     if head is not None:

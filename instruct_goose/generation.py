@@ -21,9 +21,9 @@ from transformers.pytorch_utils import Conv1D
 
 from instruct_goose.core import (
     Float32Linear,
-    _autocast_dtype,
-    _causal_lm,
-    _without_autocast,
+    autocast_dtype,
+    causal_lm,
+    without_autocast,
     check_number,
     truncate_after_stop,
     typecheck,
@@ -37,7 +37,7 @@ from .decoding import decode, decoding_refusal
 def own_generation_config(model: nn.Module):
     """Inside the block `model.generation_config` (a peft model's: its base's) is 🤗's default: none of a
     checkpoint's sampling options reach `generate`."""
-    base = _causal_lm(model)
+    base = causal_lm(model)
     saved = getattr(base, "generation_config", None)
     base.generation_config = GenerationConfig()
     try:
@@ -145,7 +145,7 @@ def merged_adapters(
         for a in (a for a in m.active_adapters if a in m.lora_A):
             A, B = m.lora_A[a].weight.float(), m.lora_B[a].weight.float()
             # in float32 under autocast too
-            with _without_autocast(w):
+            with without_autocast(w):
                 w = torch.addmm(w, *((A.T, B.T) if m.fan_in_fan_out else (B, A)), alpha=m.scaling[a])
         # the base layer's class and bias, the merged weight
         stand_in = copy.copy(base)
@@ -355,7 +355,7 @@ def _cb_generate(
             f"`continuous_batching` takes GenerationConfig options only, and {sorted(unused)} are 🤗 "
             f"generate's arguments: remove them"
         )
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     if refusal := _continuous_batching_refusal(lm, config):
         raise ValueError(f"`continuous_batching`: {refusal}; leave that option unset, or sample without it")
     prompts = [ids[real.bool()].tolist() for ids, real in zip(query_ids, query_attention_mask)]
@@ -372,7 +372,7 @@ def _cb_generate(
             f"`continuous_batching` options must be ContinuousBatchingConfig fields: {e}"
         ) from None
     # the engine's thread runs without the caller's autocast: its dtype goes into the weights
-    half = _autocast_dtype(query_ids.device.type)
+    half = autocast_dtype(query_ids.device.type)
     with (
         own_generation_config(model),
         _forward_before_accelerate(lm),
@@ -484,7 +484,7 @@ def generate_responses(
         )
     if own_decoder is None:
         own_decoder = not refusal
-    half = _autocast_dtype("cpu")  # CPU autocast's dtype: the packed weights' too
+    half = autocast_dtype("cpu")  # CPU autocast's dtype: the packed weights' too
     if packed and half not in (None, torch.bfloat16):
         raise ValueError(
             f"`packed=True` packs float32 or bfloat16 weights, but CPU autocast is on in {half}: leave "

@@ -23,7 +23,7 @@ from .loop import TrainLoop
 from .losses import AdaptiveEntropyController, kl_penalty
 from .completions import completion_stats
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
-from .agent import response_logprobs
+from .agent import Plan, TokenBatch, forward
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, prompt_columns
 from .trl_names import GRPONotYet, refuse_unsupported, refused_fields
 from .tools import ToolConfig
@@ -689,17 +689,8 @@ def old_pass(
             ),
             None,
         )
-    both = lambda q, m, r, rm: response_logprobs(
-        policy,
-        q,
-        m,
-        r,
-        rm,
-        c.temperature,
-        "no_grad",
-        padding_free=c.padding_free,
-        shared_prefix=c.shared_prefix,
-    )[:2]
+    plan = Plan(c.padding_free, c.shared_prefix)
+    both = lambda *rows: forward(policy, TokenBatch.from_responses(*rows), plan, c.temperature, "no_grad")[:2]
     logprobs, entropy = chunked(
         both, *inputs, size=c.local_rollout_forward_batch_size, responses=True, by_prompt=c.shared_prefix
     )

@@ -21,14 +21,16 @@ from torch import Tensor, nn
 from accelerate import Accelerator
 
 from instruct_goose.agent import (
+    Plan,
+    TokenBatch,
     Agent,
     cast_lm_head_to_fp32,
     context_length,
     create_reference_model,
     disable_dropout,
     eval_mode,
+    forward,
     refuse_packed_aux,
-    response_logprobs,
     router_aux_coef,
     router_aux_losses,
 )
@@ -593,22 +595,16 @@ class OnPolicyTrainer(Trainer):
 
     def policy_pass(self, model: nn.Module, part) -> "PolicyPass":
         """The forward pass of the policy that the loss of micro-batch `part` needs, with gradients: (log π,
-        entropy) at the response positions from the last hidden state in chunks (`response_logprobs`, never
+        entropy) at the response positions from the last hidden state in chunks (`forward`, never
         the logits), the entropy with gradients where a loss term takes it (`entropy_bonus`), and a
         mixture-of-experts policy's L_aux of the pass (PPO: the agent's `ResponseStats`)."""
         entropy = "grad" if getattr(self.args, "entropy_bonus", False) else "no_grad"
         with router_aux_losses(model, self.router_aux_loss_coef > 0) as aux:
-            logprobs, entropies = response_logprobs(
-                model,
-                part.query_ids,
-                part.query_attention_mask,
-                part.response_ids,
-                part.response_mask,
-                self.args.temperature,
-                entropy,
-                padding_free=self.args.padding_free,
-                shared_prefix=self.args.shared_prefix,
-            )[:2]
+            rows = TokenBatch.from_responses(
+                part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask
+            )
+            plan = Plan(self.args.padding_free, self.args.shared_prefix)
+            logprobs, entropies = forward(model, rows, plan, self.args.temperature, entropy)[:2]
         return PolicyPass(logprobs, entropies, aux[0] if aux else None)
 
     def aux_term(self, current: "PolicyPass") -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -1416,10 +1412,8 @@ def _response_kl(
     """Σ over each response's tokens of log π − log π_ref, on the policy's samples, log-probabilities at
     `temperature`: (batch,)."""
     with eval_mode(model, ref_model):
-        logp, ref_logp = (
-            response_logprobs(m, query_ids, query_attention_mask, response_ids, response_mask, temperature)[0]
-            for m in (model, ref_model)
-        )
+        rows = TokenBatch.from_responses(query_ids, query_attention_mask, response_ids, response_mask)
+        logp, ref_logp = (forward(m, rows, temperature=temperature).logprobs for m in (model, ref_model))
     return masked_sum(logp - ref_logp, response_mask, dim=1)
 
 # %% ../nbs/08_onpolicy.ipynb #c647237f

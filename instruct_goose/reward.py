@@ -23,8 +23,8 @@ from jaxtyping import Bool, Float, Int
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from instruct_goose.agent import (
-    _accepts,
-    _cut_rows,
+    accepts,
+    cut_rows,
     context_length,
     dropout_as_configured,
     eval_mode,
@@ -136,7 +136,7 @@ class RewardModel(nn.Module):
     @property
     # `padding_free` possible
     def can_pack(self) -> bool:
-        return self.reads_last_token and _accepts(self.backbone, "position_ids")
+        return self.reads_last_token and accepts(self.backbone, "position_ids")
 
     @property
     def head(self) -> nn.Linear:
@@ -177,7 +177,7 @@ class RewardModel(nn.Module):
             return self.model.score(states[attention_mask.long().sum(1).cumsum(0) - 1]).squeeze(-1).float()
         positions = (
             {"position_ids": position_ids_from_mask(attention_mask)}
-            if _accepts(self.backbone, "position_ids")
+            if accepts(self.backbone, "position_ids")
             else {}
         )
         hidden = self.backbone(
@@ -301,7 +301,7 @@ def _shared_prefix_states(
 ) -> Tensor | None:
     """Each row's last hidden state, the tokens its group's rows all start with run once
     (`shared_prompt_forward`): those as a left-padded prompt, the rest of each row as its response
-    (`_cut_rows`)."""
+    (`cut_rows`)."""
     ids, mask = pad_to_side(input_ids, attention_mask, "right")
     real, lengths = mask.bool(), mask.long().sum(1)
     # each group's first row
@@ -315,7 +315,7 @@ def _shared_prefix_states(
     if bool((prefix == 0).any()):
         return None
     # a pad column more: the state at column `rest` is the row's last token's
-    rows = _cut_rows(ids, torch.zeros_like(prefix), prefix, lengths, extra=1)
+    rows = cut_rows(ids, torch.zeros_like(prefix), prefix, lengths, extra=1)
     states = shared_prompt_forward(backbone, *rows, hidden=True, groups=(first, inverse))
     return states[torch.arange(len(ids), device=ids.device), lengths - prefix]
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .agent import prompt_groups, response_logprobs
+from .agent import Plan, TokenBatch, forward, prompt_groups
 
 # %% ../nbs/07_rollout.ipynb #d79644e1
 class Samples(NamedTuple):
@@ -272,18 +272,17 @@ def logprobs_in_chunks(
     response_mask: Tensor,  # (batch, resp) True on real tokens
     temperature: float,  # the sampling temperature T
     size: int,  # rows per forward pass
-    # each pass over the real tokens packed in bins (`response_logprobs`' `padding_free`): 0 at all padding
+    # each pass over the real tokens packed in bins (`Plan.padding_free`): 0 at all padding
     padding_free: bool = False,
-    # where a pass's rows repeat a prompt, each distinct prompt once (`response_logprobs`' `shared_prefix`)
+    # where a pass's rows repeat a prompt, each distinct prompt once (`Plan.shared_prefix`)
     shared_prefix: bool = False,
 ) -> Tensor:  # (batch, resp) log π(y_t), float32
     """`model`'s log-probabilities of the response tokens at temperature T (0 where a pass's rows are all
     padding), `size` rows per forward pass cut at their longest response, each pass's positions in chunks
-    (`response_logprobs`)."""
+    (`forward`)."""
+    plan = Plan(padding_free, shared_prefix)
     return chunked(
-        lambda q, m, r, rm: response_logprobs(
-            model, q, m, r, rm, temperature, padding_free=padding_free, shared_prefix=shared_prefix
-        )[0],
+        lambda *rows: forward(model, TokenBatch.from_responses(*rows), plan, temperature).logprobs,
         query_ids,
         query_attention_mask,
         response_ids,

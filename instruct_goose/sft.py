@@ -23,13 +23,13 @@ from transformers.integrations.neftune import activate_neftune, deactivate_neftu
 
 from instruct_goose.agent import (
     disable_dropout,
+    Plan,
+    TokenBatch,
     eval_mode,
-    loss_token_states,
+    forward,
     refuse_packed_aux,
     router_aux_coef,
     router_aux_losses,
-    states_logps,
-    states_stats,
 )
 from .loading import from_pretrained_kwargs, load_model, load_tokenizer, with_peft
 from .core import check_number
@@ -461,7 +461,7 @@ def nll_sum(
     self: SFTTrainer,
     model: nn.Module,
     batch: tuple[Tensor, Tensor, Tensor],  # (ids, mask, loss_mask) from `encode`, on the CPU
-    # one forward without padding (`loss_token_states`); None: the config's `padding_free` or `packing`
+    # one forward without padding (`Plan.padding_free`); None: the config's `padding_free` or `packing`
     padding_free: bool | None = None,
     # also TRL's statistics of the batch's loss tokens, without a graph: {"entropy", "mean_token_accuracy"}
     # (means)
@@ -473,24 +473,18 @@ def nll_sum(
     a, device = self.args, next(model.parameters()).device
     packed = a.padding_free or a.packing if padding_free is None else padding_free
     ids, mask, loss_mask = batch
-    out, labels, _, head = loss_token_states(
-        model,
-        ids.to(device),
-        mask.to(device),
-        loss_mask,
-        packed,
-        self.max_length if packed and a.packing else None,
-    )
-    logps, entropy, top1 = (
-        states_stats(out, labels, head) if stats else (states_logps(out, labels, head), None, None)
-    )
+    plan = Plan(padding_free=packed, capacity=self.max_length if packed and a.packing else None)
+    rows = TokenBatch.from_sequences(ids.to(device), mask.to(device), loss_mask)
+    logps, entropy, _, top1 = forward(model, rows, plan, entropy="no_grad" if stats else "skip", top1=stats)[
+        :4
+    ]
     # DFT (Wu et al., 2025): each token weighted by its own probability
     if a.loss_type == "dft":
         logps = logps * logps.detach().exp()
     if not stats:
         return -logps.sum()
     # a batch without loss tokens logs 0, as TRL
-    n = max(len(labels), 1)
+    n = max(len(logps), 1)
     return -logps.sum(), {"entropy": entropy.sum() / n, "mean_token_accuracy": top1.float().sum() / n}
 
 # %% ../nbs/06_sft.ipynb #1c9f878c
