@@ -849,8 +849,9 @@ def lora_config(
     from peft import LoraConfig
 
     targets = args.lora_target_modules
-    # TRL: one name is a string, so that "all-linear" means peft's all-linear
-    targets = targets[0] if targets is not None and len(targets) == 1 else targets
+    # ["all-linear"] is peft's all-linear (a string); TRL turns any one name into a string, which peft reads as a
+    # regex of the full module name, so that ["c_attn"] matches nothing: here a list stays a list
+    targets = "all-linear" if targets == ["all-linear"] else targets
     return LoraConfig(
         task_type=args.lora_task_type,
         r=args.lora_r,

@@ -113,7 +113,8 @@ def test_trl_yaml_keys_are_read(tmp_path):
         ["think_format_reward"],
     )
     peft = cli.lora_config(args)
-    assert (peft.r, peft.lora_alpha, peft.target_modules) == (8, 16, "c_attn")  # one name: a string, as TRL
+    # a list stays a list (TRL's one-name string is a regex of the full module name)
+    assert (peft.r, peft.lora_alpha, peft.target_modules) == (8, 16, {"c_attn"})
 
 
 def test_trl_flags_are_read():
@@ -242,7 +243,7 @@ def test_use_peft_reaches_the_trainer(command, trainer, monkeypatch, capsys):
     assert (made.peft_config.r, made.peft_config.lora_alpha, made.peft_config.target_modules) == (
         4,
         32,
-        "c_attn",
+        {"c_attn"},
     )
 
 

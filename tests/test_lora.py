@@ -141,6 +141,7 @@ def test_goose_rloo_with_lora(base_dir, tmp_path, goose_here):
         str(base_dir),
         "--reward_model",
         "gold",
+        "--use_peft",  # TRL's switch; --lora_r alone is refused
         "--lora_r",
         "4",
         "--lora_target_modules",

@@ -256,8 +256,10 @@ def test_cli_and_yaml_take_either_name(tmp_path, capsys):
     # GRPO's defaults: no KL term
     assert (grpo.num_iterations, grpo.beta, grpo.kl_coef) == (2, 0.0, 0.0)
     with pytest.raises(SystemExit):
-        parse_config(RLOOCommand, ["--num_generations", "2", "--rloo_k", "8"], "goose rloo")
-    assert "`num_generations`=2 and `rloo_k`=8 name one setting twice" in capsys.readouterr().err
+        parse_config(
+            RLOOCommand, ["--num_generations", "3", "--rloo_k", "8"], "goose rloo"
+        )  # both off the default
+    assert "`num_generations`=3 and `rloo_k`=8 name one setting twice" in capsys.readouterr().err
 
 
 def test_trl_ppo_names_value_model_and_token_id_prompts(tmp_path):
