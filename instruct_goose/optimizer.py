@@ -336,8 +336,7 @@ class Stepping:
             self.fire("on_optimizer_step")
             # ours (a LambdaLR DeepSpeed does not know) is not the engine's to step; its own kinds: a no-op
             # wrapper
-            if not self.schedule_reads_metric:
-                self.scheduler.step()
+            self._schedule_step()
             # logged and all-reduced with the step's statistics (NCCL: no CPU tensors)
             return torch.as_tensor(math.nan if grad_norm is None else grad_norm, device=self.device)
         # one host sync per step; fp16's scaler skips such steps itself
@@ -348,11 +347,16 @@ class Stepping:
         self.fire("on_pre_optimizer_step")
         self.optimizer.step()
         self.fire("on_optimizer_step")
-        # reduce_lr_on_plateau and greedy step on evaluations (`note_evaluation`)
-        if not self.schedule_reads_metric:
-            self.scheduler.step()
+        self._schedule_step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def _schedule_step(self):
+        """Step the schedule (not reduce_lr_on_plateau nor greedy: they step on evaluations, `note_evaluation`),
+        keeping the rate the optimizer step just used: `lr` is that one, as 🤗 Trainer and TRL log it."""
+        self._step_lr = self._current_lr()
+        if not self.schedule_reads_metric:
+            self.scheduler.step()
 
     def _nonfinite(self, grad_norm: Tensor, stats: dict):
         """Stop (or, with `skip_nonfinite`, skip the step) on a NaN/inf gradient, naming the step and the non-finite
@@ -377,11 +381,17 @@ class Stepping:
             (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR),
         )
 
-    @property
-    def lr(self) -> float:
-        "The learning rate now (of the first parameter group)."
+    def _current_lr(self) -> float:
+        "The learning rate the next optimizer step will use (of the first parameter group)."
         return (
             self.optimizer.param_groups[0]["lr"]
             if self.schedule_reads_metric
             else self.scheduler.get_last_lr()[0]
         )
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the last optimizer step, the one logged at that step (🤗 Trainer's and TRL's
+        `learning_rate`); before the first step, the rate it will use."""
+        last = getattr(self, "_step_lr", None)
+        return self._current_lr() if last is None else last

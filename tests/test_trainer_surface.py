@@ -159,3 +159,15 @@ def test_checkpoints_load_with_from_pretrained_and_pipeline(algo, tmp_path):
     assert pipe("the film was", max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith(
         "the film was"
     )
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo", "ppo", "grpo"])
+def test_the_learning_rate_logged_is_the_one_the_step_used(algo, tmp_path):
+    """🤗 Trainer and TRL log, at step k, the rate the k-th optimizer step used (read before the schedule steps).
+    The linear schedule over N = 2 steps without warm-up gives lr·(N − k + 1)/N: 1e-2 then 5e-3 (it logged
+    [5e-3, 0.0], a step late, before)."""
+    trainer = make(algo, tmp_path)
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "learning_rate" in r or "lr" in r]
+    logged = [r.get("learning_rate", r.get("lr")) for r in rows][:2]
+    assert logged == pytest.approx([1e-2, 5e-3], rel=1e-9), logged
