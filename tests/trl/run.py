@@ -359,7 +359,7 @@ def main(argv=None):
         missing |= set(miss)
     state_path = WORK / "reports" / "state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    for short in files:
+    for short in ([] if args.report_only else files):
         test_file = FILES[short][0]
         ids = collect(roots["trl"], test_file, env)
         chosen = select(ids, args.every, args.first)
@@ -425,8 +425,9 @@ def write_results(files, state, source, missing, out: Path, trl_version: str):
           "The counts *here* cover the tests that pass on TRL: pass / refused on purpose (the error names the "
           "unsupported feature) / pokes TRL internals (run.py's INTERNALS) / failing. *no stand-in*: failed on TRL "
           "for a Hub repository with no offline stand-in here; *fail on TRL*: failed on TRL 1.16 for another reason "
-          "(mostly: tests of another TRL revision).\n", table, ""]
-    subsets = [f"{s}: every {state[s]['every']}th test" + (f", first {state[s]['first']}" if state[s].get('first') else "")
+          "(mostly: tests of another TRL revision). *min here* times only the tests that pass on TRL (the rest are not "
+          "run here). Times are on 2 CPU cores shared with other work, so they vary.\n", table, ""]
+    subsets = [f"{s}: one test in {state[s]['every']}" + (f", first {state[s]['first']}" if state[s].get('first') else "")
                + f" ({state[s]['selected']} of {state[s]['collected']})"
                for s in files if s in state and state[s].get("selected") != state[s].get("collected")]
     if subsets: md += ["**Subsets** (deterministic, by collection order): " + "; ".join(subsets) + ".\n"]
