@@ -19,7 +19,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BNB    := $(VENV)/bnb
 
-.PHONY: test demo install check-export readme test-latest lock test-oldest lint lint-check
+.PHONY: test demo install check-export readme test-latest lock test-oldest lint lint-check test-trl
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,15 @@ test-oldest:
 	rm -rf $(OLDEST)
 	$(PYTHON) dev/oldest.py > $(OLDEST).txt
 	$(MAKE) test VENV=$(OLDEST) TORCH="$$(grep '^torch==' $(OLDEST).txt)" CONSTRAINTS="-c $(OLDEST).txt"
+
+# TRL's own trainer tests (GRPO, RLOO, DPO, reward, SFT) as the measure of the drop-in trainers: each file on TRL and on
+# a copy importing the trainer and its config from instruct_goose, offline, on stand-ins for the Hub's tiny models and
+# data sets (tests/trl/make_standins.py); writes tests/trl/results.md. Not part of `make test` (it takes long).
+# TRL_SRC: a TRL git repository (bare or not) whose tests are copied, at the tag of the installed TRL where it has one.
+# TRL_ARGS: more options for tests/trl/run.py, e.g. TRL_ARGS="--files grpo --every 4".
+test-trl: export OMP_NUM_THREADS := 1
+test-trl: $(STAMP)
+	$(BIN)/python tests/trl/run.py $(if $(TRL_SRC),--trl-src $(TRL_SRC)) $(TRL_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/goose pipeline --config configs/demo.yaml --output_dir runs/demo --overwrite_output_dir
