@@ -211,6 +211,7 @@ class Recorder:
             train_dataset,
             eval_dataset,
         )
+        self.model = self.reward_model = None  # what the commands return after `train()`
         Recorder.made.append(self)
 
     def train(self):
