@@ -168,7 +168,7 @@ def test_two_processes_equal_one(algo, setup_dir, tmp_path):
     # and training did move them
     assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
     # one schedule step per step
-    assert one[1][-1]["lr"] == 0.0 and one[1][1]["lr"] == two[1][1]["lr"] > 0
+    assert one[1][-1]["lr"] < one[1][1]["lr"] and one[1][1]["lr"] == two[1][1]["lr"] > 0
 
     # the 2-process checkpoint of step 2, resumed by 1 process with 2 micro-batches, ends where the 2-process
     # run did

@@ -158,7 +158,7 @@ def test_honoured_fields_change_the_run(tmp_path):
     )
     group = a.loop.optimizer.optimizer.param_groups[0]
     assert (group["betas"][0], group["eps"], bool(group.get("fused"))) == (0.5, 1e-6, False)
-    assert math.isclose(a.loop.state.history[-1]["learning_rate"], 1e-4)  # the cosine ends at min_lr
+    assert math.isclose(a.loop.scheduler.get_last_lr()[0], 1e-4)  # the cosine ends at min_lr
     # save_strategy="no": no checkpoint
     assert not list((tmp_path / "a").glob("checkpoint-*"))
     # eval_strategy="no": no evaluation
@@ -696,7 +696,7 @@ def test_dict_fields_given_as_json(tmp_path):
         processing_class=tok,
     )
     sft.train()
-    assert math.isclose(sft.loop.state.history[-1]["learning_rate"], 1e-4)
+    assert math.isclose(sft.loop.scheduler.get_last_lr()[0], 1e-4)
     path = tmp_path / "model"
     tiny_causal_lm(tok, seed=0).save_pretrained(path)
     tok.save_pretrained(path)
