@@ -402,6 +402,17 @@ class Plan(NamedTuple):
     # with `padding_free`: tokens per bin (None: the longest row's)
     capacity: int | None = None
 
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether rows of one prompt are worth a pass together (the sampler's `share_prompts`, `chunked`'s
+        `by_prompt`)."""
+        return self.shared_prefix
+
+    def refuse_aux(self, coef: float) -> None:
+        """Refuse a mixture-of-experts load-balancing loss c·L_aux (`coef` > 0) that this layout cannot give
+        (`refuse_packed_aux`)."""
+        refuse_packed_aux(self.padding_free, coef, self.shared_prefix)
+
 
 class ForwardOutput(NamedTuple):
     """Per-token outputs of `forward`: (batch, resp) for prompt + response rows, (tokens,) at the loss tokens, row
@@ -734,6 +745,8 @@ class Agent(nn.Module):
         # where some prompt repeats, each model's pass over each distinct prompt once
         # (`shared_prompt_forward`)
         shared_prefix: bool = False,
+        # the layout as one `Plan` (a trainer's `Layouts.plan`); given, it overrides the two flags above
+        plan: Plan | None = None,
         # per-token logprobs, entropy and values of the response
     ) -> ResponseStats:
         """Log-probabilities, entropies and values at the response positions, in one forward pass of the policy
@@ -742,7 +755,8 @@ class Agent(nn.Module):
         batch = TokenBatch.from_responses(
             query_ids, query_attention_mask, response_ids, response_attention_mask
         )
-        plan = Plan(padding_free, shared_prefix)
+        plan = Plan(padding_free, shared_prefix) if plan is None else plan
+        padding_free, shared_prefix = plan.padding_free, plan.shared_prefix
         logprobs, entropies, hidden = forward(self.model, batch, plan, temperature, entropy, hidden=shared)[
             :3
         ]

@@ -23,7 +23,7 @@ from .loop import TrainLoop
 from .losses import AdaptiveEntropyController, kl_penalty
 from .completions import completion_stats
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
-from .agent import Plan, TokenBatch, forward
+from .agent import TokenBatch, forward
 from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, prompt_columns
 from .trl_names import GRPONotYet, refuse_unsupported, refused_fields
 from .tools import ToolConfig
@@ -509,8 +509,7 @@ class GRPOTrainer(OnPolicyTrainer):
             x.response_mask,
             c.temperature,
             c.local_rollout_forward_batch_size,
-            c.padding_free,
-            c.shared_prefix,
+            c.plan,
         )
         zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
         # π_θold: the loss's own pass (detached), the kept pass, or its own
@@ -680,19 +679,19 @@ def old_pass(
             zeros
             if self.reuses_current_logprobs
             else logprobs_in_chunks(
-                policy,
-                *inputs,
-                c.temperature,
-                c.local_rollout_forward_batch_size,
-                c.padding_free,
-                c.shared_prefix,
+                policy, *inputs, c.temperature, c.local_rollout_forward_batch_size, c.plan
             ),
             None,
         )
-    plan = Plan(c.padding_free, c.shared_prefix)
-    both = lambda *rows: forward(policy, TokenBatch.from_responses(*rows), plan, c.temperature, "no_grad")[:2]
+    both = lambda *rows: forward(policy, TokenBatch.from_responses(*rows), c.plan, c.temperature, "no_grad")[
+        :2
+    ]
     logprobs, entropy = chunked(
-        both, *inputs, size=c.local_rollout_forward_batch_size, responses=True, by_prompt=c.shared_prefix
+        both,
+        *inputs,
+        size=c.local_rollout_forward_batch_size,
+        responses=True,
+        by_prompt=c.plan.shares_prompts,
     )
     return None, zeros if self.reuses_current_logprobs else logprobs, entropy
 

@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['check_policy', 'enable_gradient_checkpointing', 'keep_matmul_outputs', 'LiveBytes', 'fuse_activations',
-           'half_linears', 'hold_freed_memory', 'release_freed_memory', 'deepspeed_gathered']
+           'half_linears', 'hold_freed_memory', 'release_freed_memory', 'deepspeed_gathered', 'Layouts']
 
 # %% ../nbs/05b_levers.ipynb #a7a50367
 import ctypes, platform, weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -20,6 +21,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import PreTrainedModel, activations
 from transformers.pytorch_utils import Conv1D
+
+from .agent import Plan
 
 # %% ../nbs/05b_levers.ipynb #fe101938
 def check_policy(policy: str):
@@ -261,3 +264,28 @@ def deepspeed_gathered(engine):
             if coordinator is not None and not coordinator.is_invalid_trace():
                 coordinator._invalidate_trace()
             offload._register_deepspeed_module(offload.module)
+
+# %% ../nbs/05b_levers.ipynb #a1b2c3d2
+@dataclass
+class Layouts:
+    """The layout levers of every pass after sampling, as one `Plan` for `forward`: fewer positions, the same
+    numbers."""
+
+    # every pass packs its rows' real tokens in bins, no pad token in any attention (TRL's SFT/DPO name; verl:
+    # use_remove_padding), the output layer at real tokens only; reward models the trainer makes too
+    padding_free: bool = False
+    # rows that start with the same prompt (RLOO's k, GRPO's G, a DPO pair) run it once in every pass and in the
+    # sampler, their completions reading its keys and values (NeMo RL's name; `shared_prompt_forward`)
+    shared_prefix: bool = False
+
+    def __post_init__(self):
+        if (before := getattr(super(), "__post_init__", None)) is not None:
+            before()
+        for name in ("padding_free", "shared_prefix"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def plan(self) -> Plan:
+        "The layout every pass reads (`forward`'s `plan`): the one place a trainer's levers are read."
+        return Plan(self.padding_free, self.shared_prefix)

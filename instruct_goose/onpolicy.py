@@ -21,7 +21,6 @@ from torch import Tensor, nn
 from accelerate import Accelerator
 
 from instruct_goose.agent import (
-    Plan,
     TokenBatch,
     Agent,
     cast_lm_head_to_fp32,
@@ -30,7 +29,6 @@ from instruct_goose.agent import (
     disable_dropout,
     eval_mode,
     forward,
-    refuse_packed_aux,
     router_aux_coef,
     router_aux_losses,
 )
@@ -54,7 +52,7 @@ from .loop import TrainLoop, as_callbacks, batch_indices
 from .trainer import Trainer, trainer_arguments
 from transformers.trainer_utils import TrainOutput
 from .training_config import TrainingConfig
-from .levers import fuse_activations, half_linears
+from .levers import Layouts, fuse_activations, half_linears
 from .losses import FixedKLController, KLEstimator
 from instruct_goose.rollout import (
     Samples,
@@ -203,9 +201,9 @@ def check_sampling_config(
 
 # %% ../nbs/08_onpolicy.ipynb #ef616bf4
 @dataclass
-class OnPolicyConfig(TrainingConfig):
-    """Fields every on-policy RL trainer shares (PPO, RLOO, GRPO): the KL penalty, sampling, rewards, and the
-    schedule of rollouts and updates."""
+class OnPolicyConfig(Layouts, TrainingConfig):
+    """Fields every on-policy RL trainer shares (PPO, RLOO, GRPO): the KL penalty, sampling, rewards, the
+    schedule of rollouts and updates, and the layout levers (`Layouts`)."""
 
     kl_coef: float = 0.05  # β: weight of the KL penalty (its start value when adaptive)
     kl_estimator: KLEstimator = "k1"  # per-token KL estimator: k1, k2, mse, k3 or abs, see `kl_penalty`
@@ -284,14 +282,6 @@ class OnPolicyConfig(TrainingConfig):
     generation_batch_size: int | None = None
     # TRL 1.16: each epoch's prompts in a seeded random order; False: in dataset order
     shuffle_dataset: bool = True
-    # TRL's SFT/DPO name (verl: use_remove_padding): every pass after sampling over the real tokens packed in
-    # bins (reward models the trainer makes too), the output layer at real response tokens only; the same
-    # numbers
-    padding_free: bool = False
-    # NeMo RL's name (verl: shared-prefix): rows with the same prompt (RLOO's k, GRPO's G) run it once in
-    # every pass after sampling, their responses reading its keys and values (`shared_prompt_forward`), and
-    # once in the sampler (`decode`'s `share_prompts`); the same numbers
-    shared_prefix: bool = False
     # TRL's name -> the shared field it is another name of (see `merge_names`)
     same_setting: ClassVar[dict[str, str]] = {}
     # a row's columns reach the reward functions (🤗's `remove_unused_columns`=False, TRL's GRPO default)
@@ -312,9 +302,6 @@ class OnPolicyConfig(TrainingConfig):
         # TRL's steps_per_generation / generation_batch_size onto num_mini_batches
         generation_batches(self)
         check_sampling_config(self)
-        for name in ("padding_free", "shared_prefix"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.chat_template_kwargs, (dict, type(None))):
             raise ValueError(
                 f"`chat_template_kwargs` must be a dict of chat template variables, got "
@@ -375,7 +362,7 @@ def sampling_options(
 ) -> dict:  # keywords of `generate_responses` beyond the temperature
     """The config's sampling options as `generate_responses` keywords: top-p/top-k/min-p, the repetition penalty,
     `generation_kwargs`, `cache_implementation` as `static_cache`, `compile_generation` as `compile`, TRL's
-    continuous batching as `continuous_batching`, `shared_prefix` as `share_prompts`."""
+    continuous batching as `continuous_batching`, the plan's shared prompts as `share_prompts`."""
     c = config
     return dict(
         top_p=c.top_p,
@@ -385,7 +372,7 @@ def sampling_options(
         static_cache={None: None, "static": True, "dynamic": False}[c.cache_implementation],
         compile=c.compile_generation,
         continuous_batching=continuous_batching_options(c),
-        share_prompts=c.shared_prefix,
+        share_prompts=c.plan.shares_prompts,
         **(c.generation_kwargs or {}),
     )
 
@@ -527,11 +514,7 @@ class OnPolicyTrainer(Trainer):
             None
             if a["reward_funcs"] is None
             else reward_from(
-                a["reward_funcs"],
-                self.args.reward_weights,
-                self.processing_class,
-                self.args.padding_free,
-                self.args.shared_prefix,
+                a["reward_funcs"], self.args.reward_weights, self.processing_class, plan=self.args.plan
             )
         )
         self.train_dataset, self.eval_dataset = (
@@ -550,7 +533,7 @@ class OnPolicyTrainer(Trainer):
         if isinstance(self.args, TRLOptions):
             self.router_aux_loss_coef = router_aux_coef(policy, self.args.router_aux_loss_coef)
         # before anything packs or shares
-        refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef, self.args.shared_prefix)
+        self.args.plan.refuse_aux(self.router_aux_loss_coef)
         float32_head = getattr(self.args, "cast_lm_head_to_fp32", False)  # GRPO's field
         if float32_head:
             cast_lm_head_to_fp32(policy)
@@ -603,8 +586,7 @@ class OnPolicyTrainer(Trainer):
             rows = TokenBatch.from_responses(
                 part.query_ids, part.query_attention_mask, part.response_ids, part.response_mask
             )
-            plan = Plan(self.args.padding_free, self.args.shared_prefix)
-            logprobs, entropies = forward(model, rows, plan, self.args.temperature, entropy)[:2]
+            logprobs, entropies = forward(model, rows, self.args.plan, self.args.temperature, entropy)[:2]
         return PolicyPass(logprobs, entropies, aux[0] if aux else None)
 
     def aux_term(self, current: "PolicyPass") -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -1307,7 +1289,7 @@ def update(
     # dropout is off; train mode lets gradient checkpointing work
     model.train()
     # micro-batches of like rows: less padding, the same minibatches
-    deal = like_rows(rollout, c.per_device_train_batch_size, c.shared_prefix)
+    deal = like_rows(rollout, c.per_device_train_batch_size, c.plan)
     for epoch in range(c.num_ppo_epochs):
         cuts = minibatches(
             len(rollout),

@@ -205,16 +205,14 @@ class RLHFTrainer(OnPolicyTrainer):
         stats = kept = self.first_pass(agent, x, loop)
         if stats is None:
             stats = chunked(
-                lambda q, m, r, rm: agent.response_stats(
-                    q, m, r, rm, c.temperature, "skip", c.padding_free, c.shared_prefix
-                ),
+                lambda q, m, r, rm: agent.response_stats(q, m, r, rm, c.temperature, "skip", plan=c.plan),
                 x.query_ids,
                 x.query_attention_mask,
                 x.response_ids,
                 x.response_mask,
                 size=c.local_rollout_forward_batch_size,
                 responses=True,
-                by_prompt=c.shared_prefix,
+                by_prompt=c.plan.shares_prompts,
             )
         rollout = self.make_rollout(
             x.query_ids,
@@ -246,8 +244,7 @@ class RLHFTrainer(OnPolicyTrainer):
             part.response_mask,
             self.args.temperature,
             "grad" if self.args.ent_coef > 0 else "no_grad",
-            self.args.padding_free,
-            self.args.shared_prefix,
+            plan=self.args.plan,
         )
 
     def micro_batch_loss(
@@ -297,8 +294,7 @@ def make_rollout(
             mask,
             c.temperature,
             c.local_rollout_forward_batch_size,
-            c.padding_free,
-            c.shared_prefix,
+            c.plan,
         )
     rewards, kl, non_score_reward = compute_rewards(
         scores, logprobs, ref_logprobs, mask, self.kl_ctl.value, c.kl_estimator
@@ -375,8 +371,7 @@ def compute_loss(
         response_ids,
         response_attention_mask,
         self.args.temperature,
-        padding_free=self.args.padding_free,
-        shared_prefix=self.args.shared_prefix,
+        plan=self.args.plan,
     )
     rollout = self.make_rollout(
         query_ids,

@@ -23,6 +23,7 @@ from jaxtyping import Bool, Float, Int
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from instruct_goose.agent import (
+    Plan,
     accepts,
     cut_rows,
     context_length,
@@ -701,6 +702,8 @@ def reward_from(
     # reward models made here run each prompt's tokens once for its completions, where they can; a
     # `RewardModel` given keeps its own
     shared_prefix: bool = False,
+    # the trainer's layout (`Layouts.plan`); given, it overrides the two flags above
+    plan: Plan | None = None,
     # the reward the trainers call: (prompts, completions, **columns) -> scores
 ) -> WeightedReward:
     """TRL's `reward_funcs` and `reward_weights` (GRPOConfig, TRL ≥ 0.14) as one `WeightedReward`; a path or a 🤗
@@ -710,6 +713,8 @@ def reward_from(
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
         raise ValueError("`reward_funcs` is empty: give a reward function or a RewardModel")
+    if plan is not None:
+        padding_free, shared_prefix = plan.padding_free, plan.shared_prefix
     funcs = [_as_reward(f, i, processing_class, padding_free, shared_prefix) for i, f in enumerate(funcs)]
     bad = [i for i, f in enumerate(funcs) if not callable(f)]
     if bad:

@@ -168,8 +168,7 @@ class RLOOTrainer(OnPolicyTrainer):
             x.response_mask,
             c.temperature,
             c.local_rollout_forward_batch_size,
-            c.padding_free,
-            c.shared_prefix,
+            c.plan,
         )
         kept = self.first_pass(policy, x, loop)
         logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else kept[0].detach()

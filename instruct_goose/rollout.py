@@ -104,7 +104,7 @@ def padded_positions(
     response_lengths: Tensor,  # (rows,) each row's real response tokens
     size: int,  # rows per micro-batch
     # (rows,) each row's prompt (`prompt_groups`) where a micro-batch runs each distinct prompt once
-    # (`shared_prefix`)
+    # (`Plan.shares_prompts`)
     groups: Tensor | None = None,
 ) -> int:  # positions all the micro-batches' passes read
     """Positions read by micro-batches of `size` rows, each cut to its longest prompt P and response R (at least
@@ -131,7 +131,7 @@ def cheapest_order(
     prompt_lengths: Tensor,  # (rows,) each row's real prompt tokens
     response_lengths: Tensor,  # (rows,) each row's real response tokens
     size: int,  # rows per part
-    # (rows,) each row's prompt where a part runs each distinct prompt once (`shared_prefix`)
+    # (rows,) each row's prompt where a part runs each distinct prompt once (`Plan.shares_prompts`)
     groups: Tensor | None = None,
 ) -> Tensor:  # (rows,) the rows' order: `arange` when as they are is cheapest
     """Of the rows as they are, by response then prompt length, by prompt then response length and (`groups`) by
@@ -217,7 +217,7 @@ def chunked(
     # the first two of `per_row` are responses and their mask: each piece's cut after its longest response
     # too, its (rows, resp, …) results padded back with zeros
     responses: bool = False,
-    # with `responses`: `fn` runs each distinct prompt of a piece once (`shared_prefix`), so rows of one
+    # with `responses`: `fn` runs each distinct prompt of a piece once (`Plan.shares_prompts`), so rows of one
     # prompt are worth a piece together
     by_prompt: bool = False,
 ):
@@ -272,15 +272,11 @@ def logprobs_in_chunks(
     response_mask: Tensor,  # (batch, resp) True on real tokens
     temperature: float,  # the sampling temperature T
     size: int,  # rows per forward pass
-    # each pass over the real tokens packed in bins (`Plan.padding_free`): 0 at all padding
-    padding_free: bool = False,
-    # where a pass's rows repeat a prompt, each distinct prompt once (`Plan.shared_prefix`)
-    shared_prefix: bool = False,
+    plan: Plan = Plan(),  # each pass's layout (a trainer's `Layouts.plan`): padded, packed (0 at padding) or shared
 ) -> Tensor:  # (batch, resp) log π(y_t), float32
     """`model`'s log-probabilities of the response tokens at temperature T (0 where a pass's rows are all
     padding), `size` rows per forward pass cut at their longest response, each pass's positions in chunks
     (`forward`)."""
-    plan = Plan(padding_free, shared_prefix)
     return chunked(
         lambda *rows: forward(model, TokenBatch.from_responses(*rows), plan, temperature).logprobs,
         query_ids,
@@ -289,7 +285,7 @@ def logprobs_in_chunks(
         response_mask,
         size=size,
         responses=True,
-        by_prompt=shared_prefix,
+        by_prompt=plan.shares_prompts,
     )
 
 # %% ../nbs/07_rollout.ipynb #62dcb538
@@ -315,13 +311,14 @@ def minibatches(
 def like_rows(
     batch: RowBatch,  # a rollout (with `response_mask`)
     size: int,  # rows per micro-batch
-    # a micro-batch runs each distinct prompt once (`shared_prefix`): rows of one prompt are worth dealing
-    # together
-    shared_prefix: bool = False,
+    # the update's layout: where it runs each distinct prompt once, rows of one prompt are worth dealing together
+    plan: Plan = Plan(),
 ) -> Callable[[Tensor], Tensor]:  # `minibatches`' `deal`: a minibatch's rows -> the same rows, dealt
     "Deal a minibatch's rows into micro-batches the cheapest way (`cheapest_order`); as drawn on a tie."
     P, R = batch.prompt_lengths(), batch.response_lengths()  # the rollout's, read once (`RowBatch`)
-    groups = prompt_groups(batch.query_ids, batch.query_attention_mask)[1].cpu() if shared_prefix else None
+    groups = (
+        prompt_groups(batch.query_ids, batch.query_attention_mask)[1].cpu() if plan.shares_prompts else None
+    )
     return lambda rows: rows[cheapest_order(P[rows], R[rows], size, None if groups is None else groups[rows])]
 
 # %% ../nbs/07_rollout.ipynb #41ee10cc
