@@ -23,6 +23,8 @@ from instruct_goose import (
     losses,
     generation,
     grpo,
+    onpolicy_config,
+    engine,
     onpolicy,
     optimizer,
     ppo,
@@ -62,6 +64,8 @@ from .sft import *
 from .rollout import *
 from .completions import *
 from .tools import *
+from .onpolicy_config import *
+from .engine import *
 from .onpolicy import *
 from .ppo import *
 from .rloo import *
@@ -93,6 +97,8 @@ __all__ = [
     *rollout.__all__,
     *completions.__all__,
     *tools.__all__,
+    *onpolicy_config.__all__,
+    *engine.__all__,
     *onpolicy.__all__,
     *ppo.__all__,
     *rloo.__all__,

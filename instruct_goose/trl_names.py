@@ -4,11 +4,31 @@
 
 # %% auto #0
 __all__ = ['TRL_REFUSED', 'TRLNotYet', 'GRPONotYet', 'TRLPPOFields', 'refuse_unsupported', 'Refused', 'refused_fields',
-           'refused_dataclass']
+           'refused_dataclass', 'TRLOptions', 'mix_reference', 'SyncRefModelCallback', 'trl_callbacks',
+           'CompletionsResume', 'log_completions', 'trl_metric_names', 'trl_arguments']
 
 # %% ../nbs/05h_trl.ipynb #14fc49f2
-from dataclasses import field, fields, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import NamedTuple
+
+import torch
+from accelerate.utils import gather_object
+from torch import nn
+from transformers import TrainerCallback
+
+from instruct_goose.completions import (
+    append_completions,
+    completion_rows,
+    completions_table,
+    completions_to_trackers,
+    drop_completions_after,
+    first_per_prompt,
+)
+from .core import check_number
+from .loading import is_peft
+from .reward import RewardModel, WeightedReward
+from .trainer import trainer_arguments
+from .training_config import TrainingConfig
 
 # %% ../nbs/05h_trl.ipynb #07cb82d1
 def refuse_unsupported(
@@ -176,3 +196,188 @@ TRLPPOFields = refused_dataclass(
     "ppo",
     "TRL 1.12's `PPOConfig` fields that this library does not run, at TRL's defaults (`TRL_REFUSED`).",
 )
+
+# %% ../nbs/05h_trl.ipynb #b1d2e3f4
+@dataclass
+class TRLOptions:
+    """TRL 1.16's RLOO and GRPO options for loading the policy, syncing the reference and logging completions,
+    honoured by the shared engine (see the section)."""
+
+    # keywords of `AutoModelForCausalLM.from_pretrained` when `model` is a name or path (a JSON string is read
+    # as a dict)
+    model_init_kwargs: dict | str | None = None
+    # let `from_pretrained` run a checkpoint's own code (the policy and its tokenizer)
+    trust_remote_code: bool = False
+    # TR-DPO: every `ref_model_sync_steps` steps, π_ref ← α·π_θ + (1 − α)·π_ref
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6  # α of the sync, in [0, 1]
+    ref_model_sync_steps: int = 512  # steps between syncs (a step: one rollout and its updates)
+    # every logging step: prompt, completion, each reward, advantage: printed, in completions.jsonl, to table
+    # trackers
+    log_completions: bool = False
+    # rows of that table printed (None: all); the file and trackers get every row
+    num_completions_to_print: int | None = None
+    log_unique_prompts: bool = False  # only the first completion of each prompt in the table
+    # mixture-of-experts policies: c of the load-balancing loss c·L_aux added to each micro-batch's loss
+    # (`router_aux_coef`; None: the model config's, 0: none)
+    router_aux_loss_coef: float | None = None
+
+    def check_trl_options(self):
+        """Refuse values out of range, by name (after `TrainingConfig`'s `coerce_dicts` has read a JSON
+        `model_init_kwargs`)."""
+        if self.model_init_kwargs is not None and not isinstance(self.model_init_kwargs, dict):
+            raise ValueError(
+                f"`model_init_kwargs` must be a dict of `from_pretrained` keywords (or its JSON), got "
+                f"{self.model_init_kwargs!r}"
+            )
+        check_number("ref_model_mixup_alpha", self.ref_model_mixup_alpha, high=1.0)
+        check_number("ref_model_sync_steps", self.ref_model_sync_steps, low=1)
+        if self.num_completions_to_print is not None:
+            check_number("num_completions_to_print", self.num_completions_to_print)
+        if self.router_aux_loss_coef is not None:
+            check_number("router_aux_loss_coef", self.router_aux_loss_coef)
+
+# %% ../nbs/05h_trl.ipynb #b0a93b9f
+@torch.no_grad()
+def mix_reference(
+    ref_model: nn.Module,  # π_ref, updated in place
+    model: nn.Module,  # π_θ, the same architecture
+    alpha: float,  # TR-DPO's α
+) -> None:
+    """TR-DPO's soft update (Gorbatovski et al. 2024, eq. 4): π_ref ← α·π_θ + (1 − α)·π_ref, parameter by
+    parameter."""
+    ref, pol = list(ref_model.parameters()), list(model.parameters())
+    if len(ref) != len(pol) or any(r.shape != p.shape for r, p in zip(ref, pol)):
+        raise ValueError(
+            "`sync_ref_model` needs `ref_model` of the policy's architecture (or ref_model=None: a copy of "
+            "the policy)"
+        )
+    for r, p in zip(ref, pol):
+        r.mul_(1 - alpha).add_(p.to(r), alpha=alpha)
+
+# %% ../nbs/05h_trl.ipynb #e92023d5
+class SyncRefModelCallback(TrainerCallback):
+    "TRL's callback: every `ref_model_sync_steps` optimizer steps, `mix_reference` the policy into π_ref."
+
+    def __init__(self, ref_model: nn.Module, alpha: float, every: int):
+        self.ref_model, self.alpha, self.every = ref_model, alpha, every
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0:
+            mix_reference(self.ref_model, model, self.alpha)
+
+# %% ../nbs/05h_trl.ipynb #d3f4a5b6
+def trl_callbacks(
+    args,  # the trainer's config: a `TRLOptions` (anything else: no callbacks)
+    model: nn.Module,  # the policy being trained
+    ref_model: nn.Module | None,  # π_ref (None: GRPO with `beta`=0)
+) -> list:
+    """The callbacks `TRLOptions` add to a run: TR-DPO's reference sync (`SyncRefModelCallback`) when
+    `sync_ref_model`; with `log_completions`, the file's rows of steps to be redone dropped at the start
+    (`CompletionsResume`)."""
+    c = args
+    if not isinstance(c, TRLOptions):
+        return []
+    resume = [CompletionsResume()] if c.log_completions else []
+    if not c.sync_ref_model:
+        return resume
+    if ref_model is None:
+        raise ValueError(
+            "`sync_ref_model` mixes the policy into the reference, and with `beta`=0 there is none: set "
+            "`beta` > "
+            "0 or leave it off"
+        )
+    if is_peft(model):
+        raise ValueError(
+            "`sync_ref_model` with LoRA (`peft_config`): the reference is the adapter-off base, there is no "
+            "copy "
+            "to sync"
+        )
+    return [SyncRefModelCallback(ref_model, c.ref_model_mixup_alpha, c.ref_model_sync_steps), *resume]
+
+# %% ../nbs/05h_trl.ipynb #a6c7d8e9
+class CompletionsResume(TrainerCallback):
+    """At the start of training, keep only the rows of `completions.jsonl` of steps up to the one resumed from
+    (`drop_completions_after`)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            drop_completions_after(args.output_dir, state.global_step)
+
+# %% ../nbs/05h_trl.ipynb #b7d8e9f0
+def log_completions(
+    args,  # the trainer's config: a `TRLOptions` (anything else: nothing logged)
+    loop,  # the run's `TrainLoop`
+    rollout,  # the step's rollout: its `advantages`
+    samples,  # the step's `Samples`:  # the step's prompts, completions and each reward's scores
+    names: list[str],  # the reward functions' names (`WeightedReward.names`)
+):
+    """At every logging step (and the last) with `log_completions`: all processes' `completion_rows`, printed
+    (`num_completions_to_print` rows), appended to completions.jsonl, sent to table trackers."""
+    c, acc, step = args, loop.accelerator, loop.state.step
+    if not (isinstance(c, TRLOptions) and c.log_completions) or not loop.logs_at(step):
+        return
+    rows = completion_rows(
+        step, samples.prompts, samples.completions, names, samples.reward_scores, rollout.advantages
+    )
+    if acc.num_processes > 1:
+        rows = gather_object(rows)
+    if c.log_unique_prompts:
+        rows = first_per_prompt(rows)
+    if not acc.is_main_process:
+        return
+    loop.console.print(completions_table(rows, f"completions at step {step}", c.num_completions_to_print))
+    append_completions(c.output_dir, rows)
+    completions_to_trackers(acc.trackers, rows, step)
+
+# %% ../nbs/05h_trl.ipynb #7b2d9e41
+# the seed's (TRL ≤ 0.21, PPO) name -> TRL 1.16's
+_TRL_RENAMED = {"lr": "learning_rate"}
+_RLOO_ALIASES = {
+    "reward": "objective/scores",
+    "entropy": "policy/entropy_avg",
+    "clip_ratio/region_mean": "policy/clipfrac_avg",
+}
+
+
+def trl_metric_names(
+    row: dict,  # a step's metrics under the seed's names: TRL's PPO names, `lr`, `eval/…`, and `loss`
+    # "ppo": TRL's PPO names (no `loss`); "trl": TRL 1.16's (`learning_rate`, `eval_…`); "both": the seed's
+    # and TRL 1.16's
+    style: str,
+) -> dict:  # the row a dashboard of that TRL version reads
+    """A logged row under the names TRL's trainers use: PPO keeps TRL's PPO names, GRPO takes TRL 1.16's, RLOO
+    logs both (TRL ≤ 0.21's and 1.16's)."""
+    if style == "ppo":
+        return {k: v for k, v in row.items() if k != "loss"}
+    renamed = {_TRL_RENAMED.get(k, k.replace("eval/", "eval_", 1)): v for k, v in row.items()}
+    if style == "trl":
+        return renamed
+    return {**row, **renamed, **{new: row[old] for new, old in _RLOO_ALIASES.items() if old in row}}
+
+# %% ../nbs/05h_trl.ipynb #12fcc99f
+def trl_arguments(
+    trainer: type,  # the trainer's class, for messages
+    model,  # the `model` argument as given
+    ref_model,  # the `ref_model` argument as given
+    given: dict,  # `args`, `processing_class`, `reward_funcs` as given
+    renamed: dict,  # the other keywords: old names (config=, tokenizer=, reward_model=) or mistakes
+) -> dict:  # `given`, the old names moved to the new
+    """The on-policy trainers' argument orders of our old API and of TRL's GRPO refused with the fix, then every
+    trainer's check (`trainer_arguments`)."""
+    name = trainer.__name__
+    if isinstance(model, TrainingConfig):
+        raise TypeError(
+            f"{name}(model, ref_model=None, args=None, processing_class=None, train_dataset=None, "
+            f"eval_dataset=None, "
+            f"reward_funcs=None, peft_config=None, callbacks=None): the config goes in `args=`, "
+            f"not first"
+        )
+    if ref_model is not None and (
+        not isinstance(ref_model, nn.Module) or isinstance(ref_model, (RewardModel, WeightedReward))
+    ):
+        raise TypeError(
+            f"{name}'s second argument is `ref_model` (a model or None), got a {type(ref_model).__name__}: "
+            "rewards go in reward_funcs=..."
+        )
+    return trainer_arguments(trainer, given, renamed)

@@ -261,7 +261,7 @@ def test_bf16_reference_copy_in_half_precision_gives_the_same_run(arch, tokenize
     """Under bf16 mixed precision the trainer's own reference copy, and a reward model it loads from a path, hold
     their linear layers in bf16 (`half_linears`): every logged number is the one the float32 models give, and
     the first KL is exactly 0."""
-    from instruct_goose import onpolicy
+    from instruct_goose import engine
 
     RewardModel(tiny_causal_lm(tokenizer, arch=arch, seed=1), tokenizer).save_pretrained(tmp_path / "rm")
 
@@ -300,7 +300,7 @@ def test_bf16_reference_copy_in_half_precision_gives_the_same_run(arch, tokenize
             for n, p in made_here.named_parameters()
             if "embed" in n or "wte" in n or "norm" in n or "ln_" in n
         } == {torch.float32}
-    monkeypatch.setattr(onpolicy, "half_linears", lambda model, dtype: 0)  # the float32 models
+    monkeypatch.setattr(engine, "half_linears", lambda model, dtype: 0)  # the float32 models
     full, full_rows = run(tmp_path / "full")
     assert {p.dtype for p in full.ref_model.parameters()} | {
         p.dtype for p in full.reward_model.models[0].parameters()

@@ -17,7 +17,7 @@ and a piece's rows get their own numbers whatever piece they are in. Both are de
 import pytest
 import torch
 
-import instruct_goose.onpolicy as onpolicy
+import instruct_goose.engine as engine
 import instruct_goose.rollout as rollout
 from instruct_goose import Agent, task_tokenizer
 
@@ -133,8 +133,8 @@ def test_one_micro_batch_keeps_its_order(tokenizer, tmp_path, monkeypatch):
     """A minibatch that is one micro-batch is the whole rollout in order: the rollout's pass with gradients is
     reused for it (`first_pass`)."""
     cuts = []
-    minibatches = onpolicy.minibatches
-    monkeypatch.setattr(onpolicy, "minibatches", lambda *args: cuts.append(minibatches(*args)) or cuts[-1])
+    minibatches = engine.minibatches
+    monkeypatch.setattr(engine, "minibatches", lambda *args: cuts.append(minibatches(*args)) or cuts[-1])
     make("grpo", "llama", tokenizer, tmp_path, False).train()
     assert cuts and all(
         [[rows.tolist() for rows in mb] for mb in cut] == [[list(range(len(cut[0][0])))]] for cut in cuts

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from instruct_goose import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, load_task
-from instruct_goose import onpolicy
+from instruct_goose import engine
 from instruct_goose.agent import response_logits
 from instruct_goose.grpo import _LOSS_TYPES
 from instruct_goose.loop import TrainLoop
@@ -90,8 +90,8 @@ def test_each_step_gradient_is_its_rows_as_one_batch(policy_dir, tmp_path, monke
     )
     assert trainer.args.num_mini_batches == 2 and trainer.args.rollout_size == 8
     cuts, rollouts, diffs = [], [], []
-    minibatches = onpolicy.minibatches
-    monkeypatch.setattr(onpolicy, "minibatches", lambda *a: cuts.append(minibatches(*a)) or cuts[-1])
+    minibatches = engine.minibatches
+    monkeypatch.setattr(engine, "minibatches", lambda *a: cuts.append(minibatches(*a)) or cuts[-1])
     update = type(trainer).update
     trainer.update = lambda model, rollout, loop: (
         rollouts.append(rollout) or update(trainer, model, rollout, loop)
