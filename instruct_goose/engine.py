@@ -40,17 +40,30 @@ class OnPolicyEngine:
     # that micro-batch's pass too (`first_pass`); False: a separate no-grad pass
     keeps_first_pass: bool = True
 
-    # What each algorithm supplies (the rest of the loop is shared):
+    # the loss's own pass stands in for π_old (GRPO with μ = 1): no rollout pass to keep
+    reuses_current_logprobs: bool = False
+
     def sample_rollout(
         self,
-        model: nn.Module,
-        rows: dict | list,
-        seed: int | None = None,
-        first_row: int = 0,
-        loop: TrainLoop | None = None,
-    ) -> tuple:
-        """Sample for `rows` (`dataset[indices]`: "prompt" and the other columns, or a list of prompts), score,
-        and compute everything the update needs once: (the algorithm's rollout, the `Samples`)."""
+        model: nn.Module,  # the policy being trained (PPO: the `Agent`)
+        rows: dict | list,  # `dataset[indices]` ("prompt" and the other columns), or a list of prompts
+        seed: int | None = None,  # the step's sampling seed
+        first_row: int = 0,  # the global index of this process's first row
+        loop: TrainLoop | None = None,  # the run's loop (None: outside training, no pass kept)
+    ) -> tuple:  # (the algorithm's rollout, carrying the kept pass in `kept`, the `Samples`)
+        """Steps 2 and 3 of `train`: sample and score (`sample_rows`), the policy's pass kept for the update
+        (`first_pass`), then the algorithm's passes and rollout math (`rollout_from`), all without gradients
+        but the kept pass."""
+        samples = self.sample_rows(model, rows, seed, first_row, loop)
+        kept = self.first_pass(model, samples, loop)
+        rollout = self.rollout_from(model, samples, kept, loop)
+        rollout.kept = kept
+        return rollout, samples
+
+    # What each algorithm supplies (the rest of the loop is shared):
+    def rollout_from(self, model: nn.Module, samples: Samples, kept, loop: TrainLoop | None):
+        """The algorithm's rollout from the step's samples: its π_old and π_ref passes (π_old read from `kept`,
+        the pass `first_pass` made, when there is one) and what its update needs, computed once."""
         raise NotImplementedError
 
     def loss_units(self, part, draw: int) -> dict[str, Tensor]:
@@ -119,8 +132,7 @@ def train(
         while loop.state.step < steps:
             start = time.perf_counter()
             loop.fire("on_step_begin")
-            # 1. this process's share of the step's prompts; sample and score responses, compute the rollout
-            # (no gradients)
+            # 1. this process's rows of the step
             rows = step_rows(
                 len(self.train_dataset),
                 prompts_per_step,
@@ -130,7 +142,8 @@ def train(
                 procs,
                 c.shuffle_dataset,
             )
-            # π_old in the update's precision; ZeRO-3: whole weights
+            # 2. sample and score, 3. the kept first pass, the π_old and π_ref passes, the algorithm's rollout
+            # math (`sample_rollout`); in the update's precision, ZeRO-3: whole weights
             with loop.accelerator.autocast(), loop.gathered_for_generation():
                 rollout, samples = self.sample_rollout(
                     model,
@@ -140,36 +153,14 @@ def train(
                     rank * c.rollout_size,
                     loop,
                 )
-            # rewards/<name>/mean, /std over every process's completions, as TRL gathers them
-            reward_stats = self.reward_model.stats(
-                loop.accelerator.gather(samples.reward_scores.to(loop.device).T.contiguous()).T
-            )
-            # 2. K epochs of minibatch updates; statistics averaged over processes
-            stats = {**self.rollout_stats(rollout), **reward_stats, **self.update(model, rollout, loop)}
-            # NCCL all-reduces no CPU tensor
+            # 4. epochs × minibatches × micro-batches of forward, loss, accumulate, optimizer step (`update`)
             stats = {
-                k: loop.accelerator.reduce(v.to(loop.device), reduction="mean") for k, v in stats.items()
+                **self.rollout_stats(rollout),
+                **self.reward_stats(samples, loop),
+                **self.update(model, rollout, loop),
             }
-            # TRL's: prompts and completions, every process
-            stats["num_tokens"] = loop.count_tokens(
-                samples.query_attention_mask.sum() + samples.response_mask.sum()
-            )
-            if samples.tool_calls is not None:
-                stats.update(tool_stats(samples.tool_calls, samples.tool_failures, loop.accelerator))
-            # 3. the KL controller, then logs, sample tables and checkpoints
-            if "objective/kl" in stats:
-                self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
-            loop.state.step += 1
-            progress.update(1)
-            # every `eval_steps`, ranked (`note_evaluation`)
-            stats.update(loop.evaluate_if_due(evaluate, c.eval_steps, loop.state.step == steps))
-            self.report(
-                loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress
-            )
-            # `log_completions`: the step's table (`TRLOptions`)
-            log_completions(c, loop, rollout, samples, self.reward_model.names)
-            # the last step, or a callback's `control.should_training_stop`
-            if loop.end_step(loop.state.step == steps):
+            # 5. statistics over processes, the KL controller, evaluation, logs, checkpoints (`finish_step`)
+            if self.finish_step(loop, stats, rollout, samples, steps, start, evaluate, progress):
                 break
     # an exception must not leave our Ctrl-C handler, nor glibc's settings
     finally:
@@ -201,6 +192,51 @@ def check_ready(self: OnPolicyEngine):
             f"gradient_accumulation_steps × num_mini_batches) is not a multiple of "
             f"{self.samples_per_prompt} per prompt"
         )
+
+# %% ../nbs/08a_engine.ipynb #8a0e0009
+@patch
+def reward_stats(
+    self: OnPolicyEngine,
+    samples: Samples,  # the step's samples: each reward function's scores
+    loop: TrainLoop,  # the run's loop
+) -> dict[str, Tensor]:  # rewards/<name>/mean, /std
+    "Each reward function's mean and spread over every process's completions, as TRL gathers them."
+    return self.reward_model.stats(
+        loop.accelerator.gather(samples.reward_scores.to(loop.device).T.contiguous()).T
+    )
+
+# %% ../nbs/08a_engine.ipynb #8a0e000b
+@patch
+def finish_step(
+    self: OnPolicyEngine,
+    loop: TrainLoop,  # the run's loop
+    stats: dict,  # the step's statistics on this process (`rollout_stats`, `reward_stats`, `update`)
+    rollout,  # the step's rollout
+    samples: Samples,  # the step's samples
+    steps: int,  # training steps in the run
+    start: float,  # when the step began (`time.perf_counter`)
+    evaluate=None,  # evaluates the policy on `eval_dataset` (None: no held-out prompts)
+    progress=None,  # the progress bar
+) -> bool:  # True when training stops: the last step, or a callback's `control.should_training_stop`
+    """Step 5 of `train`: the statistics averaged over processes (with TRL's token and tool counts), the KL
+    controller, evaluation when due, logs and sample tables (`report`, `log_completions`), checkpoints."""
+    c, acc, procs = self.args, loop.accelerator, loop.accelerator.num_processes
+    # NCCL all-reduces no CPU tensor
+    stats = {k: acc.reduce(v.to(loop.device), reduction="mean") for k, v in stats.items()}
+    # TRL's: prompts and completions, every process
+    stats["num_tokens"] = loop.count_tokens(samples.query_attention_mask.sum() + samples.response_mask.sum())
+    if samples.tool_calls is not None:
+        stats.update(tool_stats(samples.tool_calls, samples.tool_failures, acc))
+    if "objective/kl" in stats:
+        self.kl_ctl.update(stats["objective/kl"], n_steps=len(rollout) * procs)
+    loop.state.step += 1
+    progress.update(1)
+    # every `eval_steps`, ranked (`note_evaluation`)
+    stats.update(loop.evaluate_if_due(evaluate, c.eval_steps, loop.state.step == steps))
+    self.report(loop, stats, samples, len(rollout) * procs / (time.perf_counter() - start), steps, progress)
+    # `log_completions`: the step's table (`TRLOptions`)
+    log_completions(c, loop, rollout, samples, self.reward_model.names)
+    return loop.end_step(loop.state.step == steps)
 
 # %% ../nbs/08a_engine.ipynb #0a6d5e12
 @patch
@@ -322,6 +358,7 @@ def first_pass(
     c = self.args
     if not (
         self.keeps_first_pass
+        and not self.reuses_current_logprobs
         and loop is not None
         and c.num_mini_batches == 1
         and c.gradient_accumulation_steps == 1

@@ -24,7 +24,7 @@ from .losses import AdaptiveEntropyController, kl_penalty
 from .completions import completion_stats
 from .rollout import RowBatch, Samples, chunked, logprobs_in_chunks
 from .agent import TokenBatch, forward
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions
 from .trl_names import GRPONotYet, refuse_unsupported, refused_fields
 from .tools import ToolConfig
 
@@ -489,19 +489,10 @@ class GRPOTrainer(OnPolicyTrainer):
         )
 
     @torch.no_grad()
-    def sample_rollout(
-        self,
-        policy: nn.Module,  # the causal LM that samples
-        # this process's rows for the step (`dataset[indices]`), or a list of prompts
-        rows: dict | list,
-        seed: int | None = None,  # the step's sampling seed
-        first_row: int = 0,  # the global index of this process's first completion
-        loop: TrainLoop | None = None,  # the run's loop (device, processes)
-    ) -> tuple[GRPORollout, Samples]:
-        """Sample G completions per prompt in one batched call (each carrying its row's columns to the reward),
-        score them, and compute advantages (and log-probabilities where needed)."""
+    def rollout_from(self, policy: nn.Module, x: Samples, kept, loop: TrainLoop | None = None) -> GRPORollout:
+        """π_θold (from the kept pass or the loss's own, else chunked), π_ref's log-probabilities where the KL needs
+        them, and the advantages of the G completions per prompt."""
         c = self.args
-        x = self.sample_and_score(policy, prompt_columns(rows, c.num_generations), seed, first_row, loop)
         inputs = (
             x.query_ids,
             x.query_attention_mask,
@@ -513,7 +504,7 @@ class GRPOTrainer(OnPolicyTrainer):
         )
         zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
         # π_θold: the loss's own pass (detached), the kept pass, or its own
-        kept, logprobs, entropy = self.old_pass(policy, x, loop)
+        logprobs, entropy = self.old_pass(policy, x, kept)
         ref_logprobs = zeros
         if self.ref_model is not None:
             with self.on_device(self.ref_model, None if loop is None else loop.device) as ref:
@@ -540,8 +531,7 @@ class GRPOTrainer(OnPolicyTrainer):
             logprobs,
             ref_logprobs,
             *self.entropy_control(entropy, loss_mask, loop),
-            kept,
-        ), x
+        )
 
     def micro_batch_loss(
         self,
@@ -659,23 +649,19 @@ def old_pass(
     self: GRPOTrainer,
     policy: nn.Module,  # the causal LM that sampled
     x: Samples,  # the rollout's prompts and completions
-    loop: TrainLoop | None = None,  # the run's loop (None: outside training, nothing kept)
-    # (the kept pass or None, log π_θold (zeros when the loss's own pass stands in, μ = 1), π_θold's entropy
-    # per
-    # token or None)
+    kept=None,  # the policy's pass `first_pass` kept for the update, or None
+    # (log π_θold (zeros when the loss's own pass stands in, μ = 1), π_θold's entropy per token or None)
 ) -> tuple:
     """π_θold's log-probabilities and, when entropy control needs it, its entropy per token: from the kept pass
     (`first_pass`), else one chunked no-grad pass for both."""
     c = self.args
     needs_entropy = c.top_entropy_quantile < 1 or c.use_adaptive_entropy
-    kept = None if self.reuses_current_logprobs else self.first_pass(policy, x, loop)
     if kept is not None:
-        return kept, kept[0].detach(), kept[1].detach() if needs_entropy else None
+        return kept[0].detach(), kept[1].detach() if needs_entropy else None
     zeros = torch.zeros_like(x.response_mask, dtype=torch.float32)
     inputs = (x.query_ids, x.query_attention_mask, x.response_ids, x.response_mask)
     if not needs_entropy:
         return (
-            None,
             zeros
             if self.reuses_current_logprobs
             else logprobs_in_chunks(
@@ -693,7 +679,7 @@ def old_pass(
         responses=True,
         by_prompt=c.plan.shares_prompts,
     )
-    return None, zeros if self.reuses_current_logprobs else logprobs, entropy
+    return zeros if self.reuses_current_logprobs else logprobs, entropy
 
 # %% ../nbs/09b_grpo.ipynb #a7b8c9d0
 @patch(as_prop=True)

@@ -7,7 +7,7 @@ __all__ = ['PPOConfig', 'PPOTrainer', 'RLHFConfig', 'Rollout', 'objective_stats'
 
 # %% ../nbs/08b_ppo.ipynb #a3f2750d
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from fastcore.basics import patch
@@ -191,18 +191,9 @@ class RLHFTrainer(OnPolicyTrainer):
             raise ValueError("`ptx_coef` > 0 needs a `pretrain_dataset`")
 
     @torch.no_grad()
-    def sample_rollout(
-        self,
-        agent: Agent,
-        rows: dict | list,
-        seed: int | None = None,
-        first_row: int = 0,
-        loop: TrainLoop | None = None,
-    ) -> tuple[Rollout, Samples]:
-        """Sample and score a response per prompt, then the agent's log-probabilities and values (kept for the
-        update by `first_pass`, else chunked) and `make_rollout`."""
-        c, x = self.args, self.sample_and_score(agent.model, rows, seed, first_row, loop)
-        stats = kept = self.first_pass(agent, x, loop)
+    def rollout_from(self, agent: Agent, x: Samples, kept, loop: TrainLoop | None = None) -> Rollout:
+        """The agent's log-probabilities and values (from the kept pass, else chunked) and `make_rollout`."""
+        c, stats = self.args, kept
         if stats is None:
             stats = chunked(
                 lambda q, m, r, rm: agent.response_stats(q, m, r, rm, c.temperature, "skip", plan=c.plan),
@@ -224,7 +215,7 @@ class RLHFTrainer(OnPolicyTrainer):
             stats.values.detach(),
             loop,
         )
-        return replace(rollout, kept=kept), x
+        return rollout
 
     def loss_units(self, part: Rollout, draw: int) -> dict[str, Tensor]:
         """PPO's terms are means over the response tokens; PPO-ptx's over the predicted tokens of its pretraining

@@ -20,7 +20,7 @@ from .completions import completion_stats
 from .loop import TrainLoop
 from .losses import compute_gae, compute_rewards, rloo_advantages
 from .rollout import RowBatch, Samples, logprobs_in_chunks
-from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions, prompt_columns
+from .onpolicy import OnPolicyConfig, OnPolicyTrainer, PolicyPass, TRLOptions
 from .trl_names import TRLNotYet, refuse_unsupported, refused_fields
 from .tools import ToolConfig
 
@@ -148,19 +148,10 @@ class RLOOTrainer(OnPolicyTrainer):
         return self.args.num_generations
 
     @torch.no_grad()
-    def sample_rollout(
-        self,
-        policy: nn.Module,
-        rows: dict | list,
-        seed: int | None = None,
-        first_row: int = 0,
-        loop: TrainLoop | None = None,
-    ) -> tuple[RLOORollout, Samples]:
-        """Sample k responses per prompt in one batched call (each carrying its row's columns to the reward),
-        score them, and compute log-probabilities (from the pass `first_pass` keeps for the update, else
-        chunked) and advantages."""
+    def rollout_from(self, policy: nn.Module, x: Samples, kept, loop: TrainLoop | None = None) -> RLOORollout:
+        """Log-probabilities of the k responses per prompt (from the kept pass, else chunked), π_ref's, and the
+        advantages."""
         c = self.args
-        x = self.sample_and_score(policy, prompt_columns(rows, c.num_generations), seed, first_row, loop)
         inputs = (
             x.query_ids,
             x.query_attention_mask,
@@ -170,7 +161,6 @@ class RLOOTrainer(OnPolicyTrainer):
             c.local_rollout_forward_batch_size,
             c.plan,
         )
-        kept = self.first_pass(policy, x, loop)
         logprobs = logprobs_in_chunks(policy, *inputs) if kept is None else kept[0].detach()
         with self.on_device(self.ref_model, None if loop is None else loop.device) as ref:
             ref_logprobs = logprobs_in_chunks(ref, *inputs)
@@ -195,8 +185,7 @@ class RLOOTrainer(OnPolicyTrainer):
             rlhf_reward,
             advantages,
             loss_mask,
-            kept,
-        ), x
+        )
 
     def loss_units(self, part: RLOORollout, draw: int) -> dict[str, Tensor]:
         "The surrogate is a mean over sequences (over tokens with `token_level_kl`)."
