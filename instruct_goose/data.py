@@ -163,7 +163,7 @@ def as_dataset(
 _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def _read_source(source: str, split: str) -> Dataset:
+def _read_source(source: str, split: str, config: str | None) -> Dataset:
     path = Path(source).expanduser()
     if path.is_dir() and any(
         (path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json", "state.json")
@@ -176,10 +176,12 @@ def _read_source(source: str, split: str) -> Dataset:
         return data
     if path.is_file() and path.suffix.lower() in _FORMATS:
         return load_dataset(_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+    if path.is_dir():  # a folder of data files (train.jsonl, data/*.parquet, ...): `load_dataset(folder)`
+        return load_dataset(str(path), name=config, split=split)
     if path.suffix.lower() in _FORMATS or source.startswith((".", "/", "~")):
         raise FileNotFoundError(f"{source!r} does not exist")
     try:
-        return load_dataset(source, split=split)  # a folder of data files, or a 🤗 Hub name
+        return load_dataset(source, name=config, split=split)  # a 🤗 Hub name
     except Exception as e:
         raise FileNotFoundError(
             f"{source!r} is no local .json/.jsonl/.csv/.parquet file or saved dataset, and loading it "
@@ -188,14 +190,16 @@ def _read_source(source: str, split: str) -> Dataset:
 
 # %% ../nbs/02_data.ipynb #e0508529
 def read_dataset(
-    # a .json/.jsonl/.csv/.parquet file, a `save_to_disk` folder, or a 🤗 Hub name
+    # a .json/.jsonl/.csv/.parquet file, a `save_to_disk` folder, a folder of data files, or a 🤗 Hub name
     source: str,
-    split: str = "train",  # the split of a Hub dataset or a saved `DatasetDict`
+    split: str = "train",  # the split of a Hub dataset, a folder of data files or a saved `DatasetDict`
     columns: dict[str, str] | None = None,  # columns to rename, {old: new}, e.g. {"question": "prompt"}
+    config: str
+    | None = None,  # the configuration of a Hub dataset (`load_dataset`'s `name`; TRL's dataset_config)
 ) -> Dataset:  # the rows, columns renamed
     """A 🤗 `Dataset` from a local file or folder or the Hub, columns renamed; a missing path or column is an
     error naming it."""
-    data = _read_source(source, split)
+    data = _read_source(source, split, config)
     missing = sorted(set(columns or {}) - set(data.column_names))
     if missing:
         raise ValueError(
