@@ -136,6 +136,9 @@ class TrainLoop(Resuming, Checkpointing, Optimizing, Stepping, Signals, FindsBat
     # whether `begin` told glibc to keep freed memory (`keep_freed_cpu_memory`), until `leave`
     holds_freed_memory: bool = False
     started: float | None = None  # `time.perf_counter()` when `begin` ran
+    # `time.perf_counter()` when the step under way began (`on_step_begin`), None between steps
+    step_started: float | None = None
+    eval_seconds: float = 0.0  # seconds the step under way spent evaluating, left out of its `step_time`
     train_runtime: float = 0.0  # seconds from `begin` to `end` (🤗's `train_runtime`)
 
     def begin(
@@ -238,6 +241,7 @@ class TrainLoop(Resuming, Checkpointing, Optimizing, Stepping, Signals, FindsBat
         """Call once a step is done: `on_step_end`; a checkpoint every `save_steps` ("best": at a new best
         evaluation); after a SIGINT/SIGTERM, a checkpoint and the model, then `TrainingInterrupted`."""
         c = self.config
+        self.step_started = None
         self.fire("on_step_end")
         signalled, asked = self._stops_requested()
         if not last and signalled:
@@ -301,7 +305,9 @@ class TrainLoop(Resuming, Checkpointing, Optimizing, Stepping, Signals, FindsBat
         every = self.every(self.config.eval_strategy, eval_steps)
         if evaluate is None or every is None or not (last or (every and self.state.step % every == 0)):
             return {}
+        started = time.perf_counter()
         evals = evaluate()
+        self.eval_seconds += time.perf_counter() - started
         self.fire("on_evaluate", metrics=evals)
         self.note_evaluation(evals)
         return evals
@@ -377,6 +383,8 @@ def fire(
 ) -> TrainerControl:  # the control after every callback had its say
     """Call `event` on every callback with 🤗's arguments (args, state, control, model=, processing_class=,
     optimizer=, lr_scheduler=)."""
+    if event == "on_step_begin":  # the step's clock (`step_time`)
+        self.step_started, self.eval_seconds = time.perf_counter(), 0.0
     s = self.trainer_state
     s.global_step, s.log_history = self.state.step, self.state.history
     if self.steps_per_epoch:
@@ -416,8 +424,8 @@ def _plain(value):
 # %% ../nbs/05_loop.ipynb #03a2143e
 @patch
 def log(self: TrainLoop, metrics: dict, progress=None):
-    """Record `metrics` at the current step: history, `metrics.jsonl`, tracker, progress bar, and a printed line
-    when no bar is shown."""
+    """Record `metrics` at the current step, with TRL's `step_time` inside a step: history, `metrics.jsonl`,
+    tracker, progress bar, and a printed line when no bar is shown."""
     c = self.config
     default_episode = (
         self.state.step
@@ -426,6 +434,8 @@ def log(self: TrainLoop, metrics: dict, progress=None):
         * self.accelerator.num_processes
     )
     row = {"step": self.state.step, "episode": default_episode, **{k: _plain(v) for k, v in metrics.items()}}
+    if self.step_started is not None:  # TRL's `step_time`: the step's seconds, its evaluation left out
+        row["step_time"] = time.perf_counter() - self.step_started - self.eval_seconds
     self.state.history.append(row)
     self.accelerator.log(row, step=self.state.step)
     self.fire("on_log", logs=row)
