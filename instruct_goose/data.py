@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['pad_id', 'pad_rows', 'pad_to_multiple', 'encode_prompts', 'check_left_padded', 'warn_cut_prompts', 'encode_sft',
-           'as_dataset', 'read_dataset', 'is_conversational', 'apply_chat', 'prompt_text', 'chat_spans', 'encode_chat',
-           'split_prompt', 'render_chat', 'preference_dataset']
+           'as_dataset', 'as_datasets', 'read_dataset', 'is_conversational', 'apply_chat', 'prompt_text', 'chat_spans',
+           'encode_chat', 'split_prompt', 'render_chat', 'preference_dataset']
 
 # %% ../nbs/02_data.ipynb #cc9c41f3
 import warnings
@@ -158,6 +158,23 @@ def as_dataset(
             f"`{name}` needs the columns {' or '.join(map(str, columns))}; it has {data.column_names}{hint}"
         )
     return data
+
+# %% ../nbs/02_data.ipynb #db19ed82
+def as_datasets(
+    data,  # None, a 🤗 Dataset or list of dicts, or a dict of them (a `DatasetDict` too): {name: data}
+    name: str,  # the argument's name, for messages
+    columns: list[tuple[str, ...]],  # accepted column sets (`as_dataset`)
+    prepare=None,  # data -> data, run on each set before it is checked; None: as it is
+) -> Dataset | dict[str, Dataset] | None:  # `as_dataset` of `data`, or a dict of them, None for None
+    "`as_dataset` on `data`, or on each set of a dict of them (🤗's several eval sets), each named in messages."
+    prepare = prepare or (lambda d: d)
+    if data is None:
+        return None
+    if isinstance(data, dict):
+        if not data:
+            raise ValueError(f"`{name}` is an empty dict: give at least one dataset")
+        return {k: as_dataset(prepare(d), f"{name}[{k!r}]", columns) for k, d in data.items()}
+    return as_dataset(prepare(data), name, columns)
 
 # %% ../nbs/02_data.ipynb #b544bbcf
 _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
