@@ -1551,21 +1551,15 @@ def eval_records(
     data: Dataset,  # held-out prompts, a "prompt" column and any the reward reads
     model: nn.Module,  # the policy (PPO: the agent), unwrapped
     loop: TrainLoop | None,  # the run's loop: device, processes, precision; None: this process alone
-) -> tuple[
-    list[dict], int
-]:  # (every completion's `evaluate_policy` record in row order, completions per prompt)
+) -> tuple[list[dict], int]:  # (every completion's `evaluate_policy` record in row order, per prompt)
     """`evaluate_policy` on `data` with the training's sampling options, `num_generations_eval` completions per
-    prompt (None: as in training), in chunks of `per_device_eval_batch_size` completions shared round-robin by the
-    processes, each seeded by its first row; every process's records, gathered; the random state left as it
-    was."""
+    prompt (None: as in training), in chunks of at most `per_device_eval_batch_size` completions (whole prompts,
+    one at least) shared round-robin by the processes, each seeded by its first row; every process's records,
+    gathered; the random state left as it was."""
     c, reward = self.args, self.reward_model
     group = c.num_generations_eval or self.samples_per_prompt
-    if c.per_device_eval_batch_size % group:
-        raise ValueError(
-            f"`per_device_eval_batch_size`={c.per_device_eval_batch_size} is not a multiple of the {group} "
-            f"completions per prompt (`num_generations_eval`): set one to fit the other"
-        )
-    size, acc = c.per_device_eval_batch_size // group, PartialState() if loop is None else loop.accelerator
+    size = max(1, c.per_device_eval_batch_size // group)  # prompts per chunk
+    acc = PartialState() if loop is None else loop.accelerator
     device = next(model.parameters()).device if loop is None else loop.device
     temperature = c.temperature if c.eval_temperature is None else c.eval_temperature
     records = []
