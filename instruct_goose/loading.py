@@ -69,11 +69,14 @@ def load_tokenizer(
 ):
     """The trainer's tokenizer: `processing_class` when given, else loaded from `model`'s name or path (at
     `model_init_kwargs`' revision, with `trust_remote_code`) or, for a model object, from the checkpoint it was
-    loaded from (`model.config._name_or_path`, as TRL does); None where there is none to load."""
+    loaded from (`model.config._name_or_path`, as TRL does), or the one it carries (a `RewardModel`'s); None where
+    there is none to load."""
     if processing_class is not None:
         return processing_class
     trust = getattr(args, "trust_remote_code", False)
     if not isinstance(model, (str, os.PathLike)):
+        if getattr(model, "tokenizer", None) is not None:  # a model that reads text itself (a `RewardModel`)
+            return model.tokenizer
         name = getattr(getattr(model, "config", None), "_name_or_path", "")
         if not name or (Path(name).is_dir() and not (Path(name) / "tokenizer_config.json").is_file()):
             return None  # built from a config, or a checkpoint saved without its tokenizer: none to load
