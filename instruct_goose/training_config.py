@@ -33,8 +33,9 @@ _EVAL = (
 )
 _SCRIPT = "a flag of 🤗's example scripts, which 🤗's Trainer does not read either: drop it"
 
-# 🤗 TrainingArguments field -> (the value this library behaves as, why others are not run)
-_HF_NOT_RUN: dict[str, tuple[object, str]] = {
+# 🤗 TrainingArguments field -> (the value this library behaves as, why others are not run): the launcher's and
+# the DataLoader's
+_NOT_RUN_LAUNCH_AND_LOADER: dict[str, tuple[object, str]] = {
     "hub_always_push": (False, "only `hub_strategy`='every_save' reads it, which is not run here ('end' is)"),
     **{
         name: (None, _LAUNCH)
@@ -69,6 +70,12 @@ _HF_NOT_RUN: dict[str, tuple[object, str]] = {
     "length_column_name": ("length", _NO_LOADER),
     "label_names": (None, "the trainers build their own labels"),
     "average_tokens_across_devices": (True, "losses here are always token means over every process's tokens"),
+}
+
+# %% ../nbs/05a_config.ipynb #19facded
+# the rest: evaluation's, compilation's, kernels', logging's, other methods'
+_HF_NOT_RUN: dict[str, tuple[object, str]] = {
+    **_NOT_RUN_LAUNCH_AND_LOADER,
     "eval_delay": (0, _EVAL),
     "prediction_loss_only": (False, _EVAL),
     "eval_do_concat_batches": (True, _EVAL),
@@ -394,8 +401,8 @@ def _check_hub(config):
     "A push once training ends (`hub_strategy`='end'); the strategies that push at each save are refused."
     if config.push_to_hub and config.hub_strategy != "end":
         raise ValueError(
-            f"`hub_strategy`={config.hub_strategy!r} is not supported: it pushes at each checkpoint; set "
-            f"`hub_strategy`='end' (`output_dir` is uploaded once, when training ends)"
+            f"`push_to_hub`=True with `hub_strategy`={config.hub_strategy!r} is not supported: it pushes at each "
+            f"checkpoint; set `hub_strategy`='end' (`output_dir` is uploaded once, when training ends)"
         )
 
 # %% ../nbs/05a_config.ipynb #fbe5afaf
