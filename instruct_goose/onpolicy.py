@@ -1203,7 +1203,7 @@ def report(
     """Log the step's metrics every `logging_steps` (and at the last step, and with evaluation metrics); print a
     table of samples `num_sample_generations` times."""
     c, last = self.args, loop.state.step == steps
-    if loop.logs_at(loop.state.step) or any(k.startswith("eval/") for k in stats):
+    if loop.logs_at(loop.state.step) or any(k.startswith("eval") for k in stats):  # eval/…, eval_<set>…
         eos = loop.accelerator.reduce(
             ((samples.response_ids == self.stop_token_id) & samples.response_mask).sum(), "sum"
         )
