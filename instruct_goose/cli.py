@@ -629,20 +629,8 @@ def load_data(
         return None
     if name == "task":
         return load_task(task_part, split)
-    path = Path(name).expanduser()
     try:
-        if config is None:
-            try:
-                return read_dataset(name, split, _columns(columns))
-            except FileNotFoundError:
-                if not path.is_dir():
-                    raise
-        # a folder of data files (or a Hub name with a configuration): 🤗 datasets' own loader, as TRL's scripts
-        data = datasets.load_dataset(str(path) if path.is_dir() else name, name=config, split=split)
-        renames = _columns(columns) or {}
-        if missing := sorted(set(renames) - set(data.column_names)):
-            raise ValueError(f"{name!r} has no column {missing[0]!r} to rename (it has {data.column_names})")
-        return data.rename_columns(renames) if renames else data
+        return read_dataset(name, split, _columns(columns), config)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"{flag}: {_first_line(e)}") from None
 

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['pad_id', 'pad_rows', 'pad_to_multiple', 'encode_prompts', 'check_left_padded', 'warn_cut_prompts', 'encode_sft',
-           'as_dataset', 'read_dataset', 'is_conversational', 'apply_chat', 'prompt_text', 'chat_spans', 'encode_chat',
-           'split_prompt', 'render_chat', 'preference_dataset']
+           'as_dataset', 'as_datasets', 'read_dataset', 'is_conversational', 'apply_chat', 'prompt_text', 'chat_spans',
+           'encode_chat', 'split_prompt', 'render_chat', 'preference_dataset']
 
 # %% ../nbs/02_data.ipynb #cc9c41f3
 import warnings
@@ -159,11 +159,28 @@ def as_dataset(
         )
     return data
 
+# %% ../nbs/02_data.ipynb #db19ed82
+def as_datasets(
+    data,  # None, a 🤗 Dataset or list of dicts, or a dict of them (a `DatasetDict` too): {name: data}
+    name: str,  # the argument's name, for messages
+    columns: list[tuple[str, ...]],  # accepted column sets (`as_dataset`)
+    prepare=None,  # data -> data, run on each set before it is checked; None: as it is
+) -> Dataset | dict[str, Dataset] | None:  # `as_dataset` of `data`, or a dict of them, None for None
+    "`as_dataset` on `data`, or on each set of a dict of them (🤗's several eval sets), each named in messages."
+    prepare = prepare or (lambda d: d)
+    if data is None:
+        return None
+    if isinstance(data, dict):
+        if not data:
+            raise ValueError(f"`{name}` is an empty dict: give at least one dataset")
+        return {k: as_dataset(prepare(d), f"{name}[{k!r}]", columns) for k, d in data.items()}
+    return as_dataset(prepare(data), name, columns)
+
 # %% ../nbs/02_data.ipynb #b544bbcf
 _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def _read_source(source: str, split: str) -> Dataset:
+def _read_source(source: str, split: str, config: str | None) -> Dataset:
     path = Path(source).expanduser()
     if path.is_dir() and any(
         (path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json", "state.json")
@@ -176,10 +193,12 @@ def _read_source(source: str, split: str) -> Dataset:
         return data
     if path.is_file() and path.suffix.lower() in _FORMATS:
         return load_dataset(_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+    if path.is_dir():  # a folder of data files (train.jsonl, data/*.parquet, ...): `load_dataset(folder)`
+        return load_dataset(str(path), name=config, split=split)
     if path.suffix.lower() in _FORMATS or source.startswith((".", "/", "~")):
         raise FileNotFoundError(f"{source!r} does not exist")
     try:
-        return load_dataset(source, split=split)  # a folder of data files, or a 🤗 Hub name
+        return load_dataset(source, name=config, split=split)  # a 🤗 Hub name
     except Exception as e:
         raise FileNotFoundError(
             f"{source!r} is no local .json/.jsonl/.csv/.parquet file or saved dataset, and loading it "
@@ -188,14 +207,16 @@ def _read_source(source: str, split: str) -> Dataset:
 
 # %% ../nbs/02_data.ipynb #e0508529
 def read_dataset(
-    # a .json/.jsonl/.csv/.parquet file, a `save_to_disk` folder, or a 🤗 Hub name
+    # a .json/.jsonl/.csv/.parquet file, a `save_to_disk` folder, a folder of data files, or a 🤗 Hub name
     source: str,
-    split: str = "train",  # the split of a Hub dataset or a saved `DatasetDict`
+    split: str = "train",  # the split of a Hub dataset, a folder of data files or a saved `DatasetDict`
     columns: dict[str, str] | None = None,  # columns to rename, {old: new}, e.g. {"question": "prompt"}
+    config: str
+    | None = None,  # the configuration of a Hub dataset (`load_dataset`'s `name`; TRL's dataset_config)
 ) -> Dataset:  # the rows, columns renamed
     """A 🤗 `Dataset` from a local file or folder or the Hub, columns renamed; a missing path or column is an
     error naming it."""
-    data = _read_source(source, split)
+    data = _read_source(source, split, config)
     missing = sorted(set(columns or {}) - set(data.column_names))
     if missing:
         raise ValueError(

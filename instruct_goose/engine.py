@@ -126,7 +126,7 @@ def train(
     progress = loop.progress_bar(steps, type(self).__name__.removesuffix("Trainer").lower())
     prompts_per_step = c.rollout_size // self.samples_per_prompt * procs
     # held-out prompts: eval/score, eval/win_rate, eval/kl
-    evaluate = None if self.eval_dataset is None else lambda: self.evaluate(model, loop)
+    evaluate = None if self.eval_dataset is None else lambda: self.evaluate(model=model, loop=loop)
     try:
         loop.evaluate_on_start(evaluate, progress)  # 🤗's `eval_on_start`
         while loop.state.step < steps:
@@ -319,7 +319,7 @@ def report(
     """Log the step's metrics every `logging_steps` (and at the last step, and with evaluation metrics); print a
     table of samples `num_sample_generations` times."""
     c, last = self.args, loop.state.step == steps
-    if loop.logs_at(loop.state.step) or any(k.startswith("eval/") for k in stats):
+    if loop.logs_at(loop.state.step) or any(k.startswith("eval") for k in stats):  # eval/…, eval_<set>…
         eos = loop.accelerator.reduce(
             ((samples.response_ids == self.stop_token_id) & samples.response_mask).sum(), "sum"
         )

@@ -62,20 +62,31 @@ def load_model(
 # %% ../nbs/02c_loading.ipynb #99b31eae
 def load_tokenizer(
     processing_class,  # the tokenizer given to the trainer, or None
-    # the trainer's `model` argument: a name or path lets the tokenizer be loaded from it
+    # the trainer's `model` argument: its name or path, or its `config._name_or_path`, loads the tokenizer
     model,
     # the trainer's config: its `trust_remote_code` and `model_init_kwargs`' revision (None: 🤗's defaults)
     args=None,
 ):
     """The trainer's tokenizer: `processing_class` when given, else loaded from `model`'s name or path (at
-    `model_init_kwargs`' revision, with `trust_remote_code`), else None."""
-    if processing_class is not None or not isinstance(model, (str, os.PathLike)):
+    `model_init_kwargs`' revision, with `trust_remote_code`) or, for a model object, from the checkpoint it was
+    loaded from (`model.config._name_or_path`, as TRL does), or the one it carries (a `RewardModel`'s); None where
+    there is none to load."""
+    if processing_class is not None:
         return processing_class
+    trust = getattr(args, "trust_remote_code", False)
+    if not isinstance(model, (str, os.PathLike)):
+        if getattr(model, "tokenizer", None) is not None:  # a model that reads text itself (a `RewardModel`)
+            return model.tokenizer
+        name = getattr(getattr(model, "config", None), "_name_or_path", "")
+        if not name or (Path(name).is_dir() and not (Path(name) / "tokenizer_config.json").is_file()):
+            return None  # built from a config, or a checkpoint saved without its tokenizer: none to load
+        try:
+            return AutoTokenizer.from_pretrained(name, trust_remote_code=trust)
+        except OSError:  # a Hub name that cannot be reached
+            return None
     revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
     return AutoTokenizer.from_pretrained(
-        model,
-        trust_remote_code=getattr(args, "trust_remote_code", False),
-        **({"revision": revision} if revision else {}),
+        model, trust_remote_code=trust, **({"revision": revision} if revision else {})
     )
 
 # %% ../nbs/02c_loading.ipynb #66c1a5b1

@@ -6,13 +6,16 @@
 __all__ = ['frozen_reference', 'PolicyPass', 'OnPolicyTrainer', 'prompt_columns', 'prompt_budget', 'evaluate_policy']
 
 # %% ../nbs/08_onpolicy.ipynb #2a44eff2
-import os
+import math, os, time
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
 from datasets import Dataset
 from fastcore.basics import patch
 from torch import Tensor, nn
+from accelerate import PartialState
+from accelerate.utils import gather_object
 
 from instruct_goose.agent import (
     TokenBatch,
@@ -28,11 +31,12 @@ from instruct_goose.agent import (
 )
 from .loading import is_peft, load_model, load_tokenizer, with_peft
 from .generation import generate_responses
-from .data import as_dataset, encode_prompts, prompt_text, warn_cut_prompts
+from .data import as_datasets, encode_prompts, prompt_text, warn_cut_prompts
 from .reward import reward_from
 from .core import check_number, masked_sum
 from .loop import TrainLoop, as_callbacks
 from .trainer import Trainer
+from transformers.trainer_utils import speed_metrics
 from .levers import fuse_activations
 from .losses import FixedKLController
 from .rollout import Samples, chunked
@@ -146,9 +150,8 @@ class OnPolicyTrainer(OnPolicyEngine, Trainer):
             )
         )
         self.train_dataset, self.eval_dataset = (
-            None
-            if d is None
-            else as_dataset(_prompts_from_ids(d, self.processing_class), name, [("prompt",)])
+            # 🤗's several eval sets: a dict of them
+            as_datasets(d, name, [("prompt",)], lambda d: _prompts_from_ids(d, self.processing_class))
             for d, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset"))
         )
         self.callbacks, self.kl_ctl = as_callbacks(callbacks), FixedKLController(self.args.kl_coef)
@@ -396,7 +399,8 @@ def check_prompt_lengths(self: OnPolicyTrainer):
     c, tok = self.args, self.processing_class
     length = setting_name(c, "response_length")
     budget = prompt_budget(self.model, c.max_prompt_length, c.response_length, length)
-    for data in (self.train_dataset, self.eval_dataset):
+    evals = self.eval_dataset
+    for data in (self.train_dataset, *(evals.values() if isinstance(evals, dict) else [evals])):
         if data is None:
             continue
         prompts = data["prompt"] if isinstance(data, Dataset) else [row["prompt"] for row in data]
@@ -496,7 +500,8 @@ def evaluate_policy(
     # when greedy
     sampling: dict | None = None,
 ) -> tuple[dict, list[dict]]:  # (metrics, one record per prompt)
-    "Reward, gold score, win rates (ties ½) and KL of a policy against its reference, on held-out prompts."
+    """Reward, gold score, win rates (ties ½) and KL of a policy against its reference, on held-out prompts; each
+    record holds the texts, scores, KL, and the policy's response length and whether it ended."""
     model = policy.model if isinstance(policy, Agent) else policy
     texts = [prompt_text(tokenizer, p, **(chat_template_kwargs or {})) for p in prompts]
     # as training cuts them: within the context
@@ -515,6 +520,10 @@ def evaluate_policy(
         sampling,
     )
     records = [{"prompt": t, **{name: samples[name][2][i] for name in models}} for i, t in enumerate(texts)]
+    ids, mask = samples["policy"][:2]
+    ended = ((ids == (tokenizer.eos_token_id if stop_token_id is None else stop_token_id)) & mask).any(1)
+    for rec, n, e in zip(records, mask.sum(1).tolist(), ended.tolist()):
+        rec["length"], rec["terminated"] = n, e  # the policy's response: its tokens, whether it ended
     metrics = {}
     if ref_model is not None:
         kl = _response_kl(model, ref_model, q_ids, q_mask, *samples["policy"][:2], temperature or 1.0)
@@ -524,7 +533,19 @@ def evaluate_policy(
     for label, scorer in (("reward", reward), ("gold", gold)):
         if scorer is None:
             continue
-        scores = {name: reward_from(scorer)(prompts, samples[name][2], **(columns or {})) for name in models}
+        scorer, each = reward_from(scorer), {}
+        for name in models:  # several rewards: each one's scores too (the policy's in its records' `rewards`)
+            if hasattr(scorer, "each"):
+                each[name] = scorer.each(prompts, samples[name][2], **(columns or {}))
+        scores = {
+            name: scorer.combine(each[name])
+            if name in each
+            else scorer(prompts, samples[name][2], **(columns or {}))
+            for name in models
+        }
+        if label == "reward" and "policy" in each:
+            for rec, row in zip(records, each["policy"].T.tolist()):
+                rec["rewards"] = row
         metrics.update(_score_metrics(f"eval/{label}", scores))
         for name, s in scores.items():
             for rec, x in zip(records, s.tolist()):
@@ -536,33 +557,77 @@ def evaluate_policy(
 @torch.no_grad()
 def evaluate(
     self: OnPolicyTrainer,
-    model: nn.Module,  # the policy being trained, unwrapped (PPO: the agent)
-    loop: TrainLoop,  # the run's loop: device and processes
-    # eval/score, and with a reference eval/score_ref, eval/win_rate, eval/kl: means over all prompts
-) -> dict[str, float]:
-    """`evaluate_policy` on `eval_dataset` with the training's sampling options, `num_generations_eval`
-    completions per prompt (None: as in training), in chunks of `local_rollout_forward_batch_size` prompts
-    shared round-robin by the processes, each seeded by its first row; the random state is left as it was."""
-    c, acc, data = self.args, loop.accelerator, self.eval_dataset
-    size, reward, totals = (
-        c.local_rollout_forward_batch_size,
-        self.reward_model,
-        torch.zeros(5, device=loop.device),
+    # held-out prompts as `eval_dataset` takes them, or a dict of such sets (each evaluated under its name);
+    # None: the trainer's `eval_dataset`
+    eval_dataset=None,
+    # 🤗's: model outputs left out of gathered predictions; the on-policy trainers gather none: None only
+    ignore_keys: list[str] | None = None,
+    # the metrics' prefix (`eval_reward`, `eval/score`); a dict's sets: `<prefix>_<name>` (`eval_data1_reward`)
+    metric_key_prefix: str = "eval",
+    model: nn.Module | None = None,  # the policy (PPO: the agent); None: the trainer's
+    # the run's loop (device, processes, precision); None: the last run's, else this process alone
+    loop: TrainLoop | None = None,
+) -> dict[str, float]:  # TRL's metrics (`eval_reward`, ...) and ours (`eval/score`, ...), `_eval_metrics`
+    """🤗's `evaluate`: the policy on held-out prompts (`eval_records`), TRL's metrics and ours over all
+    completions (`_eval_metrics`), and 🤗's `eval_runtime`, `eval_samples_per_second`, `eval_steps_per_second`."""
+    if ignore_keys is not None:
+        raise ValueError(
+            "`ignore_keys` names model outputs to leave out of gathered predictions; the on-policy trainers "
+            "gather none (TRL's ignore it): pass None"
+        )
+    prompts = lambda d: _prompts_from_ids(d, self.processing_class)
+    data = (
+        self.eval_dataset
+        if eval_dataset is None
+        else as_datasets(eval_dataset, "eval_dataset", [("prompt",)], prompts)
     )
+    if data is None:
+        raise ValueError("`evaluate` needs held-out prompts: pass `eval_dataset`, or give the trainer one")
+    if isinstance(data, dict):  # 🤗's several eval sets: each under its name
+        return {
+            k: v
+            for name, d in data.items()
+            for k, v in self.evaluate(d, None, f"{metric_key_prefix}_{name}", model, loop).items()
+        }
+    started, loop = time.time(), loop or getattr(self, "loop", None)
+    records, group = self.eval_records(data, self.model if model is None else model, loop)
+    processes = 1 if loop is None else loop.accelerator.num_processes
+    steps = math.ceil(len(records) / (self.args.per_device_eval_batch_size * processes))
+    return {
+        **_eval_metrics(records, getattr(self.reward_model, "names", []), group, metric_key_prefix),
+        **speed_metrics(metric_key_prefix, started, num_samples=len(records), num_steps=steps),
+    }
+
+# %% ../nbs/08_onpolicy.ipynb #a0582c9c
+@patch
+def eval_records(
+    self: OnPolicyTrainer,
+    data: Dataset,  # held-out prompts, a "prompt" column and any the reward reads
+    model: nn.Module,  # the policy (PPO: the agent), unwrapped
+    loop: TrainLoop | None,  # the run's loop: device, processes, precision; None: this process alone
+) -> tuple[list[dict], int]:  # (every completion's `evaluate_policy` record in row order, per prompt)
+    """`evaluate_policy` on `data` with the training's sampling options, `num_generations_eval` completions per
+    prompt (None: as in training), in chunks of at most `per_device_eval_batch_size` completions (whole prompts,
+    one at least) shared round-robin by the processes, each seeded by its first row; every process's records,
+    gathered; the random state left as it was."""
+    c, reward = self.args, self.reward_model
+    group = c.num_generations_eval or self.samples_per_prompt
+    size = max(1, c.per_device_eval_batch_size // group)  # prompts per chunk
+    acc = PartialState() if loop is None else loop.accelerator
+    device = next(model.parameters()).device if loop is None else loop.device
     temperature = c.temperature if c.eval_temperature is None else c.eval_temperature
+    records = []
     with (
-        torch.random.fork_rng(devices=[loop.device] if loop.device.type == "cuda" else []),
-        acc.autocast(),
-        loop.gathered_for_generation(),
-        self.on_device(self.ref_model, loop.device) as ref,
-        self.on_device(reward, loop.device),
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        nullcontext() if loop is None else loop.accelerator.autocast(),
+        nullcontext() if loop is None else loop.gathered_for_generation(),
+        self.on_device(self.ref_model, device) as ref,
+        self.on_device(reward, device),
     ):
         for start in range(acc.process_index * size, len(data), size * acc.num_processes):
-            columns = prompt_columns(
-                data[start : start + size], c.num_generations_eval or self.samples_per_prompt
-            )
+            columns = prompt_columns(data[start : start + size], group)
             prompts = columns.pop("prompt")
-            _, records = evaluate_policy(
+            _, chunk = evaluate_policy(
                 model,
                 ref,
                 self.processing_class,
@@ -577,21 +642,50 @@ def evaluate(
                 chat_template_kwargs=c.chat_template_kwargs,
                 sampling=sampling_options(c),
             )
-            totals += torch.tensor([_eval_sums(r) for r in records], device=loop.device).sum(0)
-    n, score, score_ref, wins, kl = (acc.reduce(totals, "sum") if acc.num_processes > 1 else totals).tolist()
-    if self.ref_model is None:
-        return {"eval/score": score / n}
-    return {
-        "eval/score": score / n,
-        "eval/score_ref": score_ref / n,
-        "eval/win_rate": wins / n,
-        "eval/kl": kl / n,
-    }
+            records += [(start, i, r) for i, r in enumerate(chunk)]
+    records = gather_object(records) if acc.num_processes > 1 else records
+    return [r for _, _, r in sorted(records, key=lambda x: x[:2])], group
 
 # %% ../nbs/08_onpolicy.ipynb #c11da284
-def _eval_sums(record: dict) -> list[float]:
-    """One prompt's share of the evaluation sums: (1, score, reference's score, win: 1, ½ or 0, KL); 0 for what
-    there is no reference for."""
-    ours, theirs = record["reward_policy"], record.get("reward_reference", 0.0)
-    win = (ours > theirs) + 0.5 * (ours == theirs) if "reward_reference" in record else 0.0
-    return [1.0, ours, theirs, float(win), record.get("kl", 0.0)]
+def _eval_metrics(
+    records: list[dict],  # every completion's `evaluate_policy` record, in row order
+    names: list[str],  # the reward functions' names (`WeightedReward.names`), for `rewards/<name>/…`
+    group: int,  # completions per prompt, consecutive
+    prefix: str,  # `metric_key_prefix`
+) -> dict[str, float]:
+    """TRL's evaluation metrics over all completions (`<prefix>_reward`, `_reward_std`, `_rewards/<name>/mean`
+    and `/std`, `_frac_reward_zero_std`, `_completions/…` lengths), and ours beside them: `<prefix>/score`, with a
+    reference `/score_ref`, `/win_rate` (ties ½) and `/kl`."""
+    t = lambda key: torch.tensor([float(r[key]) for r in records], dtype=torch.float64)
+    std = lambda x: x.std().item() if len(x) > 1 else 0.0
+    ours, lengths, ended = t("reward_policy"), t("length"), t("terminated").bool()
+    zero = (
+        ours.view(-1, group).std(1).abs() < 1e-8
+        if group > 1
+        else torch.ones(len(ours) // group, dtype=torch.bool)
+    )
+    ended_lengths = lengths[ended] if ended.any() else torch.zeros(1, dtype=torch.float64)
+    out = {
+        f"{prefix}_reward": ours.mean().item(),
+        f"{prefix}_reward_std": std(ours),
+        f"{prefix}_frac_reward_zero_std": zero.double().mean().item(),
+        f"{prefix}_completions/mean_length": lengths.mean().item(),
+        f"{prefix}_completions/min_length": lengths.min().item(),
+        f"{prefix}_completions/max_length": lengths.max().item(),
+        f"{prefix}_completions/clipped_ratio": (~ended).double().mean().item(),
+        f"{prefix}_completions/mean_terminated_length": ended_lengths.mean().item(),
+        f"{prefix}_completions/min_terminated_length": ended_lengths.min().item(),
+        f"{prefix}_completions/max_terminated_length": ended_lengths.max().item(),
+    }
+    if "rewards" in records[0]:
+        for name, s in zip(names, torch.tensor([r["rewards"] for r in records], dtype=torch.float64).T):
+            s = s[~s.isnan()]
+            out[f"{prefix}_rewards/{name}/mean"] = s.mean().item() if len(s) else float("nan")
+            out[f"{prefix}_rewards/{name}/std"] = std(s)
+    out[f"{prefix}/score"] = ours.mean().item()
+    if "reward_reference" in records[0]:
+        theirs = t("reward_reference")
+        out[f"{prefix}/score_ref"] = theirs.mean().item()
+        out[f"{prefix}/win_rate"] = ((ours > theirs).double() + 0.5 * (ours == theirs).double()).mean().item()
+        out[f"{prefix}/kl"] = t("kl").mean().item()
+    return out

@@ -286,12 +286,6 @@ class OnPolicyConfig(Layouts, TrainingConfig):
             check_number("eval_temperature", self.eval_temperature)
         if self.num_train_epochs is not None:
             check_number("num_train_epochs", self.num_train_epochs, low_open=True)
-        if self.per_device_eval_batch_size != 8:
-            raise ValueError(
-                f"`per_device_eval_batch_size`={self.per_device_eval_batch_size} is not supported by the "
-                f"on-policy trainers: "
-                "held-out prompts are sampled in chunks of `local_rollout_forward_batch_size`"
-            )
         if self.stop_token not in (None, "eos"):
             raise ValueError(f"`stop_token` must be 'eos' or None; got {self.stop_token!r}")
         if self.stop_token is not None and self.stop_token_id is not None:

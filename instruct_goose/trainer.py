@@ -7,8 +7,11 @@ __all__ = ['Trainer', 'train_output', 'trainer_arguments']
 
 # %% ../nbs/05f_trainer.ipynb #8b33e968
 import inspect, os
+from pathlib import Path
 
 from accelerate import PartialState
+from fastcore.basics import patch
+from huggingface_hub import HfApi, ModelCard, ModelCardData
 from torch import nn
 from transformers import TrainerState
 from transformers.trainer_pt_utils import log_metrics, save_metrics, save_state
@@ -33,6 +36,9 @@ class Trainer:
     # 🤗's `optimizers` argument, for the loop (`take_optimizers`)
     optimizers: tuple = (None, None)
     optimizer_cls_and_kwargs: tuple | None = None  # 🤗's `optimizer_cls_and_kwargs` argument, for the loop
+    hub_model_id: str | None = (
+        None  # the Hub repository `push_to_hub` uploads to, once `init_hf_repo` made it
+    )
 
     def take_optimizers(self, optimizers=(None, None), optimizer_cls_and_kwargs=None):
         """Keep 🤗's `optimizers` and `optimizer_cls_and_kwargs` for the run's `TrainLoop`, checked now
@@ -95,19 +101,6 @@ class Trainer:
     # 🤗 Trainer's own: `{split}_results.json` and `all_results.json`, `trainer_state.json`, in `args.output_dir`
     log_metrics, save_metrics, save_state = log_metrics, save_metrics, save_state
 
-    def end_training(
-        self,
-        loop: TrainLoop,  # the run's loop, its last checkpoint written
-    ) -> TrainOutput:  # 🤗's: the step, the mean logged loss, 🤗's `train_*` metrics
-        """Every trainer's `train` ends here: the trained model saved (`save_model`), the callbacks and trackers
-        told (`loop.end`), 🤗's closing row in `state.log_history`, and 🤗's `TrainOutput` returned, as TRL's."""
-        self.save_model()
-        loop.end()
-        output = train_output(loop)
-        state = loop.trainer_state
-        state.log_history = [*loop.state.history, {**output.metrics, "step": output.global_step}]
-        return output
-
 # %% ../nbs/05f_trainer.ipynb #7c1f0a02
 _LOSSES = ("loss", "loss/policy_avg")  # the logged loss, by the trainers' names
 
@@ -137,6 +130,24 @@ def train_output(
     if loop.trainer_state.epoch is not None:
         metrics["epoch"] = loop.trainer_state.epoch
     return TrainOutput(step, loss, metrics)
+
+# %% ../nbs/05f_trainer.ipynb #401fd13c
+@patch
+def end_training(
+    self: Trainer,
+    loop: TrainLoop,  # the run's loop, its last checkpoint written
+) -> TrainOutput:  # 🤗's: the step, the mean logged loss, 🤗's `train_*` metrics
+    """Every trainer's `train` ends here: the trained model saved (`save_model`), the callbacks and trackers
+    told (`loop.end`), 🤗's closing row in `state.log_history`, and 🤗's `TrainOutput` returned, as TRL's; with
+    `push_to_hub`, `output_dir` uploaded (`push_to_hub`)."""
+    self.save_model()
+    loop.end()
+    output = train_output(loop)
+    state = loop.trainer_state
+    state.log_history = [*loop.state.history, {**output.metrics, "step": output.global_step}]
+    if getattr(self.args, "push_to_hub", False):
+        self.push_to_hub()
+    return output
 
 # %% ../nbs/05f_trainer.ipynb #a5f8baca
 # our names before TRL's
@@ -176,3 +187,77 @@ def trainer_arguments(
             f"the arguments are {_signature(trainer)}"
         )
     return given
+
+# %% ../nbs/05f_trainer.ipynb #e3233271
+@patch
+def init_hf_repo(
+    self: Trainer,
+    token: str | None = None,  # a token with write access; None: `hub_token`, else `huggingface_hub`'s login
+    private: bool | None = None,  # make a new repository private; None: `hub_private_repo`
+):
+    """🤗's `init_hf_repo`: the Hub repository `hub_model_id` (else `output_dir`'s folder name), made if it does
+    not exist (`create_repo(exist_ok=True)`); its full id is kept in `trainer.hub_model_id`."""
+    if not self.is_world_process_zero():
+        return
+    name = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
+    repo = HfApi().create_repo(
+        name,
+        token=self.args.hub_token if token is None else token,
+        private=self.args.hub_private_repo if private is None else private,
+        exist_ok=True,
+    )
+    self.hub_model_id = repo.repo_id
+
+# %% ../nbs/05f_trainer.ipynb #f82f343e
+@patch
+def create_model_card(
+    self: Trainer,
+    model_name: str | None = None,  # the card's title; None: `output_dir`'s folder name
+    dataset_name: str | None = None,  # the training set's Hub name, if it has one
+    tags: str | list[str] | None = None,  # more tags beside "instruct_goose" and the trainer's
+):
+    """TRL's `create_model_card`: `output_dir/README.md` with the Hub's metadata (the base model, the datasets, the
+    library, the tags) and a line saying how the model was trained."""
+    model = self.model_to_save()
+    base = getattr(getattr(model, "config", None), "_name_or_path", "") or None
+    method = type(self).__name__.removesuffix("Trainer")
+    name = model_name or Path(self.args.output_dir).absolute().name
+    data = ModelCardData(
+        base_model=base if base and not Path(base).exists() else None,
+        datasets=[dataset_name] if dataset_name else None,
+        library_name="transformers",
+        model_name=name,
+        tags=["instruct_goose", method.lower(), *([tags] if isinstance(tags, str) else tags or [])],
+    )
+    text = f"# {name}\n\nTrained with instruct_goose's `{type(self).__name__}`{f' from {base}' if base else ''}.\n"
+    ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}").save(Path(self.args.output_dir) / "README.md")
+
+# %% ../nbs/05f_trainer.ipynb #648d5df1
+@patch
+def push_to_hub(
+    self: Trainer,
+    commit_message: str | None = "End of training",  # the commit's message
+    blocking: bool = True,  # wait for the upload (False: a future, as 🤗's `run_as_future`)
+    token: str | None = None,  # a token with write access; None: `hub_token`, else `huggingface_hub`'s login
+    revision: str | None = None,  # the branch to push to; None: `hub_revision`, else main
+    private: bool | None = None,  # make a new repository private; None: `hub_private_repo`
+    **kwargs,  # for `create_model_card`: `model_name`, `dataset_name`, `tags`
+):  # `upload_folder`'s commit info (a future when not `blocking`); None on other processes
+    """🤗's `push_to_hub`: the model saved to `output_dir` (`save_model`), the repository made (`init_hf_repo`), a
+    model card written (`create_model_card`), and `output_dir` uploaded without its checkpoints and `_*` files."""
+    token = self.args.hub_token if token is None else token
+    if self.hub_model_id is None:
+        self.init_hf_repo(token=token, private=private)
+    self.save_model()
+    if not self.is_world_process_zero():
+        return None
+    self.create_model_card(**kwargs)
+    return HfApi().upload_folder(
+        repo_id=self.hub_model_id,
+        folder_path=self.args.output_dir,
+        commit_message=commit_message,
+        token=token,
+        run_as_future=not blocking,
+        ignore_patterns=["_*", "checkpoint-*"],
+        revision=self.args.hub_revision if revision is None else revision,
+    )

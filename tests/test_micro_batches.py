@@ -71,6 +71,7 @@ def assert_same_run(algo, family, tokenizer, tmp_path, monkeypatch, **more):
             # (clipfrac: test_padding_free)
             if isinstance(value, float) and key not in (
                 "eps",
+                "step_time",
                 "val/clipfrac_avg",
                 "val/ratio_var",
                 "policy/approxkl_avg",

@@ -152,7 +152,7 @@ def test_cut_columns_train_as_the_whole_width(algo, loss_type, family, tokenizer
     for row_cut, row_whole in zip(hist_cut, hist_whole, strict=True):
         for key, value in row_whole.items():
             # eps: episodes per second, a timing
-            if isinstance(value, float) and key != "eps":
+            if isinstance(value, float) and key not in ("eps", "step_time"):
                 assert row_cut[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (
                     algo,
                     loss_type,
@@ -181,7 +181,7 @@ def test_micro_batches_cut_to_their_own_longest(algo, cut, tokenizer, tmp_path):
         )
     for row_cut, row_whole in zip(hist_cut, hist_whole, strict=True):
         for key, value in row_whole.items():
-            if isinstance(value, float) and key != "eps":
+            if isinstance(value, float) and key not in ("eps", "step_time"):
                 assert row_cut[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (algo, cut, key)
 
 
@@ -211,5 +211,5 @@ def test_rollout_passes_in_chunks_of_their_own_width(algo, more, tokenizer, tmp_
     # token or two
     for row_c, row_w in zip(hist_cut, hist_whole, strict=True):
         for key, value in row_w.items():
-            if isinstance(value, float) and key not in ("eps", "val/clipfrac_avg"):
+            if isinstance(value, float) and key not in ("eps", "step_time", "val/clipfrac_avg"):
                 assert row_c[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (algo, key)

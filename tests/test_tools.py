@@ -459,7 +459,7 @@ def test_tools_killed_run_resumes_to_the_same_result(caller_dir, tmp_path):
     resumed = _run_tools(caller_dir, tmp_path / "killed", 1, 2, resume="latest", save_steps=1)
     assert sum(straight[1]["calls"]) > 0
     _same(straight, resumed, "straight vs killed and resumed")
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "eps"} for r in rows]
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("eps", "step_time")} for r in rows]
     assert strip(straight[1]["history"]) == strip(resumed[1]["history"])
 
 

@@ -499,7 +499,7 @@ def test_the_best_model_is_the_one_saved(tmp_path):
     scores = [row["eval_score"] for row in grpo.loop.state.history]
     best = grpo.loop.state.best
     assert config.greater_is_better and (best["name"], best["value"]) == ("eval/score", max(scores)), scores
-    assert math.isclose(grpo.evaluate(grpo.model, grpo.loop)["eval/score"], best["value"], rel_tol=1e-6)
+    assert math.isclose(grpo.evaluate()["eval/score"], best["value"], rel_tol=1e-6)
 
 
 def test_auto_find_batch_size_keeps_the_step(tmp_path):
