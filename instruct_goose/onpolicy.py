@@ -48,7 +48,7 @@ from instruct_goose.completions import (
 from .generation import check_generation_kwargs, check_sampling, generate_responses
 from transformers.generation import ContinuousBatchingConfig
 from .data import as_dataset, encode_prompts, prompt_text, warn_cut_prompts
-from .reward import RewardModel, WeightedReward, reward_from
+from .reward import RewardLog, RewardModel, WeightedReward, reward_from
 from .core import check_number, masked_sum, masked_whiten
 from .loop import TrainLoop, as_callbacks, batch_indices
 from .trainer import Trainer, trainer_arguments
@@ -511,6 +511,9 @@ class OnPolicyTrainer(Trainer):
         # 🤗's: (your optimizer over the policy's trainable parameters, its lr_scheduler or None)
         # (`check_optimizers`)
         optimizers=(None, None),
+        # TRL's: the reward models' tokenizers, one or a list with one per reward (None: each model's own or
+        # its name's; see `reward_from`)
+        reward_processing_classes=None,
         # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
         **renamed,
     ):
@@ -532,8 +535,13 @@ class OnPolicyTrainer(Trainer):
                 self.processing_class,
                 self.args.padding_free,
                 self.args.shared_prefix,
+                reward_processing_classes=reward_processing_classes,
             )
         )
+        # TRL's attribute: each reward's tokenizer (None for a function)
+        self.reward_processing_classes = [
+            getattr(f, "tokenizer", None) for f in getattr(self.reward_model, "functions", [])
+        ]
         self.train_dataset, self.eval_dataset = (
             None
             if d is None
@@ -805,6 +813,7 @@ def log_completions(
         self.reward_model.names,
         samples.reward_scores,
         rollout.advantages,
+        samples.reward_log.extra,
     )
     if acc.num_processes > 1:
         rows = gather_object(rows)
@@ -906,6 +915,8 @@ def sample_and_score(
     # the tokens, up to and with the stop token
     completion_ids = [ids[m].tolist() for ids, m in zip(r_ids.cpu(), r_mask.cpu())]
     completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
+    # TRL's per-call keywords: `trainer_state`, `log_extra`, `log_metric`
+    logged = RewardLog()
     # functions may read the tokens too, as TRL passes them
     with self.on_device(self.reward_model, None if loop is None else loop.device):
         # with tools, rewards read the conversations
@@ -913,7 +924,7 @@ def sample_and_score(
         each = self.reward_model.each(
             prompts,
             completions if self.tools is None else out.conversations,
-            **{**columns, "completion_ids": completion_ids, **called},
+            **{**columns, "completion_ids": completion_ids, **called, **logged.keywords(self.state)},
         )
     scores = self.reward_model.combine(each).to(device)
     if c.missing_eos_penalty is not None:
@@ -924,7 +935,7 @@ def sample_and_score(
         if self.tools is None
         else (out.tool_mask[:, :width], out.num_tool_calls, out.num_tool_failures)
     )
-    return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each, *tools)
+    return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each, *tools, logged)
 
 # %% ../nbs/08_onpolicy.ipynb #09db1515
 @patch
@@ -1092,11 +1103,16 @@ def train(
                 loop.accelerator.gather(samples.reward_scores.to(loop.device).T.contiguous()).T
             )
             # 2. K epochs of minibatch updates; statistics averaged over processes
-            stats = {**self.rollout_stats(rollout), **reward_stats, **self.update(model, rollout, loop)}
-            # NCCL all-reduces no CPU tensor
+            # and what the reward functions logged (`log_metric`)
+            stats = {
+                **self.rollout_stats(rollout),
+                **samples.reward_log.means(),
+                **self.update(model, rollout, loop),
+            }
+            # NCCL all-reduces no CPU tensor; the reward stats are every process's already (None: no completion)
             stats = {
                 k: loop.accelerator.reduce(v.to(loop.device), reduction="mean") for k, v in stats.items()
-            }
+            } | reward_stats
             # TRL's: prompts and completions, every process
             stats["num_tokens"] = loop.count_tokens(
                 samples.query_attention_mask.sum() + samples.response_mask.sum()
