@@ -198,13 +198,20 @@ def encode(
     texts: list[str],  # whole texts (prompt + completion)
     # cut each text to this many tokens (None: refuse texts longer than the model's context)
     max_length: int | None = None,
+    # False for text a chat template rendered: it holds its special tokens already (TRL's choice)
+    add_special_tokens: bool = True,
 ) -> tuple[Tensor, Tensor]:  # (ids, mask) on the model's device
     """Tokenize `texts` with the reward model's own tokenizer and its special tokens, as it was trained to read
     them."""
     if self.tokenizer is None:
         raise ValueError("this RewardModel has no `tokenizer`: pass one to score text")
     enc = self.tokenizer(
-        texts, padding=True, truncation=max_length is not None, max_length=max_length, return_tensors="pt"
+        texts,
+        padding=True,
+        truncation=max_length is not None,
+        max_length=max_length,
+        add_special_tokens=add_special_tokens,
+        return_tensors="pt",
     )
     limit = context_length(self.model)
     if limit is not None and enc.input_ids.shape[1] > limit:
@@ -226,6 +233,8 @@ def score(
     batch_size: int = 32,  # sequences per forward pass
     # cut each text to this many tokens (None: refuse texts longer than the context)
     max_length: int | None = None,
+    # False for text a chat template rendered (`encode`)
+    add_special_tokens: bool = True,
 ) -> Float[Tensor, "batch"]:  # one score per (prompt, completion)
     "Score text pairs, tokenized with the reward model's own tokenizer (never the policy's ids)."
     if len(prompts) != len(completions):
@@ -242,7 +251,7 @@ def score(
         return torch.cat(
             [
                 self(
-                    *self.encode(texts[i : i + batch_size], max_length),
+                    *self.encode(texts[i : i + batch_size], max_length, add_special_tokens),
                     None if groups is None else groups[i : i + batch_size],
                 )
                 for i in range(0, len(texts), batch_size)
@@ -490,7 +499,9 @@ def _raw_scores(reward, prompts: list, completions: list[str], columns: dict):
     """What a reward gives before checking: a reward model's scores, or a function's return value (a coroutine
     when async)."""
     if isinstance(reward, RewardModel):
-        return reward.score(*_model_texts(reward, prompts, completions)).cpu()
+        # a chat template's text holds its special tokens (TRL: `add_special_tokens=False`)
+        chat = bool(prompts) and is_conversational(prompts[0])
+        return reward.score(*_model_texts(reward, prompts, completions), add_special_tokens=not chat).cpu()
     return _reward_call(
         reward, prompts, _chat_completions(prompts, completions), columns, _reward_label(reward)
     )
