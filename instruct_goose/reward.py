@@ -741,7 +741,8 @@ def _with_tokenizer(
         )
     if tokenizer is None:
         return model
-    if tokenizer.pad_token_id is None:
+    # the policy's keeps its own pad (its check asks for one other than EOS)
+    if tokenizer.pad_token_id is None and tokenizer is not fallback:
         tokenizer.pad_token = tokenizer.eos_token
     model.tokenizer, model.config.pad_token_id = tokenizer, tokenizer.pad_token_id
     return model
