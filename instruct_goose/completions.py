@@ -24,7 +24,11 @@ def completion_rows(
     reward_scores: Tensor,  # (rewards, batch) each function's scores, NaN where it returned None
     # (batch,) per completion, or (batch, resp) per token (the first token's is logged)
     advantages: Tensor,
-) -> list[dict]:  # one dict per completion: step, prompt, completion, each reward, advantage
+    # columns the reward functions added (TRL's `log_extra`, `RewardLog.extra`): one value per completion
+    extra: dict[str, list] | None = None,
+) -> list[
+    dict
+]:  # one dict per completion: step, prompt, completion, each reward, advantage, the extra columns
     "The completions table of one step as rows, TRL's columns; NaN scores become None (JSON's null)."
     if (
         reward_scores.shape != (len(reward_names), len(completions))
@@ -36,6 +40,12 @@ def completion_rows(
             f"{tuple(reward_scores.shape)} for "
             f"{len(reward_names)} rewards and {len(advantages)} advantages do not line up"
         )
+    extra = extra or {}
+    wrong = {k: len(v) for k, v in extra.items() if len(v) != len(completions)}
+    if wrong:
+        raise ValueError(
+            f"`log_extra` columns need one value per completion ({len(completions)}); got {wrong}"
+        )
     adv = (advantages if advantages.dim() == 1 else advantages[:, 0]).float().tolist()
     scores = reward_scores.float().T.tolist()
     return [
@@ -45,8 +55,9 @@ def completion_rows(
             "completion": c,
             **{n: None if math.isnan(x) else x for n, x in zip(reward_names, s)},
             "advantage": a,
+            **{k: v[i] for k, v in extra.items()},
         }
-        for p, c, s, a in zip(prompts, completions, scores, adv)
+        for i, (p, c, s, a) in enumerate(zip(prompts, completions, scores, adv))
     ]
 
 # %% ../nbs/07b_completions.ipynb #0c7d1e16

@@ -157,6 +157,8 @@ def train(
             stats = {
                 **self.rollout_stats(rollout),
                 **self.reward_stats(samples, loop),
+                # what the reward functions logged (`log_metric`)
+                **samples.reward_log.means(),
                 **self.update(model, rollout, loop),
             }
             # 5. statistics over processes, the KL controller, evaluation, logs, checkpoints (`finish_step`)
@@ -221,8 +223,10 @@ def finish_step(
     """Step 5 of `train`: the statistics averaged over processes (with TRL's token and tool counts), the KL
     controller, evaluation when due, logs and sample tables (`report`, `log_completions`), checkpoints."""
     c, acc, procs = self.args, loop.accelerator, loop.accelerator.num_processes
-    # NCCL all-reduces no CPU tensor
-    stats = {k: acc.reduce(v.to(loop.device), reduction="mean") for k, v in stats.items()}
+    # NCCL all-reduces no CPU tensor; None: a reward that applied to no completion (TRL logs None)
+    stats = {
+        k: None if v is None else acc.reduce(v.to(loop.device), reduction="mean") for k, v in stats.items()
+    }
     # TRL's: prompts and completions, every process
     stats["num_tokens"] = loop.count_tokens(samples.query_attention_mask.sum() + samples.response_mask.sum())
     if samples.tool_calls is not None:

@@ -32,7 +32,7 @@ from instruct_goose.agent import (
 from .loading import is_peft, load_model, load_tokenizer, with_peft
 from .generation import generate_responses
 from .data import as_datasets, encode_prompts, prompt_text, warn_cut_prompts
-from .reward import reward_from
+from .reward import RewardLog, reward_from
 from .core import check_number, masked_sum
 from .loop import TrainLoop, as_callbacks
 from .trainer import Trainer
@@ -130,6 +130,9 @@ class OnPolicyTrainer(OnPolicyEngine, Trainer):
         # 🤗's: (your optimizer over the policy's trainable parameters, its lr_scheduler or None)
         # (`check_optimizers`)
         optimizers=(None, None),
+        # TRL's: the reward models' tokenizers, one or a list with one per reward (None: each model's own or
+        # its name's; see `reward_from`)
+        reward_processing_classes=None,
         # the old names `config`, `tokenizer`, `reward_model` (see `trl_arguments`)
         **renamed,
     ):
@@ -146,9 +149,17 @@ class OnPolicyTrainer(OnPolicyEngine, Trainer):
             None
             if a["reward_funcs"] is None
             else reward_from(
-                a["reward_funcs"], self.args.reward_weights, self.processing_class, plan=self.args.plan
+                a["reward_funcs"],
+                self.args.reward_weights,
+                self.processing_class,
+                plan=self.args.plan,
+                reward_processing_classes=reward_processing_classes,
             )
         )
+        # TRL's attribute: each reward's tokenizer (None for a function)
+        self.reward_processing_classes = [
+            getattr(f, "tokenizer", None) for f in getattr(self.reward_model, "functions", [])
+        ]
         self.train_dataset, self.eval_dataset = (
             # 🤗's several eval sets: a dict of them
             as_datasets(d, name, [("prompt",)], lambda d: _prompts_from_ids(d, self.processing_class))
@@ -311,6 +322,8 @@ def sample_and_score(
     # the tokens, up to and with the stop token
     completion_ids = [ids[m].tolist() for ids, m in zip(r_ids.cpu(), r_mask.cpu())]
     completions = tok.batch_decode(completion_ids, skip_special_tokens=True)
+    # TRL's per-call keywords: `trainer_state`, `log_extra`, `log_metric`
+    logged = RewardLog()
     # functions may read the tokens too, as TRL passes them
     with self.on_device(self.reward_model, None if loop is None else loop.device):
         # with tools, rewards read the conversations
@@ -318,7 +331,7 @@ def sample_and_score(
         each = self.reward_model.each(
             prompts,
             completions if self.tools is None else out.conversations,
-            **{**columns, "completion_ids": completion_ids, **called},
+            **{**columns, "completion_ids": completion_ids, **called, **logged.keywords(self.state)},
         )
     scores = self.reward_model.combine(each).to(device)
     if c.missing_eos_penalty is not None:
@@ -329,7 +342,7 @@ def sample_and_score(
         if self.tools is None
         else (out.tool_mask[:, :width], out.num_tool_calls, out.num_tool_failures)
     )
-    return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each, *tools)
+    return Samples(q_ids, q_mask, r_ids, r_mask, scores, texts, completions, each, *tools, logged)
 
 # %% ../nbs/08_onpolicy.ipynb #8e0c0001
 @patch

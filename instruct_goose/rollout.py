@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .agent import Plan, TokenBatch, forward, prompt_groups
+from .reward import RewardLog
 
 # %% ../nbs/07_rollout.ipynb #d79644e1
 class Samples(NamedTuple):
@@ -34,6 +35,8 @@ class Samples(NamedTuple):
     tool_mask: Tensor | None = None
     tool_calls: Tensor | None = None  # (batch,) tool calls each completion made; None: no tools
     tool_failures: Tensor | None = None  # (batch,) of which failed
+    # what the reward functions logged (`log_extra`, `log_metric`); None: nothing asked
+    reward_log: RewardLog | None = None
 
 # %% ../nbs/07_rollout.ipynb #de8d00d4
 class RowBatch:

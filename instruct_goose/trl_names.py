@@ -318,7 +318,13 @@ def log_completions(
     if not (isinstance(c, TRLOptions) and c.log_completions) or not loop.logs_at(step):
         return
     rows = completion_rows(
-        step, samples.prompts, samples.completions, names, samples.reward_scores, rollout.advantages
+        step,
+        samples.prompts,
+        samples.completions,
+        names,
+        samples.reward_scores,
+        rollout.advantages,
+        samples.reward_log.extra,
     )
     if acc.num_processes > 1:
         rows = gather_object(rows)

@@ -4,6 +4,7 @@ chat prompts, and evaluation during RL (eval/score, eval/win_rate, eval/kl at th
 numbers with 1 or 2 processes, in the slow set)."""
 
 import asyncio
+import copy
 import json
 import math
 import os
@@ -407,3 +408,128 @@ def test_evaluation_does_not_depend_on_the_process_count(tmp_path):
                 one[key],
                 two[key],
             )
+
+
+# --- reward models' tokenizers and what rewards log, as TRL passes them
+# -------------------------------------------------------------
+
+
+def _named_classifier(name):
+    "A 🤗 reward classifier object whose config names a Hub id, as `from_pretrained(<id>)` leaves it."
+    from instruct_goose.reward import RewardModel
+
+    classifier = RewardModel(tiny_causal_lm(task_tokenizer(), seed=0)).model
+    classifier.config._name_or_path = name
+    return classifier
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo"])
+def test_reward_model_by_hub_id_gets_its_own_tokenizer(algo, tmp_path, monkeypatch):
+    """TRL loads a reward model's tokenizer from `config._name_or_path` (a Hub id here, no folder): not the
+    policy's, and padding with EOS where it has no pad token."""
+    import instruct_goose.reward as reward_module
+
+    # a copy: `task_tokenizer` is cached
+    policy_tok, own = task_tokenizer(), copy.deepcopy(task_tokenizer())
+    own.pad_token = None
+    asked = []
+
+    def from_hub(name, *args, **kwargs):
+        asked.append(name)
+        if name != "someone/tiny-reward":
+            raise OSError(f"{name} is not cached")
+        return own
+
+    monkeypatch.setattr(reward_module.AutoTokenizer, "from_pretrained", from_hub)
+    t = trainer(algo, tmp_path, _named_classifier("someone/tiny-reward"), tokenizer=policy_tok)
+    assert asked == ["someone/tiny-reward"]
+    assert t.reward_model.functions[0].tokenizer is own and t.reward_processing_classes == [own]
+    assert own.pad_token == own.eos_token
+    assert t.reward_model.functions[0].config.pad_token_id == own.eos_token_id
+
+
+@pytest.mark.parametrize("kind", [RLOOTrainer, GRPOTrainer])
+def test_reward_processing_classes_as_trl_takes_them(kind, tmp_path):
+    "One tokenizer for one reward, a list with one per reward (None for a function), else a one-line error."
+    tok, reward_tok = task_tokenizer(), copy.deepcopy(task_tokenizer())
+    config = (
+        RLOOConfig(output_dir=str(tmp_path), rloo_k=2, **SMALL)
+        if kind is RLOOTrainer
+        else GRPOConfig(output_dir=str(tmp_path), num_generations=2, **SMALL)
+    )
+    model = lambda: tiny_causal_lm(tok, seed=0)
+    classifier = _named_classifier("")
+    one = kind(
+        model(),
+        args=config,
+        processing_class=tok,
+        train_dataset=ARITHMETIC,
+        reward_funcs=classifier,
+        reward_processing_classes=reward_tok,
+    )
+    assert (
+        one.reward_processing_classes == [reward_tok]
+        and one.reward_model.functions[0].tokenizer is reward_tok
+    )
+    two = kind(
+        model(),
+        args=config,
+        processing_class=tok,
+        train_dataset=ARITHMETIC,
+        reward_funcs=[classifier, length],
+        reward_processing_classes=[reward_tok, None],
+    )
+    assert two.reward_processing_classes == [reward_tok, None]
+    with pytest.raises(
+        ValueError, match=r"^`reward_processing_classes` has 1 tokenizers for 2 reward functions"
+    ):
+        kind(
+            model(),
+            args=config,
+            processing_class=tok,
+            train_dataset=ARITHMETIC,
+            reward_funcs=[classifier, length],
+            reward_processing_classes=reward_tok,
+        )
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo"])
+def test_rewards_read_the_state_and_log_metrics_and_columns(algo, tmp_path):
+    """TRL's per-call keywords: `trainer_state` is the run's state at the step, `log_metric` values appear in
+    the step's logged row under their own name, `log_extra` columns in the completions table."""
+    steps = []
+
+    def exact(completions, answer, trainer_state, log_metric, log_extra, **kwargs):
+        steps.append(trainer_state.global_step)
+        right = [float(c.strip() == a) for c, a in zip(completions, answer)]
+        log_metric("accuracy", 0.25 + trainer_state.global_step)
+        log_extra("expected", answer)
+        return right
+
+    t = trainer(algo, tmp_path, [exact, length], max_steps=2, log_completions=True)
+    t.train()
+    assert steps == [0, 1]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    # the value logged at each step, read back from its row
+    assert [r["accuracy"] for r in rows] == [0.25, 1.25]
+    table = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
+    answers = dict(zip(ARITHMETIC["prompt"], ARITHMETIC["answer"]))
+    assert table and all(r["expected"] == answers[r["prompt"]] for r in table)
+
+
+def test_a_reward_that_applies_to_nothing_logs_none(tmp_path, caplog):
+    "TRL: `rewards/<name>/mean` is None for a reward that returned None for every completion, and it warns."
+
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    t = trainer("rloo", tmp_path, [never, length], max_steps=1)
+    with caplog.at_level("WARNING"):
+        t.train()
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["rewards/never/mean"] is None and row["rewards/never/std"] is None
+    assert row["rewards/length/mean"] > 0
+    only = trainer("rloo", tmp_path / "only", never, max_steps=1)
+    with caplog.at_level("WARNING"):
+        only.train()
+    assert "All reward functions returned None for the following kwargs:" in caplog.text
