@@ -34,7 +34,7 @@ from instruct_goose.agent import (
     router_aux_coef,
     router_aux_losses,
 )
-from .loading import load_model, load_tokenizer, with_peft
+from .loading import load_model, with_peft
 from .core import without_autocast, check_number, typecheck
 from instruct_goose.data import (
     pad_id,
@@ -51,9 +51,16 @@ from .levers import fuse_activations
 from instruct_goose.offline import (
     StageConfig,
     drop_long_prompts,
+    eval_argument,
+    eval_sets,
+    evaluate_each,
     fit_to_context,
+    full_logits,
+    model_tokenizer,
     offloaded,
     pad_multiple,
+    prediction_metrics,
+    train_rows,
     within_context,
 )
 from .onpolicy import SyncRefModelCallback, frozen_reference, mix_reference
@@ -509,10 +516,13 @@ class DPOTrainer(Trainer):
         # π_ref (frozen here); None: a frozen copy of `model` (LoRA: its adapter-off base)
         ref_model: PreTrainedModel | str | None = None,
         args: DPOConfig | None = None,  # hyper-parameters; None: the defaults
-        processing_class=None,  # the tokenizer (None: loaded from `model`'s path)
-        # pairs: prompt, chosen, rejected (or chosen, rejected: implicit prompt)
+        # the tokenizer (None: loaded from `model`'s name/path or its checkpoint)
+        processing_class=None,
+        # pairs: prompt, chosen, rejected (or chosen, rejected: implicit prompt); a Dataset, a list of dicts, or
+        # an IterableDataset (with `max_steps`)
         train_dataset=None,
-        eval_dataset=None,  # the same columns, for `eval_loss` and `eval_rewards/*`
+        # the same columns, for `eval_loss` and TRL's other eval metrics; or a dict of such sets (`evaluate`)
+        eval_dataset=None,
         # a peft config (e.g. `LoraConfig`): train adapters only (TRL's `peft_config`)
         peft_config=None,
         # 🤗 `TrainerCallback`s, called by the loop as 🤗's `Trainer` calls them
@@ -520,15 +530,25 @@ class DPOTrainer(Trainer):
         # 🤗's: (your optimizer over the policy's trainable parameters, its lr_scheduler or None)
         # (`check_optimizers`)
         optimizers=(None, None),
+        # 🤗's: (EvalPrediction: the logits, the input ids) -> {name: number}, joined to the eval metrics
+        compute_metrics=None,
+        # 🤗's: (logits, input ids) -> what `compute_metrics` receives of each eval batch (None: the logits)
+        preprocess_logits_for_metrics=None,
         # the old names `config` and `tokenizer` (see `trainer_arguments`)
         **renamed,
     ):
         a = trainer_arguments(DPOTrainer, dict(args=args, processing_class=processing_class), renamed)
         self.take_optimizers(optimizers)
         self.args, self.callbacks = a["args"], callbacks
-        self.processing_class = load_tokenizer(a["processing_class"], model, self.args)
+        self.processing_class = model_tokenizer(a["processing_class"], model, self.args)
         if self.processing_class is None:
-            raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a path")
+            raise ValueError(
+                "`processing_class` (the tokenizer) is needed: `model` names no checkpoint to load it from"
+            )
+        self.compute_metrics, self.preprocess_logits_for_metrics = (
+            compute_metrics,
+            preprocess_logits_for_metrics,
+        )
         model = with_peft(load_model(model, self.args), peft_config)
         self.model = fuse_activations(disable_dropout(model) if self.args.disable_dropout else model)
         # MoE: c of c·L_aux (0: none)
@@ -544,9 +564,11 @@ class DPOTrainer(Trainer):
             )
         )
         self.max_length = fit_to_context(self.args.max_length, model)
+        train_dataset = train_rows(train_dataset, self.args)
         self.train_dataset = self.pairs(train_dataset, "train_dataset")
-        self.eval_dataset = None if eval_dataset is None else self.pairs(eval_dataset, "eval_dataset")
-        # (pairs, 2) reference log-probabilities of the training and eval sets, once precomputed
+        self.eval_dataset = eval_sets(eval_dataset, self.pairs)
+        # (pairs, 2) reference log-probabilities of the training and eval sets (a dict of eval sets: one each),
+        # once precomputed
         self.ref_logps = self.eval_ref_logps = None
 
 # %% ../nbs/09c_dpo.ipynb #160b20cd
@@ -763,17 +785,78 @@ def precompute_ref_logps(
 @patch
 @torch.no_grad()
 def evaluate(
-    self: DPOTrainer, model: nn.Module | None = None, dataset=None, batch_size: int | None = None
+    self: DPOTrainer,
+    # 🤗's: a set (prepared as the constructor prepares one), a dict of sets, or a key of the held dict; None:
+    # the eval set
+    eval_dataset=None,
+    ignore_keys: list[str] | None = None,  # 🤗's; refused unless None (`eval_argument`)
+    metric_key_prefix: str = "eval",  # 🤗's: the metrics are named `<prefix>_<name>`
+    *,
+    model: nn.Module | None = None,  # the policy to evaluate (None: the trainer's)
+    dataset=None,  # the old name of `eval_dataset`
+    batch_size: int | None = None,  # pairs per forward pass (None: `per_device_eval_batch_size`)
 ) -> dict:
-    """`eval_loss`, `eval_rewards/accuracies` and `eval_rewards/margins` over all of `dataset` (pairs in any
-    accepted format; default: the eval set), as floats; a mixture-of-experts policy: `eval_aux_loss` too, the
-    mean over batches (TRL adds c × it to its `eval_loss`; here `eval_loss` stays the DPO loss)."""
-    cache = self.eval_ref_logps if dataset is None else None
-    model, dataset = (
-        model or self.model,
-        self.eval_dataset if dataset is None else self.pairs(dataset, "dataset"),
+    """🤗's `evaluate` (`evaluate_each`: a dict of sets gives `eval_<key>_<name>`): per set, the 12 metrics TRL
+    1.16's `DPOTrainer` logs in evaluation (`eval_metrics`), with what `compute_metrics` returns."""
+    return evaluate_each(
+        lambda data: self.eval_metrics(data, model or self.model, batch_size),
+        eval_argument(eval_dataset, dataset, ignore_keys),
+        self.eval_dataset,
+        self.pairs,
+        metric_key_prefix,
     )
-    totals, n, batch_size, aux = {}, len(dataset), batch_size or self.args.per_device_eval_batch_size, []
+
+# %% ../nbs/09c_dpo.ipynb #bdea1a7d
+@patch
+def held_ref_logps(self: DPOTrainer, dataset: Dataset) -> Tensor | None:
+    """The reference log-probabilities precomputed for `dataset` when it is one of the eval sets the trainer
+    holds (the same object), else None: the reference scores it."""
+    held, cache = self.eval_dataset, self.eval_ref_logps
+    if cache is None:
+        return None
+    if isinstance(held, dict):
+        return next((cache[k] for k, d in held.items() if d is dataset), None)
+    return cache if dataset is held else None
+
+# %% ../nbs/09c_dpo.ipynb #e03e7f56
+_EVAL_NAMES = (  # TRL 1.16's evaluation metrics, in the order it logs them
+    "loss",
+    "entropy",
+    "num_tokens",
+    "logits/chosen",
+    "logits/rejected",
+    "mean_token_accuracy",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+@patch
+@torch.no_grad()
+def eval_metrics(
+    self: DPOTrainer,
+    dataset: Dataset,  # pairs as the trainer holds them (`pairs`)
+    model: nn.Module,  # the policy
+    batch_size: int | None = None,  # pairs per forward pass (None: `per_device_eval_batch_size`)
+) -> dict:  # {name: float}, named without a prefix
+    """TRL 1.16's 12 DPO evaluation metrics over all of `dataset`, as floats: `loss`, `rewards/*`, `logps/*`,
+    `logits/*`, `entropy`, `mean_token_accuracy` (each batch's value weighted by its pairs: TRL's mean over
+    batches when they are equal) and `num_tokens` (the tokens trained on so far); a mixture-of-experts policy:
+    `aux_loss` too, the mean over batches (TRL adds c × it to its `eval_loss`; here `loss` stays the DPO
+    loss). With `compute_metrics`: its metrics, from TRL 1.16's `EvalPrediction`: each batch's logits, chosen
+    rows then rejected, and their input ids as the labels."""
+    cache = self.held_ref_logps(dataset)
+    totals, n, batch_size, aux, predicted = (
+        {},
+        len(dataset),
+        batch_size or self.args.per_device_eval_batch_size,
+        [],
+        [],
+    )
     with eval_mode(model):
         for i in range(0, n, batch_size):
             batch, pairs = self.encode(
@@ -784,9 +867,16 @@ def evaluate(
                 aux.append(stats.pop("aux_loss"))
             for k, v in {"loss": loss_sum / pairs, **stats}.items():
                 totals[k] = totals.get(k, 0.0) + v * pairs / n
+            if self.compute_metrics is not None:
+                predicted.append((full_logits(model, *batch[:2]).cpu(), batch[0]))
     # the host waits once per metric, not per batch
-    out = {f"eval_{k}": totals[k].item() for k in ("loss", "rewards/accuracies", "rewards/margins")}
-    return {**out, "eval_aux_loss": torch.stack(aux).mean().item()} if aux else out
+    out = {k: totals[k].item() for k in _EVAL_NAMES if k != "num_tokens"}
+    out["num_tokens"] = float(self.loop.state.num_tokens if hasattr(self, "loop") else 0)
+    if aux:
+        out["aux_loss"] = torch.stack(aux).mean().item()
+    if predicted:
+        out |= prediction_metrics(self.compute_metrics, predicted, self.preprocess_logits_for_metrics)
+    return out
 
 # %% ../nbs/09c_dpo.ipynb #d0005dac
 @patch
@@ -816,8 +906,13 @@ def train(
         self.ref_model.to(loop.device)
     if a.precompute_ref_log_probs and self.ref_logps is None:
         self.ref_logps = self.precompute_ref_logps(self.train_dataset, loop.device)
-        if self.eval_dataset is not None:
-            self.eval_ref_logps = self.precompute_ref_logps(self.eval_dataset, loop.device)
+        held = self.eval_dataset
+        if held is not None:
+            self.eval_ref_logps = (
+                {k: self.precompute_ref_logps(d, loop.device) for k, d in held.items()}
+                if isinstance(held, dict)
+                else self.precompute_ref_logps(held, loop.device)
+            )
         self.ref_model = None  # no longer needed: its memory goes back
     cache, token_ids = (
         self.ref_logps,

@@ -4,20 +4,24 @@
 
 # %% auto #0
 __all__ = ['StageConfig', 'pad_multiple', 'fit_to_context', 'within_context', 'chat_rows', 'render_sft', 'prompt_lengths',
-           'leave_out', 'drop_long_prompts', 'offloaded']
+           'leave_out', 'drop_long_prompts', 'offloaded', 'rows_of', 'train_rows', 'eval_sets', 'evaluate_each',
+           'eval_argument', 'prediction_metrics', 'full_logits', 'model_tokenizer']
 
 # %% ../nbs/05g_offline.ipynb #74a76ebe
-import contextlib, math, warnings
+import contextlib, math, os, warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from torch import Tensor, nn
-from transformers import PreTrainedModel
+from transformers import EvalPrediction, PreTrainedModel
+from transformers.trainer_pt_utils import nested_concat, nested_numpify
+from transformers.trainer_utils import denumpify_detensorize
 
 from .core import check_number
 from .data import apply_chat, chat_spans, is_conversational
+from .loading import load_tokenizer
 from .loop import TrainingConfig
 
 # %% ../nbs/05g_offline.ipynb #fbefa8bc
@@ -222,3 +226,139 @@ def offloaded(on: bool):
         if on
         else contextlib.nullcontext()
     )
+
+# %% ../nbs/05g_offline.ipynb #af809ba6
+def rows_of(
+    data,  # a 🤗 `Dataset`, a list of rows, an `IterableDataset`, or None
+    name: str,  # the argument's name, for messages
+    max_rows: int | None = None,  # read at most this many rows of a stream (None: all of it)
+):  # `data`, a stream read into a `Dataset`
+    """`data` as the trainers read it: an `IterableDataset` read into a `Dataset` (its first `max_rows` rows, or
+    all of them when the stream is shorter), anything else as it is."""
+    if not isinstance(data, IterableDataset):
+        return data
+    rows = [row for _, row in zip(range(max_rows) if max_rows is not None else iter(int, 1), data)]
+    if not rows:
+        raise ValueError(f"`{name}` is an empty stream")
+    return Dataset.from_list(rows)
+
+# %% ../nbs/05g_offline.ipynb #84b17144
+def train_rows(
+    data,  # the trainer's `train_dataset`
+    args: StageConfig,  # the stage's config: `max_steps` and the batch sizes
+    # processes of the run (None: the launcher's `WORLD_SIZE`, read before any process group starts)
+    num_processes: int | None = None,
+):  # `data`, a stream read into a `Dataset` of the rows `max_steps` steps read
+    """The training set as `rows_of` reads it: a stream needs `max_steps` (as 🤗's `Trainer` does), and gives
+    the rows of `max_steps` optimizer steps (fewer if it ends sooner: then the run makes several passes)."""
+    if not isinstance(data, IterableDataset):
+        return data
+    if not args.max_steps or args.max_steps < 0:
+        raise ValueError("`train_dataset` is an IterableDataset, which has no length: set `max_steps` > 0")
+    num_processes = num_processes or int(os.environ.get("WORLD_SIZE", "1"))
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes
+    return rows_of(data, "train_dataset", args.max_steps * per_step)
+
+# %% ../nbs/05g_offline.ipynb #89599d31
+def eval_sets(
+    data,  # the `eval_dataset` given: None, a set (a stream too), or a dict of sets (a `DatasetDict` too)
+    prepare,  # (data, name) -> the set as the trainer reads it
+):  # None, a prepared set, or {key: prepared set}
+    """A trainer's `eval_dataset` as it holds it: each set read (`rows_of`) and prepared, a dict set by set under
+    its keys (each named `eval_dataset[key]` in messages)."""
+    if data is None:
+        return None
+    if isinstance(data, dict):
+        return {
+            key: prepare(rows_of(d, f"eval_dataset[{key!r}]"), f"eval_dataset[{key!r}]")
+            for key, d in data.items()
+        }
+    return prepare(rows_of(data, "eval_dataset"), "eval_dataset")
+
+# %% ../nbs/05g_offline.ipynb #c7d41b2b
+def evaluate_each(
+    evaluate_one,  # (prepared set) -> {name: number}: one set's metrics, named without a prefix
+    given,  # `evaluate`'s `eval_dataset`: None (the held one), a set, a dict of sets, or a key of the held dict
+    held,  # the trainer's `eval_dataset`, prepared at construction (`eval_sets`)
+    prepare,  # (data, name) -> a prepared set, as the constructor prepares one
+    metric_key_prefix: str = "eval",  # 🤗's: the metrics are named `<prefix>_<name>`
+) -> dict:  # every set's metrics, prefixed
+    """🤗 `Trainer.evaluate`'s rules: the set given (prepared) or held; a dict evaluates each of its sets, their
+    metrics named `<prefix>_<key>_<name>`; a key of the held dict evaluates that set under `<prefix>`."""
+    if isinstance(given, str):
+        if not isinstance(held, dict) or given not in held:
+            raise ValueError(
+                f"`eval_dataset`={given!r} names no eval set: the trainer holds {list(held or [])}"
+            )
+        sets = {None: held[given]}
+    else:
+        sets = held if given is None else eval_sets(given, prepare)
+    if sets is None:
+        raise ValueError("there is no eval set: pass `eval_dataset` to the trainer or to `evaluate`")
+    out = {}
+    for key, data in (sets if isinstance(sets, dict) else {None: sets}).items():
+        prefix = metric_key_prefix if key is None else f"{metric_key_prefix}_{key}"
+        out |= {
+            k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in evaluate_one(data).items()
+        }
+    return out
+
+# %% ../nbs/05g_offline.ipynb #67adbed0
+def eval_argument(
+    eval_dataset,  # 🤗's first argument of `evaluate`
+    dataset=None,  # its old name here
+    ignore_keys: list | None = None,  # 🤗's: which outputs of a model `compute_metrics` leaves out
+):  # the set to evaluate (None: the trainer's)
+    """`evaluate`'s set: `eval_dataset`, or `dataset` (not both). A model in its place, which `evaluate`'s first
+    argument was here, and `ignore_keys` (the predictions are the logits alone) are refused in one line."""
+    if isinstance(eval_dataset, nn.Module):
+        raise TypeError("`evaluate`'s first argument is 🤗's `eval_dataset`: pass the model as `model=`")
+    if dataset is not None and eval_dataset is not None:
+        raise TypeError("`dataset` is the old name of `eval_dataset`: give only `eval_dataset`")
+    if ignore_keys is not None:
+        raise ValueError(
+            "`ignore_keys` picks among a model's outputs; the predictions here are the logits alone: leave it None"
+        )
+    return dataset if eval_dataset is None else eval_dataset
+
+# %% ../nbs/05g_offline.ipynb #8d8ced9e
+def prediction_metrics(
+    compute_metrics,  # 🤗's: (EvalPrediction) -> {name: number}
+    batches: list,  # (predictions, labels) of each evaluation batch, tensors (labels may be `()`: none)
+    # 🤗's: (predictions, labels) -> the predictions kept, for each batch (None: as they are)
+    preprocess=None,
+) -> dict:  # the metrics, plain numbers
+    """🤗's evaluation loop after the batches: each batch's predictions (through `preprocess`) and labels
+    concatenated along the batch (`nested_concat`, padded with -100), numpy arrays in an `EvalPrediction`,
+    `compute_metrics`' result as plain numbers (`denumpify_detensorize`)."""
+    predictions = labels = None
+    for p, l in batches:
+        p = p if preprocess is None else preprocess(p, l)
+        predictions = p if predictions is None else nested_concat(predictions, p, padding_index=-100)
+        labels = l if labels is None else nested_concat(labels, l, padding_index=-100)
+    found = compute_metrics(EvalPrediction(nested_numpify(predictions), nested_numpify(labels)))
+    return denumpify_detensorize(dict(found))
+
+# %% ../nbs/05g_offline.ipynb #17081b36
+def full_logits(
+    model: nn.Module,  # a 🤗 causal LM
+    ids: Tensor,  # (batch, seq) token ids
+    mask: Tensor,  # (batch, seq): 1 on the real tokens
+) -> Tensor:  # (batch, seq, vocab) logits, float32
+    """The logits at every position, which 🤗's `compute_metrics` receives as predictions: one more forward pass,
+    made only when `compute_metrics` is given (the losses read the loss tokens alone, `forward`)."""
+    device = next(model.parameters()).device
+    return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+
+# %% ../nbs/05g_offline.ipynb #4baa2d8e
+def model_tokenizer(
+    processing_class,  # the tokenizer given to the trainer, or None
+    model,  # the trainer's `model`: a name or path, a 🤗 model, or a module holding one (a peft model, `RewardModel`)
+    args=None,  # the trainer's config: `trust_remote_code`, `model_init_kwargs`' revision
+):  # the tokenizer, or None where none is given and the model names no checkpoint
+    """TRL's tokenizer: `processing_class` when given, else loaded from `model`'s name or path, or from the
+    checkpoint a model object was loaded from (`config._name_or_path`)."""
+    if processing_class is None and not isinstance(model, (str, os.PathLike)):
+        config = next((m.config for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+        model = getattr(config, "_name_or_path", "") or None
+    return processing_class if model is None else load_tokenizer(processing_class, model, args)

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['SFTConfig', 'RewardConfig', 'drop_long_pairs', 'set_chat_template', 'token_id', 'best_fit_bins', 'SFTTrainer',
-           'RewardTrainer']
+           'tokenized_rows', 'RewardTrainer']
 
 # %% ../nbs/06_sft.ipynb #f7d06a5c
 import bisect, contextlib, copy, math, os, warnings
@@ -31,7 +31,7 @@ from instruct_goose.agent import (
     router_aux_coef,
     router_aux_losses,
 )
-from .loading import from_pretrained_kwargs, load_model, load_tokenizer, with_peft
+from .loading import from_pretrained_kwargs, load_model, with_peft
 from .core import check_number
 from instruct_goose.data import (
     pad_id,
@@ -41,6 +41,7 @@ from instruct_goose.data import (
     chat_spans,
     encode_chat,
     encode_sft,
+    pad_rows,
     is_conversational,
     preference_dataset,
 )
@@ -53,11 +54,18 @@ from instruct_goose.offline import (
     StageConfig,
     chat_rows,
     drop_long_prompts,
+    eval_argument,
+    eval_sets,
+    evaluate_each,
     fit_to_context,
+    full_logits,
     leave_out,
+    model_tokenizer,
     offloaded,
     pad_multiple,
+    prediction_metrics,
     render_sft,
+    train_rows,
     within_context,
 )
 from .reward import RewardModel
@@ -225,7 +233,7 @@ class RewardConfig(StageConfig):
 
 # %% ../nbs/06_sft.ipynb #309a9658
 def drop_long_pairs(
-    pairs: Dataset,  # prompt, chosen, rejected as text (`preference_dataset`)
+    pairs: Dataset,  # prompt, chosen, rejected as text (`preference_dataset`), or chosen_ids, rejected_ids
     tokenizer,  # the reward model's tokenizer
     max_length: int | None,  # the longest sequence (None: every pair kept, TRL's "no filtering")
     name: str,  # the dataset's argument name, for messages
@@ -243,6 +251,9 @@ def drop_long_pairs(
     eos = tokenizer.eos_token if add_eos else None
 
     def lengths(column):
+        if f"{column}_ids" in pairs.column_names:
+            # TRL's tokenized pairs: as they are
+            return [len(ids) for ids in pairs[f"{column}_ids"]]
         texts = [p + c for p, c in zip(pairs["prompt"], pairs[column])]
         return [
             len(ids)
@@ -337,10 +348,11 @@ class SFTTrainer(Trainer):
         self,
         model: PreTrainedModel | str,  # a 🤗 causal LM, or its name/path
         args: SFTConfig | None = None,  # hyper-parameters; None: the defaults
-        # columns prompt + completion (text or messages), messages, or text (a Dataset or list of dicts)
+        # columns prompt + completion (text or messages), messages, text, or input_ids (TRL's tokenized rows):
+        # a Dataset, a list of dicts, or an IterableDataset (with `max_steps`)
         train_dataset=None,
-        eval_dataset=None,  # the same columns, for `eval_loss`
-        # the tokenizer (with a pad token); None: loaded from `model` when that is a name/path
+        eval_dataset=None,  # the same columns, for `eval_loss`; or a dict of such sets (`evaluate`)
+        # the tokenizer (with a pad token); None: loaded from `model`'s name/path or its checkpoint
         processing_class=None,
         # a peft config (e.g. `LoraConfig`): train adapters only, saved as peft's adapter
         peft_config=None,
@@ -350,13 +362,31 @@ class SFTTrainer(Trainer):
         optimizers=(None, None),
         # 🤗's: (optimizer class, its keyword arguments) instead of `args.optim`/`optim_args`
         optimizer_cls_and_kwargs=None,
+        # 🤗's: (EvalPrediction: the logits, the labels) -> {name: number}, joined to the eval metrics
+        compute_metrics=None,
+        # 🤗's: (logits, labels) -> what `compute_metrics` receives of each eval batch (None: the logits)
+        preprocess_logits_for_metrics=None,
+        # TRL's: (row) -> its text, trained on as a text row (`dataset_text_field`)
+        formatting_func=None,
         **renamed,  # the old names `config` and `tokenizer` (see `trainer_arguments`)
     ):
         a = trainer_arguments(SFTTrainer, dict(args=args, processing_class=processing_class), renamed)
         self.take_optimizers(optimizers, optimizer_cls_and_kwargs)
-        self.args, self.processing_class = a["args"], load_tokenizer(a["processing_class"], model, a["args"])
+        self.args, self.processing_class = a["args"], model_tokenizer(a["processing_class"], model, a["args"])
         if self.processing_class is None:
-            raise ValueError("`processing_class` (the tokenizer) is needed when `model` is not a name/path")
+            raise ValueError(
+                "`processing_class` (the tokenizer) is needed: `model` names no checkpoint to load it from"
+            )
+        self.compute_metrics, self.preprocess_logits_for_metrics = (
+            compute_metrics,
+            preprocess_logits_for_metrics,
+        )
+        self.formatting_func = formatting_func
+        if formatting_func is not None and self.args.completion_only_loss:
+            raise ValueError(
+                "`formatting_func` makes text rows, which have no completion: set `completion_only_loss` to None "
+                "or False (TRL 1.16 refuses it too)"
+            )
         if self.args.chat_template_path is not None:
             self.processing_class = set_chat_template(
                 copy.deepcopy(self.processing_class), self.args.chat_template_path
@@ -372,10 +402,9 @@ class SFTTrainer(Trainer):
         refuse_packed_aux(self.args.padding_free or self.args.packing, self.router_aux_loss_coef)
         self.eos_token_id = token_id(self.processing_class, self.args.eos_token, "eos_token")
         self.max_length = fit_to_context(self.args.max_length, self.model)
-        self.train_dataset, self.eval_dataset = (
-            None if data is None else self.rows(data, name)
-            for data, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset"))
-        )
+        train_dataset = train_rows(train_dataset, self.args)
+        self.train_dataset = None if train_dataset is None else self.rows(train_dataset, "train_dataset")
+        self.eval_dataset = eval_sets(eval_dataset, self.rows)
 
 # %% ../nbs/06_sft.ipynb #e552dcb4
 @patch
@@ -383,23 +412,106 @@ def rows(self: SFTTrainer, data, name: str) -> Dataset:
     """`data` as a Dataset of SFT rows (text in `dataset_text_field`, prompt/completion or conversations),
     without those whose prompt fills `max_length` when the loss is on the completion or the assistant's turns;
     with `shuffle_dataset`, shuffled with `seed` as TRL 1.16 shuffles them (before `pack`).
-    `assistant_only_loss` on rows that are not conversations is refused, as by TRL."""
+    `assistant_only_loss` on rows that are not conversations is refused, as by TRL. A `formatting_func` makes
+    each row's text first; tokenized rows (`input_ids`) are kept as they are, less those left with no loss token
+    within `max_length` (`tokenized_rows`)."""
     a = self.args
-    data = as_dataset(data, name, [("messages",), ("prompt", "completion"), (a.dataset_text_field,)])
+    data = self.formatted(data, name)
+    data = as_dataset(
+        data, name, [("messages",), ("prompt", "completion"), (a.dataset_text_field,), ("input_ids",)]
+    )
     columns = set(data.column_names)
-    if a.assistant_only_loss and not chat_rows(data[:1]):
+    if "input_ids" in columns:
+        data = self.kept_tokenized(data, name)
+    elif a.assistant_only_loss and not chat_rows(data[:1]):
         raise ValueError(
             f"`assistant_only_loss=True` needs conversations (`messages`, or `prompt`/`completion` as "
             f"messages); "
             f"`{name}` holds text: set it False"
         )
-    after_prompt = (
+    after_prompt = "input_ids" not in columns and (
         a.assistant_only_loss
         if "messages" in columns
         else "prompt" in columns and a.completion_only_loss is not False
     )
     data = drop_long_prompts(data, self.processing_class, self.max_length, name) if after_prompt else data
     return data.shuffle(seed=a.seed) if a.shuffle_dataset else data
+
+# %% ../nbs/06_sft.ipynb #28037cb8
+@patch
+def formatted(self: SFTTrainer, data, name: str):
+    """TRL's `formatting_func`: each row's text (`formatting_func(row)`, a str) in the `dataset_text_field`
+    column, the row's other columns left out; `data` as it is without one."""
+    f, field = self.formatting_func, self.args.dataset_text_field
+    if f is None:
+        return data
+    data = Dataset.from_list(data) if isinstance(data, list) else data
+    if "input_ids" in data.column_names:
+        raise ValueError(f"`formatting_func`: `{name}` is tokenized already (`input_ids`): drop one of them")
+
+    def text(row):
+        made = f(row)
+        if not isinstance(made, str):
+            raise ValueError(
+                f"`formatting_func` must return one text (a str) per row; got a {type(made).__name__}"
+            )
+        return {field: made}
+
+    return data.map(text, remove_columns=data.column_names, keep_in_memory=True)
+
+# %% ../nbs/06_sft.ipynb #315dc3f7
+def tokenized_rows(
+    # TRL's tokenized SFT rows: input_ids, and perhaps labels (-100: no loss), assistant_masks,
+    # completion_mask, attention_mask (all ones: rows come unpadded)
+    rows: dict,
+    pad_token_id: int,  # the pad id
+    max_length: int | None = None,  # keep each row's first this many tokens (None: all)
+    # the loss on `completion_mask`'s tokens only (TRL's `completion_only_loss=True`; its None is False here)
+    completion_only: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:  # (ids, mask, loss_mask), right-padded
+    """Tokenized rows as TRL 1.16's SFT reads them: the loss on every token but the first, or where `labels` is
+    not -100; else cut to `assistant_masks` and (with `completion_only`) `completion_mask`; then the first
+    `max_length` tokens kept (TRL's `keep_start`)."""
+    seqs, losses = [], []
+    for i, ids in enumerate(rows["input_ids"]):
+        if "attention_mask" in rows and 0 in rows["attention_mask"][i]:
+            raise ValueError(
+                "`attention_mask` has a 0: give each row's tokens unpadded (TRL pads them itself)"
+            )
+        if "labels" in rows:
+            labels = rows["labels"][i]
+            if any(t != -100 and t != token for t, token in zip(labels, ids)):
+                raise ValueError(
+                    "`labels` must be -100 or the row's own token at each position (the loss is on them)"
+                )
+            loss = [t != -100 for t in labels]
+        else:
+            columns = ("assistant_masks",) + ("completion_mask",) * completion_only
+            masks = [rows[c][i] for c in columns if c in rows]
+            loss = [all(m[j] for m in masks) for j in range(len(ids))]
+        # nothing predicts a row's first token
+        seqs.append(list(ids)[:max_length])
+        losses.append([False] + list(loss)[1 : len(seqs[-1])])
+    ids, mask = pad_rows(seqs, pad_token_id, "right")
+    loss_mask = pad_rows([[int(b) for b in row] for row in losses], 0, "right")[0].bool()
+    return ids, mask, loss_mask
+
+# %% ../nbs/06_sft.ipynb #356ba4f0
+@patch
+def kept_tokenized(self: SFTTrainer, data: Dataset, name: str) -> Dataset:
+    """Tokenized rows less those with no loss token within `max_length`, with a warning naming them (TRL 1.16
+    drops them too); `assistant_only_loss` and `formatting_func` on tokenized rows are refused."""
+    if self.args.assistant_only_loss and "assistant_masks" not in data.column_names:
+        raise ValueError(
+            f"`assistant_only_loss=True`: `{name}` is tokenized; give its `assistant_masks` column"
+        )
+    per, empty = 1000, []
+    for start in range(0, len(data), per):
+        counts = self.encode(data[start : start + per])[0][2].sum(1).tolist()
+        empty += [start + i for i, n in enumerate(counts) if n == 0]
+    return leave_out(
+        data, empty, name, f"no row of `{name}` has a loss token", "rows have no loss token within max_length"
+    )
 
 # %% ../nbs/06_sft.ipynb #24e31a5c
 _PACKED_TOGETHER = 1000  # rows TRL 1.16 packs together (`pack_dataset` maps in 🤗 datasets' batches of 1,000)
@@ -426,11 +538,15 @@ def pack(
 # %% ../nbs/06_sft.ipynb #2f427c3e
 @patch
 def encode(self: SFTTrainer, rows: dict) -> tuple[tuple[Tensor, Tensor, Tensor], int]:
-    """((ids, mask, loss_mask), number of loss tokens) for a batch of rows (dict of column lists): conversations
-    through the chat template; the loss where `completion_only_loss` and `assistant_only_loss` put it; the
-    width a multiple of `pad_to_multiple_of`."""
+    """((ids, mask, loss_mask), number of loss tokens) for a batch of rows (dict of column lists): tokenized rows
+    as `tokenized_rows` reads them; conversations through the chat template; the loss where
+    `completion_only_loss` and `assistant_only_loss` put it; the width a multiple of `pad_to_multiple_of`."""
     a, tok = self.args, self.processing_class
-    if chat_rows(rows):
+    if "input_ids" in rows:
+        ids, mask, loss_mask = tokenized_rows(
+            rows, pad_id(tok), self.max_length, a.completion_only_loss is True
+        )
+    elif chat_rows(rows):
         ids, mask, loss_mask = encode_chat(
             tok,
             *render_sft(tok, rows, a.completion_only_loss is not False, a.assistant_only_loss),
@@ -498,32 +614,65 @@ def batch_loss(self: SFTTrainer, model: nn.Module, rows: dict) -> Tensor:
 @patch
 @torch.no_grad()
 def evaluate(
-    self: SFTTrainer, model: nn.Module | None = None, dataset=None, batch_size: int | None = None
+    self: SFTTrainer,
+    # 🤗's: a set (prepared as the constructor prepares one), a dict of sets, or a key of the held dict; None:
+    # the eval set
+    eval_dataset=None,
+    ignore_keys: list[str] | None = None,  # 🤗's; refused unless None (`eval_argument`)
+    metric_key_prefix: str = "eval",  # 🤗's: the metrics are named `<prefix>_<name>`
+    *,
+    model: nn.Module | None = None,  # the model to evaluate (None: the trainer's)
+    dataset=None,  # the old name of `eval_dataset`
+    batch_size: int | None = None,  # rows per forward pass (None: `per_device_eval_batch_size`)
 ) -> dict:
-    """`eval_loss`, and TRL's `eval_entropy` and `eval_mean_token_accuracy`: per token over all of `dataset`
-    (default: the eval set), as floats; `batch_size` None: `per_device_eval_batch_size`; padding-free with
-    `eval_packing` (None: `packing`) or `padding_free`, the same numbers. A mixture-of-experts model with the
-    load-balancing loss on: `eval_aux_loss` too, the mean over batches (TRL adds c × it to its `eval_loss`;
-    here `eval_loss` stays the NLL)."""
-    model, dataset, batch_size = (
-        model or self.model,
-        dataset or self.eval_dataset,
-        batch_size or self.args.per_device_eval_batch_size,
+    """🤗's `evaluate` (`evaluate_each`: a dict of sets gives `eval_<key>_<name>`): per set, `eval_loss`, and
+    TRL's `eval_entropy`, `eval_mean_token_accuracy` and `eval_num_tokens` (`eval_metrics`), with what
+    `compute_metrics` returns."""
+    return evaluate_each(
+        lambda data: self.eval_metrics(data, model or self.model, batch_size),
+        eval_argument(eval_dataset, dataset, ignore_keys),
+        self.eval_dataset,
+        self.rows,
+        metric_key_prefix,
     )
-    a = self.args
+
+# %% ../nbs/06_sft.ipynb #2761a60a
+@patch
+def eval_metrics(
+    self: SFTTrainer,
+    dataset: Dataset,  # SFT rows as the trainer holds them (`rows`)
+    model: nn.Module,  # the model to evaluate
+    batch_size: int | None = None,  # rows per forward pass (None: `per_device_eval_batch_size`)
+) -> dict:  # {name: float}, named without a prefix
+    """`loss`, `entropy`, `mean_token_accuracy`: per token over all of `dataset`; padding-free with `eval_packing`
+    (None: `packing`) or `padding_free`, the same numbers. TRL's `num_tokens`: the tokens trained on so far. A
+    mixture-of-experts model with the load-balancing loss on: `aux_loss` too, the mean over batches (TRL adds
+    c × it to its `eval_loss`; here `eval_loss` stays the NLL). With `compute_metrics`: its metrics, from TRL
+    1.16's `EvalPrediction`: the logits at every position, and labels the ids where the loss reads them, -100
+    elsewhere."""
+    a, batch_size = self.args, batch_size or self.args.per_device_eval_batch_size
     packed = (a.packing if a.eval_packing is None else a.eval_packing) or a.padding_free
-    sums, n_tokens, aux = {"eval_loss": 0.0, "eval_entropy": 0.0, "eval_mean_token_accuracy": 0.0}, 0, []
-    with eval_mode(model):
+    sums, n_tokens, aux, predicted = {"loss": 0.0, "entropy": 0.0, "mean_token_accuracy": 0.0}, 0, [], []
+    with torch.no_grad(), eval_mode(model):
         for i in range(0, len(dataset), batch_size):
             batch, n = self.encode(dataset[i : i + batch_size])
             with router_aux_losses(model, self.router_aux_loss_coef > 0) as found:
                 loss, stats = self.nll_sum(model, batch, packed, stats=True)
-            for name, total in (("eval_loss", loss), *((f"eval_{k}", v * n) for k, v in stats.items())):
+            for name, total in (("loss", loss), *((k, v * n) for k, v in stats.items())):
                 sums[name] += total.item()
             n_tokens, aux = n_tokens + n, aux + found
+            if self.compute_metrics is not None:
+                ids, mask, loss_mask = batch
+                predicted.append((full_logits(model, ids, mask).cpu(), torch.where(loss_mask, ids, -100)))
     return {
         **{name: total / n_tokens for name, total in sums.items()},
-        **({"eval_aux_loss": torch.stack(aux).mean().item()} if aux else {}),
+        "num_tokens": float(self.loop.state.num_tokens if hasattr(self, "loop") else 0),
+        **({"aux_loss": torch.stack(aux).mean().item()} if aux else {}),
+        **(
+            prediction_metrics(self.compute_metrics, predicted, self.preprocess_logits_for_metrics)
+            if predicted
+            else {}
+        ),
     }
 
 # %% ../nbs/06_sft.ipynb #9d93dcd1
@@ -603,7 +752,8 @@ def _reward_model(model, tokenizer, seed: int, **from_pretrained_kwargs) -> Rewa
         model = RewardModel(model.model, tokenizer=tokenizer)
     if model.tokenizer is None:
         raise ValueError(
-            "`processing_class` (the tokenizer) is needed to read the pairs when `model` is not a name/path"
+            "`processing_class` (the tokenizer) is needed to read the pairs: `model` names no checkpoint to load "
+            "it from"
         )
     return model
 
@@ -637,10 +787,14 @@ class RewardTrainer(Trainer):
         # a `RewardModel`, a 🤗 sequence classifier or causal LM (its trunk), or a name/path
         model: RewardModel | PreTrainedModel | str,
         args: RewardConfig | None = None,  # hyper-parameters; None: the defaults
-        # pairs: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or conversations
+        # pairs: prompt, chosen, rejected; or chosen, rejected (implicit prompt); text or conversations; or
+        # TRL's tokenized chosen_ids, rejected_ids. A Dataset, a list of dicts, or an IterableDataset (with
+        # `max_steps`)
         train_dataset=None,
-        eval_dataset=None,  # the same columns, for `eval_loss` and `eval_accuracy`
-        # the tokenizer that reads the pairs; None: the `RewardModel`'s own, or loaded from a name/path
+        # the same columns, for `eval_loss`, `eval_accuracy` and TRL's others; or a dict of such sets
+        eval_dataset=None,
+        # the tokenizer that reads the pairs; None: the `RewardModel`'s own, or loaded from `model`'s name/path
+        # or its checkpoint
         processing_class=None,
         # a peft config (e.g. `LoraConfig`): adapters and the whole score head trained, saved as peft's
         # adapter
@@ -651,6 +805,10 @@ class RewardTrainer(Trainer):
         optimizers=(None, None),
         # 🤗's: (optimizer class, its keyword arguments) instead of `args.optim`/`optim_args`
         optimizer_cls_and_kwargs=None,
+        # 🤗's: (EvalPrediction: the rewards, no labels) -> {name: number}, joined to the eval metrics
+        compute_metrics=None,
+        # 🤗's: (rewards, labels) -> what `compute_metrics` receives of each eval batch (None: the rewards)
+        preprocess_logits_for_metrics=None,
         **renamed,  # the old names `config` and `tokenizer` (see `trainer_arguments`)
     ):
         a = trainer_arguments(RewardTrainer, dict(args=args, processing_class=processing_class), renamed)
@@ -662,9 +820,11 @@ class RewardTrainer(Trainer):
                 "`model_init_kwargs` is read when `model` is a name or path; this `model` is made already: "
                 "drop it"
             )
+        given = a["processing_class"]
+        own = isinstance(model, RewardModel) and model.tokenizer is not None
         self.reward_model = _reward_model(
             model,
-            load_tokenizer(a["processing_class"], model, c),
+            given if own else model_tokenizer(given, model, c),
             c.seed,
             **(from_pretrained_kwargs(c) if by_name else {}),
         )
@@ -678,19 +838,14 @@ class RewardTrainer(Trainer):
         if peft_config is not None:
             _classifier_adapters(self.reward_model, peft_config)
         self.callbacks, self.loss_fn = callbacks, PairwiseLoss()
+        self.compute_metrics, self.preprocess_logits_for_metrics = (
+            compute_metrics,
+            preprocess_logits_for_metrics,
+        )
         self.max_length = fit_to_context(self.args.max_length, self.reward_model)
-        tok = self.reward_model.tokenizer
-        rows = lambda data, name: drop_long_pairs(
-            preference_dataset(data, name, tok),
-            tok,
-            self.max_length,
-            name,
-            not is_conversational(data[0]["chosen"]),
-        )
-        self.train_dataset, self.eval_dataset = (
-            None if data is None else rows(data, name)
-            for data, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset"))
-        )
+        train_dataset = train_rows(train_dataset, c)
+        self.train_dataset = None if train_dataset is None else self.pairs(train_dataset, "train_dataset")
+        self.eval_dataset = eval_sets(eval_dataset, self.pairs)
 
     def model_to_save(self) -> RewardModel:
         "The reward model: a 🤗 classifier, its tokenizer beside it (`save_model`, as TRL's)."
@@ -701,20 +856,56 @@ class RewardTrainer(Trainer):
         "The 🤗 classifier inside `reward_model`, TRL's `trainer.model`."
         return self.reward_model.model
 
+# %% ../nbs/06_sft.ipynb #6d1f2f1b
+_OLD_TOKEN_COLUMNS = {"chosen_input_ids": "chosen_ids", "rejected_input_ids": "rejected_ids"}
+
+
+@patch
+def pairs(self: RewardTrainer, data, name: str) -> Dataset:
+    """`data` as the trainer reads it: text pairs as `preference_dataset` gives them, or TRL's tokenized pairs
+    (`chosen_ids`, `rejected_ids`; its old names `chosen_input_ids`, `rejected_input_ids` renamed, with TRL's
+    `FutureWarning`), without the pairs longer than `max_length` (`drop_long_pairs`)."""
+    data = Dataset.from_list(data) if isinstance(data, list) and data else data
+    if isinstance(data, Dataset) and set(_OLD_TOKEN_COLUMNS) <= set(data.column_names):
+        warnings.warn(
+            "`chosen_input_ids`/`rejected_input_ids` are TRL's old names and will not be supported in v1: name "
+            "them `chosen_ids`/`rejected_ids`",
+            FutureWarning,
+        )
+        data = data.rename_columns(_OLD_TOKEN_COLUMNS)
+    tok = self.reward_model.tokenizer
+    tokenized = isinstance(data, Dataset) and {"chosen_ids", "rejected_ids"} <= set(data.column_names)
+    pairs = data if tokenized else preference_dataset(data, name, tok)
+    return drop_long_pairs(
+        pairs, tok, self.max_length, name, not tokenized and not is_conversational(data[0]["chosen"])
+    )
+
 # %% ../nbs/06_sft.ipynb #67a9f0f0
 @patch
 def pair_scores(
     self: RewardTrainer,
     model: nn.Module,  # the reward model being trained (or evaluated)
-    rows: dict,  # a batch of pairs: prompt, chosen, rejected
+    rows: dict,  # a batch of pairs: prompt, chosen, rejected (text), or chosen_ids, rejected_ids
     tokens: list | None = None,  # if given, the batch's real tokens (chosen and rejected) are appended to it
 ) -> tuple[Tensor, Tensor]:  # (the chosen completions' scores, the rejected ones')
     "Scores of the chosen and the rejected completions of a batch of rows, in one forward pass."
-    texts = [p + c for p, c in zip(rows["prompt"], rows["chosen"])] + [
-        p + r for p, r in zip(rows["prompt"], rows["rejected"])
-    ]
-    # the pairs kept (`drop_long_pairs`) fit: nothing is cut
-    ids, mask = self.reward_model.encode(texts, self.max_length)
+    if "chosen_ids" in rows:
+        # TRL's tokenized pairs, as they are (`drop_long_pairs` kept those that fit)
+        ids, mask = pad_rows(
+            [*rows["chosen_ids"], *rows["rejected_ids"]], pad_id(self.reward_model.tokenizer), "right"
+        )
+        ids, mask = (
+            ids.to(self.reward_model.head.weight.device),
+            mask.to(self.reward_model.head.weight.device),
+        )
+        if self.max_length is None:
+            within_context(mask, self.reward_model)
+    else:
+        texts = [p + c for p, c in zip(rows["prompt"], rows["chosen"])] + [
+            p + r for p, r in zip(rows["prompt"], rows["rejected"])
+        ]
+        # the pairs kept (`drop_long_pairs`) fit: nothing is cut
+        ids, mask = self.reward_model.encode(texts, self.max_length)
     # after the text, wherever the tokenizer put its own pads
     ids, mask = pad_to_multiple(
         self.args.pad_to_multiple_of, (ids, pad_id(self.reward_model.tokenizer)), (mask, 0)
@@ -722,7 +913,7 @@ def pair_scores(
     if tokens is not None:
         tokens.append(mask.sum())
     scores = model(ids, mask)
-    return scores[: len(rows["prompt"])], scores[len(rows["prompt"]) :]
+    return scores.chunk(2)
 
 # %% ../nbs/06_sft.ipynb #8ea0f629
 @patch
@@ -775,8 +966,14 @@ from .reward_eval import PairScores, completion_lengths, report_table, reward_re
 @torch.no_grad()
 def evaluate(
     self: RewardTrainer,
+    # 🤗's: a set (prepared as the constructor prepares one), a dict of sets, or a key of the held dict; None:
+    # the eval set
+    eval_dataset=None,
+    ignore_keys: list[str] | None = None,  # 🤗's; refused unless None (`eval_argument`)
+    metric_key_prefix: str = "eval",  # 🤗's: the metrics are named `<prefix>_<name>`
+    *,
     model: nn.Module | None = None,  # the reward model (None: the trainer's)
-    dataset=None,  # pairs as the trainer holds them (None: the eval set)
+    dataset=None,  # the old name of `eval_dataset`
     batch_size: int | None = None,  # pairs per forward pass (None: `per_device_eval_batch_size`)
     # also the whole `reward_report`: printed as a rich table and appended to `output_dir/metrics.jsonl`
     report: bool = False,
@@ -785,15 +982,40 @@ def evaluate(
     # with `report`: accuracy per group of this column, when the pairs have it
     category_column: str = "category",
 ) -> dict:
-    """`eval_loss` and `eval_accuracy` on `dataset` (default: the eval set), as floats; with `report`, every
+    """🤗's `evaluate` (`evaluate_each`: a dict of sets gives `eval_<key>_<name>`): per set, TRL 1.16's
+    `eval_loss`, `eval_accuracy`, `eval_margin`, `eval_min_reward`, `eval_mean_reward`, `eval_max_reward`,
+    `eval_num_tokens` (`eval_metrics`) as floats, with what `compute_metrics` returns; with `report`, every
     quantity of `reward_report`, prefixed `eval_`."""
     if gold is not None and not report:
         raise ValueError("`gold` is read only by the report: pass report=True with it")
-    model, dataset, batch_size = (
-        model or self.reward_model,
-        dataset or self.eval_dataset,
-        batch_size or self.args.per_device_eval_batch_size,
+    return evaluate_each(
+        lambda data: self.eval_metrics(
+            data, model or self.reward_model, batch_size, report, gold, category_column
+        ),
+        eval_argument(eval_dataset, dataset, ignore_keys),
+        self.eval_dataset,
+        self.pairs,
+        metric_key_prefix,
     )
+
+# %% ../nbs/06_sft.ipynb #265ca343
+@patch
+@torch.no_grad()
+def eval_metrics(
+    self: RewardTrainer,
+    dataset: Dataset,  # pairs as the trainer holds them (`pairs`)
+    model: nn.Module,  # the reward model
+    batch_size: int | None = None,  # pairs per forward pass (None: `per_device_eval_batch_size`)
+    report: bool = False,  # also the whole `reward_report` (see `evaluate`)
+    gold=None,  # with `report`: a gold judge
+    category_column: str = "category",  # with `report`: accuracy per group of this column
+) -> dict:  # {name: float}, named without a prefix
+    """TRL 1.16's reward metrics over all of `dataset`: `loss`, `accuracy`, `margin` (r_c − r_r) and
+    `min_reward`, `mean_reward`, `max_reward` over every pair at once (TRL averages its batches' values: the same
+    when one batch holds them all), `num_tokens` (the tokens trained on so far). With `compute_metrics`: its
+    metrics, from TRL 1.16's `EvalPrediction`: each batch's rewards, (2·batch, 1), chosen then rejected, and no
+    labels (`()`)."""
+    batch_size = batch_size or self.args.per_device_eval_batch_size
     with eval_mode(model):
         pairs = [
             self.pair_scores(model, dataset[i : i + batch_size]) for i in range(0, len(dataset), batch_size)
@@ -805,9 +1027,23 @@ def evaluate(
     loss = self.pair_loss(
         chosen, rejected, _margins({k: dataset[k] for k in ["margin"] if k in dataset.column_names}, chosen)
     )
-    out = {"eval_loss": loss.item(), "eval_accuracy": pairwise_accuracy(chosen, rejected).item()}
+    both = torch.cat([chosen, rejected])
+    out = {
+        "loss": loss.item(),
+        "accuracy": pairwise_accuracy(chosen, rejected).item(),
+        "margin": (chosen - rejected).mean().item(),
+        "min_reward": both.min().item(),
+        "mean_reward": both.mean().item(),
+        "max_reward": both.max().item(),
+        "num_tokens": float(self.loop.state.num_tokens if hasattr(self, "loop") else 0),
+    }
+    if self.compute_metrics is not None:
+        batches = [(torch.cat([c, r]).float().cpu()[:, None], ()) for c, r in pairs]
+        out |= prediction_metrics(self.compute_metrics, batches, self.preprocess_logits_for_metrics)
     if not report:
         return out
+    if "chosen" not in dataset.column_names:
+        raise ValueError("`report=True` reads the pairs' texts; these pairs are tokenized (chosen_ids)")
     length = lambda column: completion_lengths(dataset[column], self.processing_class)
     groups = list(dataset[category_column]) if category_column in dataset.column_names else None
     golds = (
@@ -816,14 +1052,14 @@ def evaluate(
         else (None, None)
     )
     out |= reward_report(
-        PairScores(chosen, rejected, length("chosen"), length("rejected"), groups, *golds), prefix="eval_"
+        PairScores(chosen, rejected, length("chosen"), length("rejected"), groups, *golds), prefix=""
     )
     step = self.loop.state.step if hasattr(self, "loop") else 0
     if PartialState().is_main_process:
-        Console().print(report_table(out))
+        Console().print(report_table({f"eval_{k}": v for k, v in out.items()}))
         Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
         with open(Path(self.args.output_dir) / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **out}) + "\n")
+            f.write(json.dumps({"step": step, **{f"eval_{k}": v for k, v in out.items()}}) + "\n")
     return out
 
 # %% ../nbs/06_sft.ipynb #f779c18c

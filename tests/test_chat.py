@@ -226,7 +226,8 @@ def test_trainers_take_trl_keywords_and_refuse_the_old_order(tmp_path):
     with pytest.raises(
         TypeError,
         match=r"the arguments are SFTTrainer\(model, args, train_dataset, eval_dataset, processing_class, "
-        r"peft_config, callbacks, optimizers, optimizer_cls_and_kwargs\)",
+        r"peft_config, callbacks, optimizers, optimizer_cls_and_kwargs, compute_metrics, "
+        r"preprocess_logits_for_metrics, formatting_func\)",
     ):
         SFTTrainer(model, tok, config, rows)
     with pytest.raises(TypeError, match="`config` is the old name of `args`"):

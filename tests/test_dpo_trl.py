@@ -358,3 +358,60 @@ def test_every_field_trl_adds_is_taken_or_refused_by_name():
         taken.append(name)
     assert set(refused) == REFUSED, refused
     print(f"taken {len(taken)}, refused {len(refused)}: {refused}")
+
+
+def test_evaluate_gives_trls_twelve_metrics_and_eval_prediction(tmp_path):
+    """TRL 1.16's `DPOTrainer.evaluate()` and ours on the same policy, reference and pairs, in two batches of two
+    (TRL's mean over batches is then ours over pairs): its 12 evaluation metrics to float32 error, and the
+    `EvalPrediction` its `compute_metrics` receives (each batch's logits, chosen rows then rejected, and their
+    input ids) the same arrays."""
+    import numpy as np
+
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    tok = task_tokenizer()
+    policy, ref = tiny_causal_lm(tok, seed=0), tiny_causal_lm(tok, seed=1)
+    data, seen = Dataset.from_list(PAIRS), {}
+    metrics = lambda side: lambda p: seen.__setitem__(side, p) or {"my_metric": 0.5}
+    args = TRLDPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        report_to="none",
+        max_length=256,
+        per_device_eval_batch_size=2,
+    )
+    theirs = TRLDPOTrainer(
+        copy.deepcopy(policy),
+        ref_model=copy.deepcopy(ref),
+        args=args,
+        train_dataset=data,
+        eval_dataset=data,
+        processing_class=tok,
+        compute_metrics=metrics("trl"),
+    )
+    ours = DPOTrainer(
+        copy.deepcopy(policy),
+        copy.deepcopy(ref),
+        DPOConfig(output_dir=str(tmp_path / "ours"), max_length=256, per_device_eval_batch_size=2),
+        tok,
+        data,
+        data,
+        compute_metrics=metrics("ours"),
+    )
+    with pytest.warns(FutureWarning):  # TRL 1.16 deprecates the logits it passes to `compute_metrics`
+        trl_metrics = theirs.evaluate()
+    our_metrics = ours.evaluate()
+    names = [
+        k
+        for k in trl_metrics
+        if k not in ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch")
+    ]
+    assert len(names) == 13 and set(names) == set(our_metrics), (names, sorted(our_metrics))
+    for name in names:
+        assert our_metrics[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-6), name
+    # the policy differs from its reference: the rewards are not all 0
+    assert abs(our_metrics["eval_rewards/margins"]) > 1e-3
+    np.testing.assert_allclose(seen["ours"].predictions, seen["trl"].predictions, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(seen["ours"].label_ids, seen["trl"].label_ids)
