@@ -91,6 +91,7 @@ def main():
     p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl", "trl_pos"],
                    help="run in this order each repetition; trl_pos: TRL scoring at mask positions (`mask_positions`)")
     p.add_argument("--save", help="write the per-run results to this JSON file")
+    p.add_argument("--seed0", type=int, default=0, help="repetition r runs seed SEED0 + r on both sides")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -108,11 +109,11 @@ def main():
         for rep in range(a.reps):
             for side in a.sides:   # alternating: a slow patch of the machine hits both sides
                 cmd = [sys.executable, __file__, "--child", side, model_dir, "--steps", str(a.steps), "--lr", str(a.lr),
-                       "--seed", str(rep)]
+                       "--seed", str(a.seed0 + rep)]
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode: sys.exit(f"{side} failed:\n{out.stderr[-4000:]}")
                 r = json.loads(out.stdout.strip().splitlines()[-1]); res[side].append(r)
-                print(f"rep {rep} (seed {rep}) {side:<7}: {r['cps']:.1f} completions/s ({r['cps_cpu']:.1f}/CPU-s), "
+                print(f"rep {rep} (seed {a.seed0 + rep}) {side:<7}: {r['cps']:.1f} completions/s ({r['cps_cpu']:.1f}/CPU-s), "
                       f"{r['wall']:.1f} s, load {os.getloadavg()[0]:.1f}, peak RSS {r['peak_rss_mib']:.0f} MiB, reward first "
                       f"{FIRST} {statistics.mean(r['rewards'][:FIRST]):.3f} last {a.last} "
                       f"{statistics.mean(r['rewards'][-a.last:]):.3f}", flush=True)
@@ -121,7 +122,7 @@ def main():
 
     print(f"\nTRL {trl.__version__}, transformers {transformers.__version__}; {a.steps} steps of {PROMPTS_PER_STEP} prompts x "
           f"G={G}, max_completion_length {COMPLETION_LENGTH}, loss_type dapo, beta 0, num_iterations 1, lr {a.lr} (linear), "
-          f"seeds 0..{a.reps - 1}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\nlibrary: {before}"
+          f"seeds {a.seed0}..{a.seed0 + a.reps - 1}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\nlibrary: {before}"
           + ("" if after == before else f"\nWARNING: the library changed during the run, now {after}"))
     print(f"{'side':<6}{'compl/s median':>16}{'(min-max)':>16}{'compl/CPU-s':>13}{'peak RSS MiB':>14}"
           f"{f'reward first {FIRST}':>18}{f'reward last {a.last}':>18}")

@@ -145,11 +145,11 @@ def run_all(a, model_dir):
     for rep in range(a.reps):
         for side in a.sides:
             cmd = [sys.executable, __file__, "--child", side, model_dir, "--steps", str(a.steps), "--lr", str(a.lr),
-                   "--seed", str(rep)]
+                   "--seed", str(a.seed0 + rep)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode: sys.exit(f"{side} failed:\n{out.stderr[-4000:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1]); res[side].append(r)
-            print(f"rep {rep} (seed {rep}) {side:<7}: {r['cps']:.1f} completions/s ({r['cps_cpu']:.1f}/CPU-s), "
+            print(f"rep {rep} (seed {a.seed0 + rep}) {side:<7}: {r['cps']:.1f} completions/s ({r['cps_cpu']:.1f}/CPU-s), "
                   f"{r['wall']:.1f} s, load {os.getloadavg()[0]:.1f}, peak RSS "
                   f"{r['peak_rss_mib']:.0f} MiB, reward first {FIRST} {statistics.mean(r['rewards'][:FIRST]):.3f} "
                   f"last {a.last} {statistics.mean(r['rewards'][-a.last:]):.3f}", flush=True)
@@ -230,6 +230,7 @@ def main():
                    help="run in this order each repetition; trl_pos: TRL scoring at mask positions (`mask_positions`)")
     p.add_argument("--save", help="write the per-run results (per-step rewards and times) to this JSON file")
     p.add_argument("--report", help="only print the tables from a file written by --save")
+    p.add_argument("--seed0", type=int, default=0, help="repetition r runs seed SEED0 + r on both sides")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # set per child: repetition r uses seed r
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -254,7 +255,7 @@ def measure(a):
         after = library_fingerprint()
     meta = (f"TRL {trl.__version__}, transformers {transformers.__version__}; {a.steps} steps of {PROMPTS_PER_STEP} "
             f"prompts x k={K}, response {RESPONSE_LENGTH} tokens, lr {a.lr} (linear decay), KL coef {KL_COEF}, "
-            f"{EPOCHS} epoch, seeds 0..{a.reps - 1}, torch threads via OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+            f"{EPOCHS} epoch, seeds {a.seed0}..{a.seed0 + a.reps - 1}, torch threads via OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
             f"\nlibrary: {before}" + ("" if after == before else f"\nWARNING: the library changed during the run, now {after}"))
     return meta, res
 
