@@ -19,7 +19,7 @@ import argparse, json, os, resource, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rloo_vs_trl import library_fingerprint, quiet, se_of_difference  # noqa: E402
+from rloo_vs_trl import library_fingerprint, mask_positions, quiet, se_of_difference  # noqa: E402
 
 PROMPTS_PER_STEP, G, COMPLETION_LENGTH = 4, 4, 32
 FIRST = 5
@@ -44,7 +44,7 @@ def make_ours(model_dir, out_dir, steps, lr, seed):
                        train_dataset=load_task("prompts"), processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
-def make_trl(model_dir, out_dir, steps, lr, seed):
+def make_trl(model_dir, out_dir, steps, lr, seed, positions=False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
     from instruct_goose import load_task
@@ -55,7 +55,8 @@ def make_trl(model_dir, out_dir, steps, lr, seed):
                       temperature=1.0, top_p=1.0, top_k=0, disable_dropout=True, max_grad_norm=1.0,
                       lr_scheduler_type="linear", disable_tqdm=True, dataloader_num_workers=0,
                       **({} if os.environ.get("TRL_DEFAULTS") else dict(bf16=False, gradient_checkpointing=False)))   # TRL 1.x: both on by default, even on the CPU; ours: float32, no checkpointing
-    return GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=length_reward, args=args,
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return GRPOTrainer(model=mask_positions(model) if positions else model, reward_funcs=length_reward, args=args,
                        train_dataset=load_task("prompts"), processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
@@ -63,7 +64,8 @@ def child(side, model_dir, steps, lr, seed):
     "Train one side; print one JSON line with wall time, completions/s, per-step rewards and times, peak RSS."
     quiet()
     with tempfile.TemporaryDirectory() as out:
-        tr = (make_ours if side == "ours" else make_trl)(model_dir, out, steps, lr, seed)
+        tr = make_ours(model_dir, out, steps, lr, seed) if side == "ours" else \
+            make_trl(model_dir, out, steps, lr, seed, positions=side == "trl_pos")
         CALLS.clear()
         c0, t0 = time.process_time(), time.perf_counter()
         tr.train()
@@ -86,7 +88,10 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--last", type=int, default=10, help="final reward = mean over the last LAST steps")
+    p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl", "trl_pos"],
+                   help="run in this order each repetition; trl_pos: TRL scoring at mask positions (`mask_positions`)")
     p.add_argument("--save", help="write the per-run results to this JSON file")
+    p.add_argument("--seed0", type=int, default=0, help="repetition r runs seed SEED0 + r on both sides")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -96,19 +101,19 @@ def main():
     quiet()
     import trl, transformers
     from instruct_goose import task_tokenizer, tiny_causal_lm
-    res = {"ours": [], "trl": []}
+    res = {side: [] for side in a.sides}
     with tempfile.TemporaryDirectory() as model_dir:
         tok = task_tokenizer(); tok.padding_side = "left"
         tiny_causal_lm(tok, n_layer=2, hidden_size=64, seed=0).save_pretrained(model_dir); tok.save_pretrained(model_dir)
         before = library_fingerprint()
         for rep in range(a.reps):
-            for side in ("ours", "trl"):   # alternating: a slow patch of the machine hits both sides
+            for side in a.sides:   # alternating: a slow patch of the machine hits both sides
                 cmd = [sys.executable, __file__, "--child", side, model_dir, "--steps", str(a.steps), "--lr", str(a.lr),
-                       "--seed", str(rep)]
+                       "--seed", str(a.seed0 + rep)]
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode: sys.exit(f"{side} failed:\n{out.stderr[-4000:]}")
                 r = json.loads(out.stdout.strip().splitlines()[-1]); res[side].append(r)
-                print(f"rep {rep} (seed {rep}) {side:<4}: {r['cps']:.1f} completions/s ({r['cps_cpu']:.1f}/CPU-s), "
+                print(f"rep {rep} (seed {a.seed0 + rep}) {side:<7}: {r['cps']:.1f} completions/s ({r['cps_cpu']:.1f}/CPU-s), "
                       f"{r['wall']:.1f} s, load {os.getloadavg()[0]:.1f}, peak RSS {r['peak_rss_mib']:.0f} MiB, reward first "
                       f"{FIRST} {statistics.mean(r['rewards'][:FIRST]):.3f} last {a.last} "
                       f"{statistics.mean(r['rewards'][-a.last:]):.3f}", flush=True)
@@ -117,7 +122,7 @@ def main():
 
     print(f"\nTRL {trl.__version__}, transformers {transformers.__version__}; {a.steps} steps of {PROMPTS_PER_STEP} prompts x "
           f"G={G}, max_completion_length {COMPLETION_LENGTH}, loss_type dapo, beta 0, num_iterations 1, lr {a.lr} (linear), "
-          f"seeds 0..{a.reps - 1}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\nlibrary: {before}"
+          f"seeds {a.seed0}..{a.seed0 + a.reps - 1}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\nlibrary: {before}"
           + ("" if after == before else f"\nWARNING: the library changed during the run, now {after}"))
     print(f"{'side':<6}{'compl/s median':>16}{'(min-max)':>16}{'compl/CPU-s':>13}{'peak RSS MiB':>14}"
           f"{f'reward first {FIRST}':>18}{f'reward last {a.last}':>18}")
@@ -128,12 +133,17 @@ def main():
         summary[side] = dict(cps=statistics.median(cps), cpu=statistics.median(r["cps_cpu"] for r in rs),
                              rss=statistics.median(r["peak_rss_mib"] for r in rs),
                              fins=[statistics.mean(r["rewards"][-a.last:]) for r in rs])
-        print(f"{side:<6}{summary[side]['cps']:>16.1f}{f'({min(cps):.1f}-{max(cps):.1f})':>16}{summary[side]['cpu']:>13.1f}"
+        print(f"{side:<8}{summary[side]['cps']:>14.1f}{f'({min(cps):.1f}-{max(cps):.1f})':>16}{summary[side]['cpu']:>13.1f}"
               f"{summary[side]['rss']:>14.0f}{f'{first[0]:.3f} ± {first[1]:.3f}':>18}{f'{last[0]:.3f} ± {last[1]:.3f}':>18}")
     o, t = summary["ours"], summary["trl"]
     diff = statistics.mean(o["fins"]) - statistics.mean(t["fins"])
     print(f"ours/TRL: completions/s {o['cps'] / t['cps']:.2f}x (per CPU-second {o['cpu'] / t['cpu']:.2f}x), peak RSS "
           f"{o['rss'] / t['rss']:.2f}x, reward last {a.last} steps ours - TRL {diff:+.3f} ± {se_of_difference(o['fins'], t['fins']):.3f} (s.e.)")
+    if "trl_pos" in summary:
+        q = statistics.mean(summary["trl_pos"]["fins"])
+        print(f"reward last {a.last} steps, ours - trl_pos {statistics.mean(o['fins']) - q:+.3f} ± "
+              f"{se_of_difference(o['fins'], summary['trl_pos']['fins']):.3f}, trl_pos - TRL "
+              f"{q - statistics.mean(t['fins']):+.3f} ± {se_of_difference(summary['trl_pos']['fins'], t['fins']):.3f} (s.e.)")
     print(f"grpo ratio={o['cps'] / t['cps']:.2f}")
 
 

@@ -50,12 +50,26 @@ def make_ours(model_dir, out_dir, steps, lr, seed):
                        train_dataset=load_task("prompts"))
 
 
-def make_trl(model_dir, out_dir, steps, lr, seed):
+def mask_positions(model):
+    """Give `model` position ids counted over real tokens (from the attention mask) in every call that passes none:
+    TRL 1.16's scoring passes (log-probs for the loss, π_old, π_ref) pass none, so a left-padded row is scored at
+    positions shifted by its padding, while 🤗 `generate` samples it at mask positions (trl#6800 for Online DPO; ours
+    scores as it samples). The side "trl_pos" is TRL with this one change; generation passes its own ids."""
+    def hook(module, args, kwargs):
+        if kwargs.get("position_ids") is None and kwargs.get("attention_mask") is not None:
+            kwargs["position_ids"] = (kwargs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+        return args, kwargs
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+
+
+def make_trl(model_dir, out_dir, steps, lr, seed, positions=False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import RLOOConfig, RLOOTrainer
     from instruct_goose import load_task
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if positions: mask_positions(model)
     # Matching choices: one generation per optimizer step (steps_per_generation=1) and one update per rollout
     # (num_iterations=1) like ours; sampling at temperature 1 with top-k/top-p off like ours; dropout off; no advantage
     # normalisation (ours does none); clip ε 0.2, grad clip 1.0 and a linear schedule over all steps, as ours.
@@ -74,7 +88,8 @@ def child(side, model_dir, steps, lr, seed):
     "Train one side; print one JSON line with wall time, completions/s, per-step rewards and times, peak RSS."
     quiet()
     with tempfile.TemporaryDirectory() as out:
-        tr = (make_ours if side == "ours" else make_trl)(model_dir, out, steps, lr, seed)
+        tr = make_ours(model_dir, out, steps, lr, seed) if side == "ours" else \
+            make_trl(model_dir, out, steps, lr, seed, positions=side == "trl_pos")
         CALLS.clear()
         c0, t0 = time.process_time(), time.perf_counter()
         tr.train()
@@ -126,15 +141,15 @@ def fmt(x, spec): return "never" if x == float("inf") else format(x, spec)
 
 def run_all(a, model_dir):
     "Alternate ours, TRL for each repetition (seed = repetition) in fresh subprocesses."
-    res = {"ours": [], "trl": []}
+    res = {side: [] for side in a.sides}
     for rep in range(a.reps):
-        for side in ("ours", "trl"):
+        for side in a.sides:
             cmd = [sys.executable, __file__, "--child", side, model_dir, "--steps", str(a.steps), "--lr", str(a.lr),
-                   "--seed", str(rep)]
+                   "--seed", str(a.seed0 + rep)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode: sys.exit(f"{side} failed:\n{out.stderr[-4000:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1]); res[side].append(r)
-            print(f"rep {rep} (seed {rep}) {side:<4}: {r['cps']:.1f} completions/s ({r['cps_cpu']:.1f}/CPU-s), "
+            print(f"rep {rep} (seed {a.seed0 + rep}) {side:<7}: {r['cps']:.1f} completions/s ({r['cps_cpu']:.1f}/CPU-s), "
                   f"{r['wall']:.1f} s, load {os.getloadavg()[0]:.1f}, peak RSS "
                   f"{r['peak_rss_mib']:.0f} MiB, reward first {FIRST} {statistics.mean(r['rewards'][:FIRST]):.3f} "
                   f"last {a.last} {statistics.mean(r['rewards'][-a.last:]):.3f}", flush=True)
@@ -151,12 +166,16 @@ def report_throughput(res, last):
         rss = statistics.median(r["peak_rss_mib"] for r in rs)
         fins = [statistics.mean(r["rewards"][-last:]) for r in rs]
         summary[side] = (statistics.median(cps), rss, statistics.mean(fins), fins, cps_cpu)
-        print(f"{side:<6}{summary[side][0]:>16.1f}{f'({min(cps):.1f}-{max(cps):.1f})':>16}{cps_cpu:>13.1f}{rss:>14.0f}"
+        print(f"{side:<8}{summary[side][0]:>14.1f}{f'({min(cps):.1f}-{max(cps):.1f})':>16}{cps_cpu:>13.1f}{rss:>14.0f}"
               f"{mean_reward(rs, slice(0, FIRST)):>16.3f}{statistics.mean(fins):>16.3f}"
               f"{f'({min(fins):.3f}-{max(fins):.3f})':>22}")
     o, t = summary["ours"], summary["trl"]
     print(f"ours/TRL: throughput {o[0] / t[0]:.2f}x (per CPU-second {o[4] / t[4]:.2f}x), peak RSS {o[1] / t[1]:.2f}x, "
           f"reward last {last} steps {o[2] / t[2]:.3f}x (ours - TRL {o[2] - t[2]:+.3f} ± {se_of_difference(o[3], t[3]):.3f})")
+    if "trl_pos" in summary:
+        q = summary["trl_pos"]
+        print(f"reward last {last} steps, ours - trl_pos {o[2] - q[2]:+.3f} ± {se_of_difference(o[3], q[3]):.3f}, "
+              f"trl_pos - TRL {q[2] - t[2]:+.3f} ± {se_of_difference(q[3], t[3]):.3f} (s.e.)")
 
 
 def se_of_difference(xs, ys):
@@ -207,8 +226,11 @@ def main():
     p.add_argument("--fracs", type=float, nargs="+", default=[0.25, 0.5, 0.75],
                    help="targets at these fractions of the way from the start reward to the smaller final reward")
     p.add_argument("--target", type=float, nargs="+", help="fixed target reward(s) R instead of --fracs")
+    p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl", "trl_pos"],
+                   help="run in this order each repetition; trl_pos: TRL scoring at mask positions (`mask_positions`)")
     p.add_argument("--save", help="write the per-run results (per-step rewards and times) to this JSON file")
     p.add_argument("--report", help="only print the tables from a file written by --save")
+    p.add_argument("--seed0", type=int, default=0, help="repetition r runs seed SEED0 + r on both sides")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # set per child: repetition r uses seed r
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -233,7 +255,7 @@ def measure(a):
         after = library_fingerprint()
     meta = (f"TRL {trl.__version__}, transformers {transformers.__version__}; {a.steps} steps of {PROMPTS_PER_STEP} "
             f"prompts x k={K}, response {RESPONSE_LENGTH} tokens, lr {a.lr} (linear decay), KL coef {KL_COEF}, "
-            f"{EPOCHS} epoch, seeds 0..{a.reps - 1}, torch threads via OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+            f"{EPOCHS} epoch, seeds {a.seed0}..{a.seed0 + a.reps - 1}, torch threads via OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
             f"\nlibrary: {before}" + ("" if after == before else f"\nWARNING: the library changed during the run, now {after}"))
     return meta, res
 

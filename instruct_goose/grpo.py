@@ -357,6 +357,9 @@ def aggregate(
     mask: Tensor,  # (batch, resp) True on tokens whose loss counts
     loss_type: str,  # one of `_LOSS_TYPES`
     max_completion_length: int,  # the constant of dr_grpo
+    # "dapo", "cispo", "vespo": the generation's loss tokens per completion, all processes
+    # (`GRPORollout.mean_loss_tokens`); None: this micro-batch's own
+    mean_loss_tokens: Tensor | float | None = None,
 ) -> tuple[Tensor, Tensor]:  # (the micro-batch's mean, the units it is a mean over)
     """The `loss_type`'s mean of the token losses over this micro-batch, and its units (the engine weighs
     micro-batches by them)."""
@@ -368,8 +371,11 @@ def aggregate(
         return token_loss.sum(1).mean(), rows
     if loss_type == "dr_grpo":
         return token_loss.sum() / (rows * max_completion_length), rows * max_completion_length
-    # dapo, bnpo, cispo, vespo: over real tokens
-    return token_loss.sum() / mask.sum().clamp(min=1), mask.sum()
+    if loss_type == "bnpo" or mean_loss_tokens is None:
+        return token_loss.sum() / mask.sum().clamp(min=1), mask.sum()
+    # dapo, cispo, vespo: TRL's `num_items_in_batch` per optimizer step, as rows × the generation's mean
+    units = rows * mean_loss_tokens
+    return token_loss.sum() / torch.where(units > 0, units, 1.0), units
 
 # %% ../nbs/09b_grpo.ipynb #2db897fe
 @dataclass
@@ -393,6 +399,9 @@ class GRPORollout(RowBatch):
     # (batch,) the entropy bonus's coefficient this step (the same on every row, so each micro-batch carries
     # it)
     entropy_coef: Tensor
+    # (batch,) the rollout's loss tokens per completion, all processes (TRL's `num_items_in_batch` /
+    # completions), the same on every row: "dapo", "cispo", "vespo" divide a step's token sum by rows × this
+    mean_loss_tokens: Tensor
     # the policy's pass over the whole rollout, with gradients (`first_pass`), for the update's first
     # micro-batch; None: none kept
     kept: object = None
@@ -439,14 +448,17 @@ def group_stats(
     response_mask: Tensor,  # (batch, resp) True on real tokens
     stop_token_id: int,  # the token that ends a completion
     num_generations: int,  # G
+    # the advantages' scale: with "batch" the share of zero spread is the whole batch's (0 or 1), as in TRL
+    scale_rewards: str = "group",
 ) -> dict[str, Tensor]:  # TRL's GRPO rollout statistics
-    """Rewards, their spread within groups, and `completion_stats` (lengths, of those that stopped too, and the
-    share cut off without a stop token), under TRL's GRPO names."""
-    grouped = scores.reshape(-1, num_generations)
+    """Rewards, their spread over the batch (TRL's `reward_std`), the share of groups (with "batch": of the batch)
+    whose rewards are all equal, and `completion_stats` (lengths, of those that stopped too, and the share cut off
+    without a stop token), under TRL's GRPO names."""
+    spread = scores.std()[None] if scale_rewards == "batch" else scores.reshape(-1, num_generations).std(1)
     return {
         "reward": scores.mean(),
-        "reward_std": grouped.std(1).mean(),
-        "frac_reward_zero_std": (grouped.std(1) == 0).float().mean(),
+        "reward_std": scores.std(),
+        "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean(),
         **completion_stats(response_ids, response_mask, stop_token_id),
     }
 
@@ -477,16 +489,18 @@ class GRPOTrainer(OnPolicyTrainer):
 
     def loss_units(self, part: GRPORollout, draw: int) -> dict[str, Tensor]:
         """What the micro-batch's loss is a mean over, for `loss_type` (see `aggregate`); the entropy bonus: its
-        tokens."""
-        c, rows = self.args, torch.tensor(float(len(part)))
-        units = {"grpo": rows, "sapo": rows, "luspo": rows, "dr_grpo": rows * c.response_length}.get(
-            c.loss_type, part.loss_mask.sum()
+        tokens. "dapo", "cispo", "vespo" put the statistics' units first, the loss tokens (the engine weighs
+        the statistics like the first units), then the policy's: rows × the generation's mean length."""
+        c, rows, tokens = self.args, torch.tensor(float(len(part))), part.loss_mask.sum()
+        per_row = {"grpo": rows, "sapo": rows, "luspo": rows, "dr_grpo": rows * c.response_length}
+        units = (
+            {"stats": tokens, "policy": rows.to(tokens.device) * part.mean_loss_tokens[0]}
+            if c.loss_type in ("dapo", "cispo", "vespo")
+            else {"policy": per_row.get(c.loss_type, tokens)}
         )
-        return (
-            {"policy": units, "entropy": (part.loss_mask & part.entropy_mask).sum()}
-            if c.entropy_bonus
-            else {"policy": units}
-        )
+        if c.entropy_bonus:
+            units["entropy"] = (part.loss_mask & part.entropy_mask).sum()
+        return units
 
     @torch.no_grad()
     def rollout_from(self, policy: nn.Module, x: Samples, kept, loop: TrainLoop | None = None) -> GRPORollout:
@@ -520,6 +534,12 @@ class GRPOTrainer(OnPolicyTrainer):
             else None
         )
         advantages = self.advantages(x.scores, None if loop is None else loop.accelerator, per_reward)
+        # TRL's `num_items_in_batch`: the generation's loss tokens (all processes), here per completion
+        counts = torch.stack(
+            [loss_mask.sum().float(), torch.tensor(float(len(loss_mask)), device=loss_mask.device)]
+        )
+        if loop is not None and loop.accelerator.num_processes > 1:
+            counts = loop.accelerator.reduce(counts, reduction="sum")
         return GRPORollout(
             x.query_ids,
             x.query_attention_mask,
@@ -531,6 +551,7 @@ class GRPOTrainer(OnPolicyTrainer):
             logprobs,
             ref_logprobs,
             *self.entropy_control(entropy, loss_mask, loop),
+            (counts[0] / counts[1]).repeat(len(loss_mask)),
         )
 
     def micro_batch_loss(
@@ -566,7 +587,7 @@ class GRPOTrainer(OnPolicyTrainer):
             c.off_policy_mask_threshold,
             part.entropy_mask,
         )
-        loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length)
+        loss, _ = aggregate(token_loss, mask, c.loss_type, c.response_length, part.mean_loss_tokens[0])
         stats = {
             "entropy": masked_mean(entropy.detach(), mask),
             **clip_stats(ratio, part.advantages, mask, c),
@@ -578,7 +599,11 @@ class GRPOTrainer(OnPolicyTrainer):
         stats |= logged
         if not c.entropy_bonus:
             return {"policy": loss, **aux}, stats
-        stats["entropy_coef"] = part.entropy_coef[0]
+        # TRL's: the policy term alone, and the coefficient after this step's update (the next step's)
+        stats["policy_loss"] = loss.detach()
+        stats["entropy_coef"] = loss.new_tensor(
+            c.entropy_coef if self.entropy_ctl is None else self.entropy_ctl.coef
+        )
         return {
             "policy": loss,
             "entropy": -part.entropy_coef[0] * masked_mean(entropy, mask & part.entropy_mask),
@@ -594,6 +619,7 @@ class GRPOTrainer(OnPolicyTrainer):
             rollout.response_mask,
             self.stop_token_id,
             self.args.num_generations,
+            self.args.scale_rewards,
         )
 
 # %% ../nbs/09b_grpo.ipynb #4a044a4b

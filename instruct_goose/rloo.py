@@ -206,6 +206,7 @@ class RLOOTrainer(OnPolicyTrainer):
         """The rollout's objective statistics under TRL's RLOO names, TRL ≤ 0.21's and 1.16's (`trl_metric_names`
         adds the rest)."""
         seq_non_score = rollout.non_score_reward.sum(1)
+        spread = rollout.rlhf_reward.reshape(-1, self.args.num_generations).std(1)
         return {
             "objective/kl": rollout.kl.sum(1).mean(),
             "objective/entropy": masked_sum(-rollout.logprobs, rollout.loss_mask, dim=1).mean(),
@@ -215,9 +216,8 @@ class RLOOTrainer(OnPolicyTrainer):
             # TRL 1.16's (per-token KL)
             "reward_std": rollout.scores.std(),
             "kl": masked_mean(rollout.kl, rollout.loss_mask),
-            "frac_reward_zero_std": (rollout.scores.reshape(-1, self.args.num_generations).std(1) == 0)
-            .float()
-            .mean(),
+            # TRL 1.16's: of the rewards after the KL penalty, as its baseline reads them
+            "frac_reward_zero_std": torch.isclose(spread, torch.zeros_like(spread)).float().mean(),
             **completion_stats(rollout.response_ids, rollout.response_mask, self.stop_token_id),
         }
 

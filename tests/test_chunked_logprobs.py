@@ -463,6 +463,7 @@ def trainer_step(algo: str, tmp_path, tokenizer, hidden: int = 16):
             torch.zeros_like(old),
             high_entropy_mask(H, rm, 0.5),
             torch.full((2,), 0.1),
+            (rm.sum() / 2).repeat(2),
         )
     else:
         trainer = RLOOTrainer(

@@ -82,6 +82,7 @@ def rollout(tokenizer, batch: int, n_prompt: int, n_resp: int, seed: int = 0) ->
         old.clone(),
         rm.clone(),
         torch.zeros(batch),
+        (rm.sum() / batch).repeat(batch),
     )
 
 
