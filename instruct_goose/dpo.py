@@ -30,7 +30,6 @@ from instruct_goose.agent import (
     pack_bins,
     packed_forward,
     positions_for,
-    refuse_packed_aux,
     router_aux_coef,
     router_aux_losses,
 )
@@ -47,7 +46,7 @@ from instruct_goose.data import (
 from .loop import TrainLoop
 from .trainer import Trainer, trainer_arguments
 from transformers.trainer_utils import TrainOutput
-from .levers import fuse_activations
+from .levers import Layouts, fuse_activations
 from instruct_goose.offline import (
     StageConfig,
     drop_long_prompts,
@@ -239,7 +238,7 @@ def dpo_loss(
 
 # %% ../nbs/09c_dpo.ipynb #0624f53a
 @dataclass
-class DPOConfig(StageConfig):
+class DPOConfig(Layouts, StageConfig):
     """DPO and TRL 1.16's 14 other preference losses, alone or mixed; field names, meanings and defaults of TRL
     1.16's `DPOConfig` (except `max_prompt_length`, TRL 0.19's, None by default); `bf16` follows the device
     (see `TrainingConfig`)."""
@@ -266,11 +265,6 @@ class DPOConfig(StageConfig):
     max_prompt_length: int | None = None
     # past `max_length`: keep_start cuts the end, keep_end the start (TRL 1.16: deprecated)
     truncation_mode: str = "keep_start"
-    # sequences end to end in a few rows, no pad token in their attention (same losses)
-    padding_free: bool = False
-    # our own (NeMo RL's name for RL): a pair's prompt runs once for its two completions (`forward`;
-    # same losses)
-    shared_prefix: bool = False
     # pad each micro-batch's width to a multiple of this ("auto": None here, as TRL off Neuron)
     pad_to_multiple_of: int | str | None = None
     # compute the reference's log-probabilities once, before training, and free the reference
@@ -463,17 +457,14 @@ def completion_logps(
     token_weights: Float[Tensor, "batch seq"] | None = None,  # a weight per loss token (LD-DPO); None: 1
     # also Σ_t (log π(y_t) − log Σ_v π_v²), WPO's aligned log-probability
     wpo: bool = False,
-    # one forward of the sequences packed in bins, no pad token in their attention (`packed_forward`)
-    padding_free: bool = False,
+    # the layout of the one forward: padded, packed in bins, a pair's prompt once (`Layouts.plan`)
+    plan: Plan = Plan(),
     # also each row's summed entropy and count of top-1 tokens (TRL's `entropy`, `mean_token_accuracy`)
     stats: bool = False,
-    # rows with the same prompt (a pair's two) run it once (`Plan.shared_prefix`); before `padding_free`
-    shared_prefix: bool = False,
 ) -> CompletionLogps:  # per row, see `CompletionLogps`
     """Summed log-probability of each row's completion tokens (optionally weighted), and the statistics read from
     the same forward pass."""
     rows = TokenBatch.from_sequences(input_ids, attention_mask, loss_mask)
-    plan = Plan(padding_free, shared_prefix)
     token_logps, entropy, out, top1, row, head = forward(
         model, rows, plan, entropy="no_grad" if stats else "skip", hidden=True, top1=stats
     )
@@ -553,7 +544,7 @@ class DPOTrainer(Trainer):
         self.model = fuse_activations(disable_dropout(model) if self.args.disable_dropout else model)
         # MoE: c of c·L_aux (0: none)
         self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)
-        refuse_packed_aux(self.args.padding_free, self.router_aux_loss_coef, self.args.shared_prefix)
+        self.args.plan.refuse_aux(self.router_aux_loss_coef)
         # the policy scores its own start: no copy
         cached_self = ref_model is None and self.args.precompute_ref_log_probs
         self.ref_model = (
@@ -675,13 +666,11 @@ def score(
     wpo: bool = False,
     stats: bool = False,
 ) -> CompletionLogps:
-    """`completion_logps` under the config's `ld_alpha` (LD-DPO weights), `padding_free` and `shared_prefix`;
+    """`completion_logps` under the config's `ld_alpha` (LD-DPO weights) and layout (`Layouts.plan`);
     `stats`: the entropy and top-1 counts too."""
     a = self.args
     weights = None if a.ld_alpha is None else ld_weights(loss_mask, a.ld_alpha)
-    return completion_logps(
-        model, ids, mask, loss_mask, weights, wpo, a.padding_free, stats, shared_prefix=a.shared_prefix
-    )
+    return completion_logps(model, ids, mask, loss_mask, weights, wpo, a.plan, stats)
 
 # %% ../nbs/09c_dpo.ipynb #06bad59c
 @typecheck
