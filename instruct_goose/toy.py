@@ -126,11 +126,16 @@ def load_task(
 
 # %% ../nbs/02b_toy.ipynb #27059c7c
 @functools.lru_cache
-def task_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    "A tokenizer trained on the task's SFT and pretraining text (deterministic, cached)."
+def _trained_task_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     sft, pretrain = load_task("sft"), load_task("pretrain")
     corpus = [p + c for p, c in zip(sft["prompt"], sft["completion"])] + list(pretrain["text"])
     return train_tokenizer(corpus, vocab_size=vocab_size)
+
+
+def task_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:  # a new copy on each call
+    """A tokenizer trained on the task's SFT and pretraining text (deterministic; trained once, then copied, so
+    setting `padding_side` on one leaves the next as it was)."""
+    return copy.deepcopy(_trained_task_tokenizer(vocab_size))
 
 # %% ../nbs/02b_toy.ipynb #9e90f773
 def gold_score(
@@ -156,7 +161,7 @@ def _vader(analyzer_class):
 def chat_task_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:  # a new copy on each call
     """The task tokenizer with ChatML's turn markers as special tokens, `<|im_end|>` as EOS (sampling stops at
     the end of a turn) and `CHATML_TEMPLATE`."""
-    tokenizer = copy.deepcopy(task_tokenizer(vocab_size))  # the cached tokenizer is shared: never modify it
+    tokenizer = task_tokenizer(vocab_size)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.eos_token, tokenizer.chat_template = "<|im_end|>", CHATML_TEMPLATE
     return tokenizer
