@@ -638,7 +638,12 @@ def eval_records(
         self.on_device(reward, device),
     ):
         for start in range(acc.process_index * size, len(data), size * acc.num_processes):
-            columns = prompt_columns(data[start : start + size], group)
+            # TRL's per-call keywords too (`trainer_state`, ...): a reward that asks for them scores held-out
+            # prompts as it scores training ones (what it logs there is not kept)
+            columns = {
+                **prompt_columns(data[start : start + size], group),
+                **RewardLog().keywords(self.state),
+            }
             prompts = columns.pop("prompt")
             _, chunk = evaluate_policy(
                 model,

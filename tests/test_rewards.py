@@ -533,3 +533,23 @@ def test_a_reward_that_applies_to_nothing_logs_none(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         only.train()
     assert "All reward functions returned None for the following kwargs:" in caplog.text
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo"])
+def test_evaluation_passes_the_per_call_keywords(algo, tmp_path):
+    """A reward that asks for TRL's `trainer_state`, `log_metric` and `log_extra` scores the held-out prompts too
+    (it was told the data has no `trainer_state` column), seeing the run's state at the evaluation."""
+    seen = []
+
+    def exact(completions, answer, trainer_state, log_metric, log_extra, **kwargs):
+        seen.append(trainer_state.global_step)
+        log_metric("accuracy", 1.0)
+        log_extra("expected", answer)
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    t = trainer(algo, tmp_path, [exact, length], max_steps=1, eval_dataset=ARITHMETIC.select(range(4)))
+    t.train()
+    seen.clear()
+    metrics = t.evaluate()
+    assert seen and set(seen) == {1}, seen
+    assert all(math.isfinite(v) for k, v in metrics.items() if isinstance(v, float)), metrics
