@@ -899,8 +899,8 @@ class ObjectiveTerms(NamedTuple):
 
 # %% ../nbs/03_agent.ipynb #7863c340
 class AgentObjective(nn.Module):
-    """InstructGPT's eq. 2 on a batch: reward − β·KL(π_RL‖π_SFT) + γ·pretraining log-likelihood (maximise it; its
-    gradient is the policy gradient)."""
+    """InstructGPT's eq. 2 on a batch: reward − β·KL(π_RL‖π_SFT) + γ·pretraining log-likelihood (maximise
+    it; its gradient is the policy gradient)."""
 
     def __init__(
         self,

@@ -921,10 +921,11 @@ def pair_loss(
     self: RewardTrainer,
     chosen: Tensor,  # the chosen completions' rewards
     rejected: Tensor,  # the rejected ones', pair by pair
-    margin: Tensor | None = None,  # TRL's `margin` column: how far each chosen reward should lead (None: 0)
+    # TRL's `margin` column: how far each chosen reward should lead (None: 0)
+    margin: Tensor | None = None,
 ) -> Tensor:  # the mean over the pairs
-    """The Bradley–Terry loss −log σ(r_c − r_r − m), plus `center_rewards_coefficient` · (r_c + r_r)² when it is
-    set (TRL's), averaged over the pairs."""
+    """The Bradley–Terry loss −log σ(r_c − r_r − m), plus `center_rewards_coefficient` · (r_c + r_r)² when
+    it is set (TRL's), averaged over the pairs."""
     loss = self.loss_fn(chosen, rejected, margin)
     c = self.args.center_rewards_coefficient
     return loss if c is None else loss + c * ((chosen + rejected) ** 2).mean()
