@@ -408,6 +408,10 @@ class Plan(NamedTuple):
         `by_prompt`)."""
         return self.shared_prefix
 
+    def packed(self, capacity: int | None = None) -> "Plan":
+        "This layout with the rows packed in bins of `capacity` tokens (SFT's `packing`; None: the longest row's)."
+        return self._replace(padding_free=True, capacity=capacity)
+
     def refuse_aux(self, coef: float) -> None:
         """Refuse a mixture-of-experts load-balancing loss c·L_aux (`coef` > 0) that this layout cannot give
         (`refuse_packed_aux`)."""

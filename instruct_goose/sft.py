@@ -21,13 +21,13 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 
+from .levers import Layouts
 from instruct_goose.agent import (
     disable_dropout,
     Plan,
     TokenBatch,
     eval_mode,
     forward,
-    refuse_packed_aux,
     router_aux_coef,
     router_aux_losses,
 )
@@ -72,7 +72,7 @@ from .reward import RewardModel
 
 # %% ../nbs/06_sft.ipynb #628dbd05
 @dataclass
-class SFTConfig(StageConfig):
+class SFTConfig(Layouts, StageConfig):
     "Supervised fine-tuning: TRL 1.16's `SFTConfig` fields, each honoured or refused by name."
 
     learning_rate: float = 2e-5  # peak learning rate of the optimizer
@@ -90,9 +90,6 @@ class SFTConfig(StageConfig):
     loss_type: str = "nll"
     # the token that ends each completion and text row (None: the tokenizer's EOS)
     eos_token: str | None = None
-    # each micro-batch's sequences end to end, no pad token in their attention (`packed_forward`): the same
-    # loss, no work on padding
-    padding_free: bool = False
     # TRL's "bfd" packing: rows grouped into examples of at most `max_length` tokens (best-fit decreasing),
     # each read padding-free
     packing: bool = False
@@ -135,6 +132,11 @@ class SFTConfig(StageConfig):
         if self.neftune_noise_alpha is not None:
             check_number("neftune_noise_alpha", self.neftune_noise_alpha)
         _check_sft_options(self)
+        if self.shared_prefix:
+            raise ValueError(
+                "`shared_prefix`: SFT's rows have no prompt that repeats to run once (RLOO, GRPO and DPO take "
+                "it); leave it off"
+            )
 
 # %% ../nbs/06_sft.ipynb #d6acb7ee
 def _check_sft_options(c: SFTConfig):
@@ -399,9 +401,12 @@ class SFTTrainer(Trainer):
         self.model, self.callbacks = with_peft(load_model(model, self.args), peft_config), callbacks
         # MoE: c of c·L_aux (0: none)
         self.router_aux_loss_coef = router_aux_coef(self.model, self.args.router_aux_loss_coef)
-        refuse_packed_aux(self.args.padding_free or self.args.packing, self.router_aux_loss_coef)
         self.eos_token_id = token_id(self.processing_class, self.args.eos_token, "eos_token")
         self.max_length = fit_to_context(self.args.max_length, self.model)
+        # the layout of every training forward: the config's (`Layouts.plan`), in bins of `max_length` with
+        # `packing`
+        self.plan = self.args.plan.packed(self.max_length) if self.args.packing else self.args.plan
+        self.plan.refuse_aux(self.router_aux_loss_coef)
         train_dataset = train_rows(train_dataset, self.args)
         self.train_dataset = None if train_dataset is None else self.rows(train_dataset, "train_dataset")
         self.eval_dataset = eval_sets(eval_dataset, self.rows)
@@ -577,8 +582,8 @@ def nll_sum(
     self: SFTTrainer,
     model: nn.Module,
     batch: tuple[Tensor, Tensor, Tensor],  # (ids, mask, loss_mask) from `encode`, on the CPU
-    # one forward without padding (`Plan.padding_free`); None: the config's `padding_free` or `packing`
-    padding_free: bool | None = None,
+    # the layout of the forward (`Plan`); None: the trainer's (`plan`: the config's, packed with `packing`)
+    plan: Plan | None = None,
     # also TRL's statistics of the batch's loss tokens, without a graph: {"entropy", "mean_token_accuracy"}
     # (means)
     stats: bool = False,
@@ -587,9 +592,8 @@ def nll_sum(
     π(x_t | x_<t), or with `loss_type`="dft" Σ −π(x_t | x_<t)·log π(x_t | x_<t), π without gradient. The
     output layer reads the loss tokens only."""
     a, device = self.args, next(model.parameters()).device
-    packed = a.padding_free or a.packing if padding_free is None else padding_free
     ids, mask, loss_mask = batch
-    plan = Plan(padding_free=packed, capacity=self.max_length if packed and a.packing else None)
+    plan = self.plan if plan is None else plan
     rows = TokenBatch.from_sequences(ids.to(device), mask.to(device), loss_mask)
     logps, entropy, _, top1 = forward(model, rows, plan, entropy="no_grad" if stats else "skip", top1=stats)[
         :4
@@ -645,19 +649,20 @@ def eval_metrics(
     batch_size: int | None = None,  # rows per forward pass (None: `per_device_eval_batch_size`)
 ) -> dict:  # {name: float}, named without a prefix
     """`loss`, `entropy`, `mean_token_accuracy`: per token over all of `dataset`; padding-free with `eval_packing`
-    (None: `packing`) or `padding_free`, the same numbers. TRL's `num_tokens`: the tokens trained on so far. A
+    (None: `packing`) or the config's layout, the same numbers. TRL's `num_tokens`: the tokens trained on so far. A
     mixture-of-experts model with the load-balancing loss on: `aux_loss` too, the mean over batches (TRL adds
     c × it to its `eval_loss`; here `eval_loss` stays the NLL). With `compute_metrics`: its metrics, from TRL
     1.16's `EvalPrediction`: the logits at every position, and labels the ids where the loss reads them, -100
     elsewhere."""
     a, batch_size = self.args, batch_size or self.args.per_device_eval_batch_size
-    packed = (a.packing if a.eval_packing is None else a.eval_packing) or a.padding_free
+    packs = a.packing if a.eval_packing is None else a.eval_packing
+    plan = a.plan.packed(self.plan.capacity) if packs else a.plan
     sums, n_tokens, aux, predicted = {"loss": 0.0, "entropy": 0.0, "mean_token_accuracy": 0.0}, 0, [], []
     with torch.no_grad(), eval_mode(model):
         for i in range(0, len(dataset), batch_size):
             batch, n = self.encode(dataset[i : i + batch_size])
             with router_aux_losses(model, self.router_aux_loss_coef > 0) as found:
-                loss, stats = self.nll_sum(model, batch, packed, stats=True)
+                loss, stats = self.nll_sum(model, batch, plan, stats=True)
             for name, total in (("loss", loss), *((k, v * n) for k, v in stats.items())):
                 sums[name] += total.item()
             n_tokens, aux = n_tokens + n, aux + found

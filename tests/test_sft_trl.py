@@ -30,6 +30,7 @@ from instruct_goose import (
     tiny_causal_lm,
 )
 from instruct_goose.sft import best_fit_bins
+from instruct_goose.agent import Plan
 
 assert trl.__version__ == "1.16.0", trl.__version__
 
@@ -125,7 +126,7 @@ def test_entropy_and_token_accuracy_equal_trl(tmp_path, padding_free):
         (ours.nll_sum(model, batch) / n_tokens).backward()
         opt.step()
     theirs, ours, inputs, batch, n_tokens = _sides(tmp_path, copy.deepcopy(model))
-    _, stats = ours.nll_sum(ours.model, batch, padding_free, stats=True)
+    _, stats = ours.nll_sum(ours.model, batch, Plan(padding_free=padding_free), stats=True)
     # neither none nor all: the test can tell
     assert 0.2 < stats["mean_token_accuracy"].item() < 1.0, stats
     for mode in ("train", "eval"):
@@ -201,7 +202,7 @@ def test_padding_free_gives_trl_padded_loss(tmp_path):
     theirs, ours, inputs, batch, n_tokens = _sides(tmp_path)
     trl_loss = theirs.compute_loss(theirs.model, inputs)
     trl_loss.backward()
-    our_loss = ours.nll_sum(ours.model, batch, padding_free=True) / n_tokens
+    our_loss = ours.nll_sum(ours.model, batch, Plan(padding_free=True)) / n_tokens
     our_loss.backward()
     assert our_loss.item() == pytest.approx(trl_loss.item(), rel=1e-5)
     trl_grad, our_grad = _grads(theirs.model), _grads(ours.model)
