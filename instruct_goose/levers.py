@@ -10,7 +10,7 @@ __all__ = ['check_policy', 'enable_gradient_checkpointing', 'keep_matmul_outputs
 import ctypes, platform, weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -277,6 +277,8 @@ class Layouts:
     # rows that start with the same prompt (RLOO's k, GRPO's G, a DPO pair) run it once in every pass and in the
     # sampler, their completions reading its keys and values (NeMo RL's name; `shared_prompt_forward`)
     shared_prefix: bool = False
+    # False where a stage's rows repeat no prompt (SFT): `shared_prefix` is refused there
+    repeats_prompts: ClassVar[bool] = True
 
     def __post_init__(self):
         if (before := getattr(super(), "__post_init__", None)) is not None:
@@ -284,6 +286,11 @@ class Layouts:
         for name in ("padding_free", "shared_prefix"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+        if self.shared_prefix and not self.repeats_prompts:
+            raise ValueError(
+                f"`shared_prefix`: {type(self).__name__}'s rows have no prompt that repeats to run once (RLOO, "
+                f"GRPO and DPO take it); leave it off"
+            )
 
     @property
     def plan(self) -> Plan:

@@ -75,6 +75,8 @@ from .reward import RewardModel
 class SFTConfig(Layouts, StageConfig):
     "Supervised fine-tuning: TRL 1.16's `SFTConfig` fields, each honoured or refused by name."
 
+    repeats_prompts: ClassVar[bool] = False  # its rows repeat no prompt (`Layouts`)
+
     learning_rate: float = 2e-5  # peak learning rate of the optimizer
     # 🤗's NEFTune: uniform noise of half-width α/√(L·d) added to the input embeddings while training (None:
     # off)
@@ -132,11 +134,6 @@ class SFTConfig(Layouts, StageConfig):
         if self.neftune_noise_alpha is not None:
             check_number("neftune_noise_alpha", self.neftune_noise_alpha)
         _check_sft_options(self)
-        if self.shared_prefix:
-            raise ValueError(
-                "`shared_prefix`: SFT's rows have no prompt that repeats to run once (RLOO, GRPO and DPO take "
-                "it); leave it off"
-            )
 
 # %% ../nbs/06_sft.ipynb #d6acb7ee
 def _check_sft_options(c: SFTConfig):

@@ -188,3 +188,11 @@ def test_readme_command_uses_real_flags(argv):
     # goose hands its own mixed_precision to the Accelerator, which wins over the launcher's: they must agree
     assert goose.mixed_precision == config.mixed_precision == "bf16"
     assert goose.max_grad_norm == config.deepspeed_config.get("gradient_clipping", goose.max_grad_norm)
+
+
+def test_sft_refuses_shared_prefix_in_one_line():
+    "`shared_prefix` runs a repeated prompt once: SFT's rows repeat none, so its config refuses it by name."
+    from instruct_goose import SFTConfig
+
+    with pytest.raises(ValueError, match=r"^`shared_prefix`: SFTConfig's rows"):
+        SFTConfig(output_dir="unused", shared_prefix=True)
